@@ -1,0 +1,161 @@
+"""The family table: where each transformers attention module keeps its heads.
+
+A family is described by data (projection names, fused layouts, attributes to update, extra per-head
+parameters), not by code paths. Register a new one with `register_family(AttentionSpec(...))`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one attention module lays out its heads.
+
+    Paths are dotted attribute paths relative to the matched module (the anchor). `q`, `k`, `v` are the
+    projections producing heads; or `fused_qkv` is one projection whose outputs are [q | k | v] with q of
+    num_heads * head_dim and k, v of num_kv_heads * head_dim features. `o` consumes the concatenated heads.
+    `updates` lists (path, attribute, quantity) set after slicing, quantity one of "heads", "kv_heads",
+    "inner" (heads * head_dim), "kv_groups" (query heads per KV head); a path that resolves to a model
+    config gets a private view of it. `per_head_out` are further projections sliced like q (when present),
+    `per_head_columns` are parameters with one column per head (when present). `prepare` runs once on the
+    whole model before its first surgery, for families whose layers share per-head state. `no_heads` names
+    the module whose forward is replaced when a layer loses every head (for families whose code cannot run
+    with zero heads), and `no_heads_outputs` the length of the tuple that module returns.
+    """
+
+    name: str
+    module_types: tuple[str, ...]
+    o: str
+    head_dim: str
+    q: str | None = None
+    k: str | None = None
+    v: str | None = None
+    fused_qkv: str | None = None
+    grouped: bool = False
+    updates: tuple[tuple[str, str, str], ...] = ()
+    per_head_out: tuple[str, ...] = ()
+    per_head_columns: tuple[str, ...] = ()
+    prepare: Callable[[nn.Module], None] | None = field(default=None, compare=False)
+    no_heads: str | None = None
+    no_heads_outputs: int = 2
+
+
+def _t5_own_position_bias(model: nn.Module) -> None:
+    """Give every T5 attention layer its own relative position bias.
+
+    T5 computes the bias in block 0 and hands the [1, heads, q, k] tensor to every later block, which breaks
+    as soon as layers keep different heads. Each self-attention layer gets a copy of its stack's bias table
+    (exact: same values) and computes the bias itself; cross-attention layers compute their zero bias.
+    """
+    for stack in model.modules():
+        blocks = getattr(stack, "block", None)
+        if not isinstance(blocks, nn.ModuleList) or not blocks or not hasattr(blocks[0], "layer"):
+            continue
+        source = blocks[0].layer[0].SelfAttention.relative_attention_bias
+        for block in blocks:
+            for sub in block.layer:
+                attn = getattr(sub, "SelfAttention", None) or getattr(sub, "EncDecAttention", None)
+                if attn is None or getattr(attn, "_ph_own_bias", False):
+                    continue
+                if hasattr(sub, "SelfAttention") and not attn.has_relative_attention_bias:
+                    table = nn.Embedding(source.num_embeddings, source.embedding_dim, device=source.weight.device,
+                                         dtype=source.weight.dtype)
+                    with torch.no_grad():
+                        table.weight.copy_(source.weight)
+                    attn.relative_attention_bias = table
+                    attn.has_relative_attention_bias = True
+                attn.register_forward_pre_hook(_drop_shared_position_bias, with_kwargs=True)
+                attn._ph_own_bias = True
+
+
+def _drop_shared_position_bias(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    kwargs["position_bias"] = None
+    return args, kwargs
+
+
+def _mpnet_select_bias_heads(model: nn.Module) -> None:
+    """Make each MPNet layer pick its own heads out of the encoder's shared relative position bias."""
+    for module in model.modules():
+        if type(module).__name__ == "MPNetSelfAttention" and not getattr(module, "_ph_bias_hook", False):
+            module.register_forward_pre_hook(_select_position_bias_heads, with_kwargs=True)
+            module._ph_bias_hook = True
+
+
+def _select_position_bias_heads(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    present = getattr(module, "_ph_present", None)
+    if present is None:
+        return args, kwargs
+    if len(args) > 2 and args[2] is not None:
+        index = torch.tensor(present, dtype=torch.long, device=args[2].device)
+        args = (*args[:2], args[2].index_select(1, index), *args[3:])
+    elif kwargs.get("position_bias") is not None:
+        bias = kwargs["position_bias"]
+        kwargs["position_bias"] = bias.index_select(1, torch.tensor(present, dtype=torch.long, device=bias.device))
+    return args, kwargs
+
+
+_BERT_UPDATES = (("self", "num_attention_heads", "heads"), ("self", "all_head_size", "inner"))
+_LLAMA_TYPES = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention", "GemmaAttention",
+                "Gemma2Attention", "Gemma3Attention", "OlmoAttention", "Olmo2Attention", "GraniteAttention",
+                "StarcoderAttention", "SmolLM3Attention", "CohereAttention", "GlmAttention")
+_BART_TYPES = ("BartAttention", "WhisperAttention", "MBartAttention", "MarianAttention", "PegasusAttention",
+               "M2M100Attention", "BlenderbotAttention", "NllbMoeAttention", "PLBartAttention")
+
+FAMILIES: list[AttentionSpec] = [
+    AttentionSpec("bert", ("BertAttention", "RobertaAttention", "XLMRobertaAttention", "ElectraAttention",
+                           "CamembertAttention", "RobertaPreLayerNormAttention", "XmodAttention"),
+                  q="self.query", k="self.key", v="self.value", o="output.dense",
+                  head_dim="self.attention_head_size", updates=_BERT_UPDATES),
+    AttentionSpec("albert", ("AlbertAttention",), q="query", k="key", v="value", o="dense",
+                  head_dim="attention_head_size",
+                  updates=(("", "num_attention_heads", "heads"), ("", "all_head_size", "inner"))),
+    AttentionSpec("distilbert", ("DistilBertSelfAttention",), q="q_lin", k="k_lin", v="v_lin", o="out_lin",
+                  head_dim="attention_head_size", updates=(("", "n_heads", "heads"),)),
+    AttentionSpec("deberta-v2", ("DebertaV2Attention",), q="self.query_proj", k="self.key_proj",
+                  v="self.value_proj", o="output.dense", head_dim="self.attention_head_size",
+                  updates=_BERT_UPDATES, per_head_out=("self.pos_key_proj", "self.pos_query_proj"),
+                  no_heads="self"),
+    AttentionSpec("mpnet", ("MPNetSelfAttention",), q="q", k="k", v="v", o="o", head_dim="attention_head_size",
+                  updates=(("", "num_attention_heads", "heads"), ("", "all_head_size", "inner")),
+                  prepare=_mpnet_select_bias_heads),
+    AttentionSpec("modernbert", ("ModernBertAttention",), fused_qkv="Wqkv", o="Wo", head_dim="head_dim"),
+    AttentionSpec("gpt2", ("GPT2Attention",), fused_qkv="c_attn", o="c_proj", head_dim="head_dim",
+                  updates=(("", "num_heads", "heads"), ("", "split_size", "inner")), no_heads=""),
+    AttentionSpec("opt", ("OPTAttention",), q="q_proj", k="k_proj", v="v_proj", o="out_proj", head_dim="head_dim",
+                  updates=(("", "num_heads", "heads"),), no_heads=""),
+    AttentionSpec("bart", _BART_TYPES, q="q_proj", k="k_proj", v="v_proj", o="out_proj", head_dim="head_dim",
+                  updates=(("", "num_heads", "heads"),), no_heads=""),
+    AttentionSpec("llama", _LLAMA_TYPES, q="q_proj", k="k_proj", v="v_proj", o="o_proj", head_dim="head_dim",
+                  grouped=True, updates=(("", "num_key_value_groups", "kv_groups"),)),
+    AttentionSpec("phi", ("PhiAttention",), q="q_proj", k="k_proj", v="v_proj", o="dense", head_dim="head_dim",
+                  grouped=True, updates=(("", "num_key_value_groups", "kv_groups"),)),
+    AttentionSpec("phi3", ("Phi3Attention",), fused_qkv="qkv_proj", o="o_proj", head_dim="head_dim", grouped=True,
+                  updates=(("", "num_key_value_groups", "kv_groups"), ("", "num_key_value_heads", "kv_heads"),
+                           ("config", "num_attention_heads", "heads"))),
+    AttentionSpec("t5", ("T5Attention", "MT5Attention", "UMT5Attention"), q="q", k="k", v="v", o="o",
+                  head_dim="key_value_proj_dim", updates=(("", "n_heads", "heads"), ("", "inner_dim", "inner")),
+                  per_head_columns=("relative_attention_bias.weight",), prepare=_t5_own_position_bias),
+    AttentionSpec("vit", ("ViTAttention", "DeiTAttention", "ViTMAEAttention", "Dinov2Attention"),
+                  q="q_proj", k="k_proj", v="v_proj", o="o_proj", head_dim="head_dim",
+                  updates=(("", "num_attention_heads", "heads"),)),
+]
+
+
+def register_family(spec: AttentionSpec) -> None:
+    """Add an attention family to the table, ahead of the built-in ones so it can override them.
+
+    Example: `register_family(AttentionSpec("mine", ("MyAttention",), q="wq", k="wk", v="wv", o="wo",
+    head_dim="head_dim", updates=(("", "n_heads", "heads"),)))`.
+    """
+    FAMILIES.insert(0, spec)
+
+
+def spec_for_type(type_name: str) -> AttentionSpec | None:
+    """The registered spec whose module_types names this class, or None."""
+    return next((spec for spec in FAMILIES if type_name in spec.module_types), None)

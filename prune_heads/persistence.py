@@ -1,0 +1,113 @@
+"""Saving and loading pruned models.
+
+A pruned checkpoint is a normal transformers checkpoint whose config also records, per attention layer,
+the original head counts and the removed heads (`config.prune_heads`). Loading builds the model from its
+config, re-applies the surgery, and only then loads the weights, through `from_pretrained` itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import transformers
+from torch import nn
+from transformers import AutoConfig
+
+from .layers import find_attention
+from .surgery import RECORD_KEY, apply_plan
+
+
+class OutputExistsError(FileExistsError):
+    """Raised when a save would overwrite an existing folder without `overwrite=True`."""
+
+
+def reapply_record(model: nn.Module, record: dict | None) -> None:
+    """Re-apply a `config.prune_heads` record to a freshly built (unpruned) model."""
+    if not record:
+        return
+    if record.get("format") != 1 or not isinstance(record.get("layers"), dict):
+        raise ValueError(f"config.{RECORD_KEY} is not a prune_heads record of format 1: {record!r}")
+    layers = find_attention(model)
+    by_name = {layer.name: layer for layer in layers}
+    for name, entry in record["layers"].items():
+        layer = by_name.get(name)
+        if layer is None or layer.num_heads != entry["num_heads"]:
+            raise ValueError(f"config.{RECORD_KEY} names layer {name!r} with {entry['num_heads']} heads, "
+                             f"which this model does not have; was the config edited by hand?")
+    apply_plan(model, layers, {name: entry["removed"] for name, entry in record["layers"].items()
+                               if entry["removed"]})
+
+
+def _pruned_subclass(base: type) -> type:
+    def __init__(self, config, *args, **kwargs):
+        base.__init__(self, config, *args, **kwargs)
+        reapply_record(self, getattr(config, RECORD_KEY, None))
+
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__,
+                                         "__qualname__": base.__qualname__})
+
+
+def model_class(config) -> type:
+    """The transformers class named by `config.architectures[0]`."""
+    architectures = getattr(config, "architectures", None) or []
+    if not architectures or not hasattr(transformers, architectures[0]):
+        raise ValueError(f"config.architectures is {architectures!r}: cannot tell which model class to build; "
+                         f"save the model with save_pretrained so the architecture is recorded")
+    return getattr(transformers, architectures[0])
+
+
+def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
+    """Load a model saved by `save_pruned` (or `model.save_pretrained` after `prune`).
+
+    Works for unpruned checkpoints too. Keyword arguments go to `from_pretrained` (dtype, device_map,
+    revision, ...). The model comes back as an instance of its ordinary transformers class.
+    """
+    config = AutoConfig.from_pretrained(path, **{k: v for k, v in from_pretrained_kwargs.items()
+                                                 if k in ("revision", "token", "trust_remote_code")})
+    base = model_class(config)
+    model = _pruned_subclass(base).from_pretrained(path, **from_pretrained_kwargs)
+    model.__class__ = base
+    return model
+
+
+def replace_folder(target: Path, overwrite: bool, write) -> Path:
+    """Call `write(tmp_dir)` and move the result to `target` in one rename; nothing half-written is left.
+
+    Raises OutputExistsError when `target` exists and `overwrite` is False.
+    """
+    target = Path(target)
+    if target.exists() and not overwrite:
+        raise OutputExistsError(f"{target} already exists; choose another folder or pass overwrite=True (--force)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write(tmp)
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+            os.replace(target, old / "replaced")
+            os.replace(tmp, target)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def save_pruned(model: nn.Module, path: str | os.PathLike, tokenizer: Any = None, overwrite: bool = False) -> Path:
+    """Save a (pruned) model, and its tokenizer or processor if given, so `load_pruned` restores it exactly.
+
+    The folder is written under a temporary name and renamed into place, so an interrupted save leaves no
+    half-written model. Raises OutputExistsError if `path` exists and `overwrite` is False.
+    """
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+
+    return replace_folder(Path(path), overwrite, write)

@@ -1,0 +1,220 @@
+"""Physical head removal: slice the projections, update the attributes, record what was removed."""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.cache_utils import EncoderDecoderCache
+
+from .layers import AttentionLayer, features, describe, find_attention, resolve
+
+Plan = Mapping[int | str, Iterable[int]]
+RECORD_KEY = "prune_heads"
+
+
+class PlanError(ValueError):
+    """Raised for a head plan that cannot be applied; the message says what is possible."""
+
+
+class ConfigView:
+    """A per-module view of a shared model config: reads fall through, writes stay on the view."""
+
+    def __init__(self, base) -> None:
+        self.__dict__["_base"] = base
+
+    def __getattr__(self, name: str):
+        if name == "_base":
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+
+class NoHeads:
+    """Forward of an attention module that lost every head: no attention, only the output projection's bias.
+
+    A self-attention layer still appends zero-head keys and values to the cache, so the cache keeps
+    counting tokens for this layer.
+    """
+
+    def __init__(self, project: nn.Module | None, outputs: int, head_dim: int, layer_idx: int | None,
+                 cross: bool) -> None:
+        self.project, self.outputs, self.head_dim = project, outputs, head_dim
+        self.layer_idx, self.cross = layer_idx, cross
+
+    def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple:
+        context = hidden_states.new_zeros(*hidden_states.shape[:-1], 0)
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, EncoderDecoderCache):
+            cache = cache.self_attention_cache
+        if cache is not None and not self.cross and self.layer_idx is not None:
+            empty = hidden_states.new_zeros(hidden_states.shape[0], 0, hidden_states.shape[1], self.head_dim)
+            cache.update(empty, empty, self.layer_idx)
+        if self.project is None:
+            return (context,) + (None,) * (self.outputs - 1)
+        width = features(self.project, "out")
+        output = hidden_states.new_zeros(*hidden_states.shape[:-1], width)
+        if self.project.bias is not None:
+            output = output + self.project.bias
+        return (output,) + (None,) * (self.outputs - 1)
+
+
+def normalize_plan(layers: list[AttentionLayer], plan: Plan) -> dict[str, list[int]]:
+    """Turn `{layer index or name: [original heads]}` into `{layer name: sorted heads}`, checking every entry.
+
+    Raises PlanError for an unknown layer, a head outside the layer, a head already removed, or a
+    grouped-query plan that leaves kept KV groups with different numbers of query heads.
+    """
+    by_name = {layer.name: layer for layer in layers}
+    normalized: dict[str, list[int]] = {}
+    for key, heads in plan.items():
+        if isinstance(key, str) and key.isdigit() and key not in by_name:
+            key = int(key)
+        if isinstance(key, int):
+            if not 0 <= key < len(layers):
+                raise PlanError(f"layer {key} does not exist: the model has attention layers 0..{len(layers) - 1}")
+            layer = layers[key]
+        elif key in by_name:
+            layer = by_name[key]
+        else:
+            raise PlanError(f"no attention layer named {key!r}; prune_heads.find_attention(model) lists them")
+        heads = sorted(set(normalized.get(layer.name, [])) | {int(h) for h in heads})
+        for h in heads:
+            if not 0 <= h < layer.original_num_heads:
+                raise PlanError(f"{layer.name} has heads 0..{layer.original_num_heads - 1}; head {h} does not exist")
+            if h not in layer.heads:
+                raise PlanError(f"head {h} of {layer.name} was already removed; heads left: {list(layer.heads)}")
+        _check_groups(layer, [h for h in layer.heads if h not in heads])
+        if heads:
+            normalized[layer.name] = heads
+    return normalized
+
+
+def _check_groups(layer: AttentionLayer, kept: list[int]) -> None:
+    counts: dict[int, int] = {}
+    for h in kept:
+        counts[h // layer.group_size] = counts.get(h // layer.group_size, 0) + 1
+    if len(set(counts.values())) > 1:
+        raise PlanError(
+            f"{layer.name} uses grouped-query attention ({layer.group_size} query heads per KV head): every kept "
+            f"KV group must keep the same number of query heads, but this plan keeps {counts} (group: heads); "
+            f"remove whole groups or the same number of heads from each group"
+        )
+
+
+def _feature_index(positions: list[int], head_dim: int, device: torch.device) -> torch.Tensor:
+    positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+    return (positions_t[:, None] * head_dim + torch.arange(head_dim, device=device)).reshape(-1)
+
+
+def _slice(layer: nn.Module, index: torch.Tensor, side: str) -> None:
+    """Keep `index` of the output ("out") or input ("in") features of a Linear or Conv1D, in place."""
+    conv1d = not isinstance(layer, nn.Linear)
+    dim = (1 if conv1d else 0) if side == "out" else (0 if conv1d else 1)
+    weight = layer.weight
+    layer.weight = nn.Parameter(weight.index_select(dim, index.to(weight.device)), weight.requires_grad)
+    if side == "out" and layer.bias is not None:
+        layer.bias = nn.Parameter(layer.bias.index_select(0, index.to(layer.bias.device)), layer.bias.requires_grad)
+    size = index.numel()
+    if conv1d:
+        if side == "out":
+            layer.nf = size
+    elif side == "out":
+        layer.out_features = size
+    else:
+        layer.in_features = size
+
+
+def _set_attribute(module: nn.Module, path: str, attribute: str, value: int) -> None:
+    target = resolve(module, path)
+    if isinstance(target, PretrainedConfig):
+        parent_path, _, last = path.rpartition(".")
+        target = ConfigView(target)
+        setattr(resolve(module, parent_path), last, target)
+    setattr(target, attribute, value)
+
+
+@torch.no_grad()
+def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
+    """Remove the given ORIGINAL heads of one layer in place and return its new snapshot.
+
+    KV heads whose query heads are all gone are removed with them. The weights keep their dtype, device
+    and requires_grad. Callers validate the plan first (see normalize_plan).
+    """
+    spec, module, dim = layer.spec, layer.module, layer.head_dim
+    remove = set(heads)
+    kept = [h for h in layer.heads if h not in remove]
+    kept_kv = sorted({h // layer.group_size for h in kept})
+    q_pos = [layer.heads.index(h) for h in kept]
+    kv_pos = [layer.kv_heads.index(g) for g in kept_kv]
+    o_proj = resolve(module, spec.o)
+    device = o_proj.weight.device
+    q_index = _feature_index(q_pos, dim, device)
+    kv_index = _feature_index(kv_pos, dim, device)
+    if spec.fused_qkv:
+        q_size, kv_size = layer.num_heads * dim, layer.num_kv_heads * dim
+        fused_index = torch.cat([q_index, q_size + kv_index, q_size + kv_size + kv_index])
+        _slice(resolve(module, spec.fused_qkv), fused_index, "out")
+    else:
+        _slice(resolve(module, spec.q), q_index, "out")
+        _slice(resolve(module, spec.k), kv_index, "out")
+        _slice(resolve(module, spec.v), kv_index, "out")
+    for path in spec.per_head_out:
+        try:
+            _slice(resolve(module, path), q_index, "out")
+        except AttributeError:
+            pass
+    for path in spec.per_head_columns:
+        parent_path, _, name = path.rpartition(".")
+        try:
+            parent = resolve(module, parent_path)
+        except AttributeError:
+            continue
+        table = getattr(parent, name)
+        setattr(parent, name, nn.Parameter(table.index_select(1, torch.tensor(q_pos, dtype=torch.long, device=table.device)),
+                                           table.requires_grad))
+        if hasattr(parent, "embedding_dim"):
+            parent.embedding_dim = len(q_pos)
+    _slice(o_proj, q_index, "in")
+    quantities = {"heads": len(kept), "kv_heads": len(kept_kv), "inner": len(kept) * dim,
+                  "kv_groups": len(kept) // len(kept_kv) if kept_kv else 1}
+    for path, attribute, quantity in spec.updates:
+        _set_attribute(module, path, attribute, quantities[quantity])
+    if not kept and spec.no_heads is not None:
+        owner = resolve(module, spec.no_heads)
+        projects = spec.no_heads == "" or spec.o.startswith(spec.no_heads + ".")
+        owner.forward = NoHeads(o_proj if projects else None, spec.no_heads_outputs, dim,
+                                getattr(module, "layer_idx", None), layer.kind == "cross")
+    module._ph_record = {"num_heads": layer.original_num_heads, "num_kv_heads": layer.original_num_kv_heads,
+                         "removed": sorted(set(range(layer.original_num_heads)) - set(kept))}
+    module._ph_present = kept
+    return describe(module, spec, layer.name, layer.index)
+
+
+def apply_plan(model: nn.Module, layers: list[AttentionLayer], plan: dict[str, list[int]]) -> None:
+    """Run each family's one-time preparation, then remove the planned heads layer by layer."""
+    by_name = {layer.name: layer for layer in layers}
+    for spec in {by_name[name].spec for name in plan}:
+        if spec.prepare is not None:
+            spec.prepare(model)
+    for name, heads in plan.items():
+        remove_heads(by_name[name], heads)
+
+
+def prune(model: nn.Module, heads_to_prune: Plan) -> nn.Module:
+    """Physically remove attention heads from `model`, in place, and return it.
+
+    `heads_to_prune` maps a layer (index into `find_attention(model)` or its module name) to the ORIGINAL
+    indices of the heads to remove, as transformers 4's `prune_heads` took them. Pruning twice accumulates.
+    The removed heads are recorded in `model.config` so that `save_pruned` / `load_pruned` round-trip.
+    Raises PlanError for a plan that cannot be applied.
+    """
+    layers = find_attention(model)
+    plan = normalize_plan(layers, heads_to_prune)
+    apply_plan(model, layers, plan)
+    config = getattr(model, "config", None)
+    if config is not None and plan:
+        record = {layer.name: layer.module._ph_record for layer in layers if hasattr(layer.module, "_ph_record")}
+        setattr(config, RECORD_KEY, {"format": 1, "layers": record})
+    return model

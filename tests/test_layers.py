@@ -1,0 +1,81 @@
+import pytest
+import torch
+from torch import nn
+
+import prune_heads as ph
+import tiny_models as tm
+
+
+def test_find_attention_describes_each_layer():
+    layers = ph.find_attention(tm.build("whisper"))
+    assert [layer.index for layer in layers] == list(range(6))
+    assert [layer.kind for layer in layers] == ["self", "self", "self", "cross", "self", "cross"]
+    first = layers[0]
+    assert (first.num_heads, first.num_kv_heads, first.head_dim, first.heads) == (4, 4, 8, (0, 1, 2, 3))
+    assert first.spec.name == "bart" and first.name == "model.encoder.layers.0.self_attn"
+
+
+def test_grouped_layers_report_kv_heads():
+    layer = ph.find_attention(tm.build("qwen2"))[0]
+    assert (layer.num_heads, layer.num_kv_heads, layer.group_size, layer.kv_heads) == (4, 2, 2, (0, 1))
+
+
+class RenamedLlamaAttention(nn.Module):
+    """An unregistered class with the standard llama projection names."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = inner.q_proj, inner.k_proj, inner.v_proj, inner.o_proj
+        self.head_dim, self.num_key_value_groups, self.inner = inner.head_dim, inner.num_key_value_groups, inner
+
+    def forward(self, *args, **kwargs):
+        self.inner.num_key_value_groups = self.num_key_value_groups
+        return self.inner(*args, **kwargs)
+
+
+def test_unregistered_modules_with_standard_names_are_found_structurally():
+    model, inputs = tm.build("llama"), tm.make_inputs("llama")
+    for layer in model.model.layers:
+        layer.self_attn = RenamedLlamaAttention(layer.self_attn)
+    layers = ph.find_attention(model)
+    assert len(layers) == 3 and layers[0].spec.name == "llama"
+    ph.prune(model, {0: [0, 1]})
+    assert model(**inputs).logits.shape == (2, 7, 128)
+
+
+class OddAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wkv, self.wout = nn.Linear(8, 8), nn.Linear(8, 16), nn.Linear(8, 8)
+
+
+def test_unknown_attention_modules_are_named_in_the_error():
+    model = nn.Sequential(OddAttention())
+    with pytest.raises(ph.UnsupportedModelError, match=r"0 \(OddAttention\).*register_family"):
+        ph.find_attention(model)
+
+
+def test_registering_a_family_makes_it_prunable():
+    class TinyAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wq, self.wk, self.wv, self.wo = (nn.Linear(8, 8) for _ in range(4))
+            self.n_heads, self.dim_per_head = 4, 2
+
+        def forward(self, x):
+            q, k, v = (f(x).unflatten(-1, (self.n_heads, 2)).transpose(1, 2) for f in (self.wq, self.wk, self.wv))
+            return self.wo(torch.softmax(q @ k.transpose(-1, -2), -1).matmul(v).transpose(1, 2).flatten(2))
+
+    ph.register_family(ph.AttentionSpec("tiny", ("TinyAttention",), q="wq", k="wk", v="wv", o="wo",
+                                        head_dim="dim_per_head", updates=(("", "n_heads", "heads"),)))
+    try:
+        model = nn.Sequential(TinyAttention())
+        x = torch.randn(2, 3, 8)
+        with ph.head_gates(model) as gates, torch.no_grad():
+            gates[0][1] = 0
+            gated = model(x)
+        ph.prune(model, {0: [1]})
+        assert model[0].n_heads == 3
+        torch.testing.assert_close(model(x), gated, rtol=0, atol=1e-6)
+    finally:
+        ph.FAMILIES.pop(0)

@@ -1,0 +1,90 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+import prune_heads as ph
+import tiny_models as tm
+
+
+@pytest.mark.parametrize("name", list(tm.FAMILIES))
+def test_save_then_load_reproduces_outputs_exactly(name, tmp_path):
+    model, inputs = tm.build(name), tm.make_inputs(name)
+    ph.prune(model, tm.uneven_plan(ph.find_attention(model)))
+    with torch.no_grad():
+        expected = tm.main_output(model(**inputs))
+    ph.save_pruned(model, tmp_path / "pruned")
+    loaded = ph.load_pruned(tmp_path / "pruned", attn_implementation="eager")
+    assert type(loaded) is type(model)
+    with torch.no_grad():
+        assert torch.equal(tm.main_output(loaded(**inputs)), expected)
+    assert [l.heads for l in ph.find_attention(loaded)] == [l.heads for l in ph.find_attention(model)]
+
+
+def test_save_pretrained_output_loads_too(tmp_path):
+    model, inputs = tm.build("gpt2"), tm.make_inputs("gpt2")
+    ph.prune(model, {0: [1, 2]})
+    model.save_pretrained(tmp_path / "m")
+    loaded = ph.load_pruned(tmp_path / "m", attn_implementation="eager", dtype=torch.bfloat16)
+    assert loaded.transformer.h[0].attn.num_heads == 2
+    assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
+
+
+def test_existing_folder_is_not_overwritten(tmp_path):
+    model = tm.build("bert")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(ph.OutputExistsError, match="already exists"):
+        ph.save_pruned(model, tmp_path / "out")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    ph.save_pruned(model, tmp_path / "out", overwrite=True)
+    assert not (tmp_path / "out" / "keep.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folders left
+
+
+def test_interrupted_save_leaves_nothing(tmp_path, monkeypatch):
+    model = tm.build("bert")
+
+    def broken(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model, "save_pretrained", broken)
+    with pytest.raises(KeyboardInterrupt):
+        ph.save_pruned(model, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fixture_half_heads_round_trip_in_a_fresh_process(fixture_model_path, fixture_data_path, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(fixture_model_path)
+    model = AutoModelForSequenceClassification.from_pretrained(fixture_model_path).eval()
+    lines = (fixture_data_path / "validation.jsonl").read_text().splitlines()[:48]
+    sentences = [json.loads(line)["sentence"] for line in lines]
+    batch = tokenizer(sentences, padding=True, truncation=True, max_length=128, return_tensors="pt")
+    layers = ph.find_attention(model)
+    plan = {layer.index: list(range(layer.index % 2, 12, 2)) for layer in layers}  # half of every layer
+    with ph.head_gates(model) as gates, torch.no_grad():
+        for i, heads in plan.items():
+            gates[i][heads] = 0.0
+        gated = model(**batch).logits
+    params = sum(p.numel() for p in model.parameters())
+    ph.prune(model, plan)
+    with torch.no_grad():
+        pruned = model(**batch).logits
+    ph.save_pruned(model, tmp_path / "pruned", tokenizer=tokenizer)
+    torch.save(dict(batch), tmp_path / "batch.pt")
+    script = (
+        "import sys, torch, prune_heads as ph\n"
+        f"m = ph.load_pruned(r'{tmp_path / 'pruned'}').eval()\n"
+        f"b = torch.load(r'{tmp_path / 'batch.pt'}')\n"
+        "with torch.no_grad(): logits = m(**b).logits\n"
+        f"torch.save((logits, sum(p.numel() for p in m.parameters())), r'{tmp_path / 'out.pt'}')\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True)
+    logits, loaded_params = torch.load(tmp_path / "out.pt")
+    assert torch.equal(logits, pruned)
+    assert loaded_params == sum(p.numel() for p in model.parameters()) < params
+    assert torch.equal(pruned.argmax(-1), gated.argmax(-1))
+    torch.testing.assert_close(pruned, gated, rtol=0, atol=1e-5)

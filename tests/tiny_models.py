@@ -1,0 +1,107 @@
+"""Tiny random-weight models of every supported family, built from configs (no hub)."""
+
+from __future__ import annotations
+
+import torch
+import transformers as T
+
+COMMON = dict(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=3, vocab_size=128,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SEQ2SEQ = dict(d_model=32, encoder_attention_heads=4, decoder_attention_heads=4, encoder_layers=2, decoder_layers=2,
+               encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=128, pad_token_id=0, bos_token_id=1,
+               eos_token_id=2, decoder_start_token_id=1)
+
+# name: (config class, overrides, model class, kind); kind picks the inputs (see make_inputs)
+FAMILIES = {
+    "bert": (T.BertConfig, {}, T.BertForSequenceClassification, "encoder"),
+    "roberta": (T.RobertaConfig, {"max_position_embeddings": 64}, T.RobertaForSequenceClassification, "encoder"),
+    "xlm-roberta": (T.XLMRobertaConfig, {"max_position_embeddings": 64}, T.XLMRobertaModel, "encoder"),
+    "electra": (T.ElectraConfig, {"embedding_size": 16}, T.ElectraForSequenceClassification, "encoder"),
+    "albert": (T.AlbertConfig, {"embedding_size": 16}, T.AlbertForSequenceClassification, "encoder"),
+    "distilbert": (T.DistilBertConfig, {"dim": 32, "n_heads": 4, "hidden_dim": 64, "n_layers": 3},
+                   T.DistilBertForSequenceClassification, "encoder"),
+    "deberta-v2": (T.DebertaV2Config, {"relative_attention": True, "pos_att_type": ["p2c", "c2p"],
+                                       "max_relative_positions": 16, "position_buckets": 8},
+                   T.DebertaV2ForSequenceClassification, "encoder"),
+    "deberta-v3": (T.DebertaV2Config, {"relative_attention": True, "pos_att_type": ["p2c", "c2p"],
+                                       "share_att_key": True, "position_buckets": 8, "norm_rel_ebd": "layer_norm"},
+                   T.DebertaV2Model, "encoder"),
+    "mpnet": (T.MPNetConfig, {"max_position_embeddings": 64}, T.MPNetForSequenceClassification, "encoder"),
+    "modernbert": (T.ModernBertConfig, {"global_attn_every_n_layers": 2, "local_attention": 8, "cls_token_id": 1,
+                                        "sep_token_id": 2}, T.ModernBertForSequenceClassification, "encoder"),
+    "gpt2": (T.GPT2Config, {"n_embd": 32, "n_head": 4, "n_layer": 3, "n_positions": 64}, T.GPT2LMHeadModel,
+             "decoder"),
+    "opt": (T.OPTConfig, {"ffn_dim": 64, "word_embed_proj_dim": 32, "max_position_embeddings": 64},
+            T.OPTForCausalLM, "decoder"),
+    "llama": (T.LlamaConfig, {"num_key_value_heads": 2}, T.LlamaForCausalLM, "decoder"),
+    "mistral": (T.MistralConfig, {"num_key_value_heads": 2}, T.MistralForCausalLM, "decoder"),
+    "qwen2": (T.Qwen2Config, {"num_key_value_heads": 2}, T.Qwen2ForCausalLM, "decoder"),
+    "qwen3": (T.Qwen3Config, {"num_key_value_heads": 2, "head_dim": 8}, T.Qwen3ForCausalLM, "decoder"),
+    "gemma2": (T.Gemma2Config, {"num_key_value_heads": 2, "head_dim": 8, "sliding_window": 4},
+               T.Gemma2ForCausalLM, "decoder"),
+    "gemma3": (T.Gemma3TextConfig, {"num_key_value_heads": 2, "head_dim": 8, "sliding_window": 4},
+               T.Gemma3ForCausalLM, "decoder"),
+    "phi": (T.PhiConfig, {"num_key_value_heads": 4}, T.PhiForCausalLM, "decoder"),
+    "phi3": (T.Phi3Config, {"num_key_value_heads": 2}, T.Phi3ForCausalLM, "decoder"),
+    "t5": (T.T5Config, {"d_model": 32, "d_kv": 8, "num_heads": 4, "d_ff": 64, "num_layers": 2,
+                        "num_decoder_layers": 2, "vocab_size": 128, "decoder_start_token_id": 0},
+           T.T5ForConditionalGeneration, "seq2seq"),
+    "bart": (T.BartConfig, SEQ2SEQ, T.BartForConditionalGeneration, "seq2seq"),
+    "whisper": (T.WhisperConfig, {**SEQ2SEQ, "num_mel_bins": 8, "max_source_positions": 16,
+                                  "max_target_positions": 32, "suppress_tokens": None, "begin_suppress_tokens": None},
+                T.WhisperForConditionalGeneration, "speech"),
+    "vit": (T.ViTConfig, {"image_size": 16, "patch_size": 4, "num_channels": 3}, T.ViTForImageClassification,
+            "image"),
+}
+
+
+def build(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, attn: str = "eager"):
+    """Build the tiny model of a family, in eval mode, with seeded random weights."""
+    config_class, overrides, model_class, _ = FAMILIES[name]
+    base = {} if name in ("t5", "bart", "whisper") else COMMON
+    config = config_class(**{**base, **overrides})
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = model_class(config).to(dtype).eval()
+    return model
+
+
+def make_inputs(name: str, batch: int = 2, seq: int = 7, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Inputs for one forward pass of the family's tiny model (with padding on the encoder side)."""
+    kind = FAMILIES[name][3]
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, -2:] = 0
+    if kind == "image":
+        return {"pixel_values": torch.randn(batch, 3, 16, 16, generator=g)}
+    if kind == "speech":
+        return {"input_features": torch.randn(batch, 8, 32, generator=g), "decoder_input_ids": ids[:, :5]}
+    if kind == "seq2seq":
+        return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": ids[:, :5]}
+    if kind == "decoder":
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        mask[0, :2] = 0  # left padding, as generation uses
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def main_output(outputs) -> torch.Tensor:
+    """The tensor to compare: logits where the model has them, else the last hidden state."""
+    return outputs.logits if getattr(outputs, "logits", None) is not None else outputs.last_hidden_state
+
+
+def uneven_plan(layers) -> dict[int, list[int]]:
+    """A different removal per layer: one layer loses every head, grouped layers lose whole KV groups or the
+    same number of query heads from each group, plain layers lose a growing number of heads."""
+    plan = {}
+    for layer in layers:
+        i, heads, size = layer.index, layer.num_heads, layer.group_size
+        if i % 3 == 1:
+            plan[i] = list(range(heads))
+        elif size > 1 and i % 3 == 2:
+            plan[i] = [g * size for g in range(layer.num_kv_heads)]
+        elif size > 1:
+            plan[i] = list(range(size))
+        else:
+            plan[i] = [(i + j) % heads for j in range(1 + i % (heads - 1))]
+    return plan
