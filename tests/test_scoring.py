@@ -1,0 +1,133 @@
+import pytest
+import torch
+
+import prune_heads as ph
+import tiny_models as tm
+
+DATA_METHODS = ["gradient", "taylor", "fisher", "activation", "ablation"]
+
+
+def classifier_batches(n_batches=3, batch=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_batches):
+        ids = torch.randint(3, 128, (batch, 9), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, -3:] = 0
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 2, (batch,), generator=g)})
+    return out
+
+
+def mean_loss_with_gates(model, batches, layer=None, head=None):
+    total, n = 0.0, 0
+    with ph.head_gates(model, requires_grad=False) as gates, torch.no_grad():
+        if layer is not None:
+            gates[layer][head] = 0.0
+        for b in batches:
+            logits = model(**{k: v for k, v in b.items() if k != "labels"}).logits
+            total += float(torch.nn.functional.cross_entropy(logits, b["labels"], reduction="sum"))
+            n += len(b["labels"])
+    return total / n
+
+
+def test_ablation_scores_equal_the_measured_loss_increase():
+    model, batches = tm.build("bert"), classifier_batches()
+    scores = ph.score_heads(model, batches, method="ablation", progress=False)
+    base = mean_loss_with_gates(model, batches)
+    for i, name in enumerate(scores.layers):
+        for h in range(4):
+            expected = mean_loss_with_gates(model, batches, i, h) - base
+            assert abs(float(scores.scores[name][h]) - expected) < 1e-5
+    assert scores.num_examples == 12
+
+
+def test_per_example_fisher_equals_sum_of_single_example_squared_gradients():
+    model, batches = tm.build("bert"), classifier_batches(n_batches=2, batch=3)
+    scores = ph.score_heads(model, batches, method="fisher", progress=False)
+    expected = [torch.zeros(4, dtype=torch.float64) for _ in range(3)]
+    for b in batches:
+        for j in range(3):
+            single = {k: v[j:j + 1] for k, v in b.items()}
+            with ph.head_gates(model) as gates:
+                out = model(**single)
+                grads = torch.autograd.grad(out.loss, list(gates))
+            for i, g in enumerate(grads):
+                expected[i] += g.double() ** 2
+    for i, name in enumerate(scores.layers):
+        torch.testing.assert_close(scores.scores[name].double(), expected[i], rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("method", DATA_METHODS + ["magnitude"])
+def test_a_head_with_zero_output_columns_scores_lowest(method):
+    model, batches = tm.build("bert"), classifier_batches()
+    with torch.no_grad():
+        model.bert.encoder.layer[1].attention.output.dense.weight[:, 16:24] = 0.0  # head 2 of layer 1
+    scores = ph.score_heads(model, batches, method=method, progress=False)
+    layer = scores.scores[scores.layers[1]]
+    if method == "ablation":  # a signed loss increase: removing a head may also lower the loss a little
+        layer = layer.abs()
+    assert int(layer.argmin()) == 2
+    assert float(layer[2]) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_gradient_scores_are_layer_normalised_and_have_variance():
+    scores = ph.score_heads(tm.build("bert"), classifier_batches(), method="gradient", progress=False)
+    for name in scores.layers:
+        assert float(scores.scores[name].norm()) == pytest.approx(1.0, abs=1e-5)
+        assert scores.variance[name].shape == (4,) and bool((scores.variance[name] >= 0).all())
+    raw = ph.score_heads(tm.build("bert"), classifier_batches(), method="gradient", normalize=False, progress=False)
+    assert float(raw.scores[raw.layers[0]].norm()) != pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.parametrize("name, model_kind", [("llama", "decoder"), ("bert", "encoder")])
+def test_label_free_scoring_works_without_labels(name, model_kind):
+    model = tm.build(name)
+    if model_kind == "encoder":
+        model = model.bert  # no head: the pooled-embedding objective
+    batches = [tm.make_inputs(name, batch=3, seed=s) for s in range(2)]
+    first = ph.score_heads(model, batches, method="fisher", seed=3, progress=False)
+    again = ph.score_heads(model, batches, method="fisher", seed=3, progress=False)
+    assert all(torch.equal(first.scores[n], again.scores[n]) for n in first.layers)  # deterministic
+    assert all(float(first.scores[n].sum()) > 0 for n in first.layers)
+    ablation = ph.score_heads(model, batches, method="ablation", progress=False)
+    assert all(bool((ablation.scores[n] >= -1e-6).all()) for n in ablation.layers)  # a divergence grows
+
+
+def test_custom_loss_and_parameters_are_restored():
+    model, batches = tm.build("bert"), classifier_batches()
+    model.bert.embeddings.word_embeddings.weight.requires_grad_(False)
+    scores = ph.score_heads(model, batches, method="gradient", loss=lambda out, b: out.logits[:, 1].mean(),
+                            progress=False)
+    assert scores.num_examples == 12
+    assert not model.bert.embeddings.word_embeddings.weight.requires_grad
+    assert all(p.requires_grad for n, p in model.named_parameters() if "word_embeddings" not in n)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_scores_of_a_pruned_model_skip_removed_heads(tmp_path):
+    model, batches = tm.build("bert"), classifier_batches()
+    ph.prune(model, {0: [1, 3]})
+    scores = ph.score_heads(model, batches, method="random", progress=False)
+    assert scores.heads[scores.layers[0]] == (0, 2) and scores.scores[scores.layers[0]].shape == (2,)
+    scores.save(tmp_path / "s.json")
+    loaded = ph.HeadScores.load(tmp_path / "s.json")
+    assert loaded.to_dict() == scores.to_dict()
+    png = loaded.plot(tmp_path / "heat.png", removed={scores.layers[1]: [0]})
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert torch.isnan(loaded.matrix()[0, 1])
+
+
+def test_unknown_method_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown scoring method 'nope'; choose one of ablation, activation"):
+        ph.score_heads(tm.build("bert"), classifier_batches(), method="nope")
+
+
+def test_prune_iteratively_records_a_curve():
+    model, batches = tm.build("bert"), classifier_batches()
+    result = ph.prune_iteratively(model, batches, sparsity=0.5, steps=3, progress=False,
+                                  evaluate=lambda m: {"params": sum(p.numel() for p in m.parameters())})
+    assert [h["heads_removed"] for h in result.history] == [0, 2, 4, 6]
+    assert all(h["loss"] is not None for h in result.history)
+    assert result.history[0]["params"] > result.history[-1]["params"]
+    assert sum(l.num_heads for l in ph.find_attention(model)) == 6
+    assert sum(len(h) for h in result.plan.values()) == 6
