@@ -1,48 +1,295 @@
-"""The `prune-heads` command line: a thin layer over the public API."""
+"""The `prune-heads` command line: a thin layer over the public API and the recipes."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from pathlib import Path
+from typing import Any, Callable
 
 import click
 
-from . import find_attention, load_pruned
+from .data import DataError
+from .evaluation import MetricError
+from .layers import UnsupportedModelError, find_attention
+from .persistence import OutputExistsError, load_pruned
+from .recipes import RecipeError, load_recipe, parse_recipe, recipe_path, shipped_recipes
+from .surgery import PlanError
+
+BAD_INPUT = (RecipeError, PlanError, DataError, MetricError, OutputExistsError, UnsupportedModelError)
 
 
-def _count(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+def _fail(message: str, code: int) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def handle_errors(command: Callable) -> Callable:
+    """One-line errors: exit 2 for input the user must fix, 1 for anything that failed on the way."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except BAD_INPUT as error:
+            _fail(str(error).splitlines()[0], 2)
+        except (FileNotFoundError, OSError, ValueError, RuntimeError) as error:
+            _fail(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", 1)
+
+    return wrapper
+
+
+def _emit(data: Any, as_json: bool, text: Callable[[], str]) -> None:
+    if as_json:
+        click.echo(json.dumps(data, indent=1, default=float))
+    else:
+        click.echo(text())
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 def main() -> None:
-    """Find and physically remove redundant attention heads from transformers models."""
+    """Find and physically remove redundant attention heads from transformers models.
+
+    Example: prune-heads run fixture-minilm-sentiment --set selection.sparsity=0.5
+    """
+    _quiet_transformers()
+
+
+def data_options(command: Callable) -> Callable:
+    """Options that describe the model's task data (see ph.load_task_data)."""
+    options = [
+        click.option("--data", "source", required=True, help="Dataset: hub name, file (csv/json/jsonl/parquet/txt) "
+                     "or folder of split files."),
+        click.option("--task", default="classification", show_default=True,
+                     type=click.Choice(["classification", "causal-lm", "feature-extraction", "image-classification"])),
+        click.option("--split", default="validation", show_default=True, help="Split to use, e.g. 'train[:2048]'."),
+        click.option("--text-column", default="sentence", show_default=True),
+        click.option("--text-pair-column", default=None),
+        click.option("--label-column", default="label", show_default=True),
+        click.option("--examples", type=int, default=None, help="Use at most this many examples."),
+        click.option("--batch-size", type=int, default=32, show_default=True),
+        click.option("--max-length", type=int, default=128, show_default=True),
+        click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: where the model loads)."),
+        click.option("--dtype", default=None, type=click.Choice(["float32", "float16", "bfloat16"])),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout; logs go to stderr."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _recipe(model: str, opts: dict[str, Any], selection: dict[str, Any], scoring: dict[str, Any] | None = None,
+            speed: bool = False, metrics: tuple[str, ...] = ("accuracy",), eval_split: str | None = None):
+    task = opts["task"]
+    return parse_recipe({
+        "model": model, "task": task, "device": opts["device"], "dtype": opts["dtype"],
+        "data": {"source": opts["source"], "score_split": opts["split"], "eval_split": eval_split,
+                 "text_column": opts["text_column"], "text_pair_column": opts["text_pair_column"],
+                 "label_column": None if task == "feature-extraction" else opts["label_column"],
+                 "max_length": opts["max_length"], "batch_size": opts["batch_size"],
+                 "score_examples": opts["examples"], "eval_examples": opts["examples"]},
+        "scoring": {"seed": opts["seed"], **(scoring or {})},
+        "selection": selection,
+        "evaluation": {"metrics": [] if task in ("causal-lm", "feature-extraction") else list(metrics),
+                       "speed": {} if speed else None},
+    })
 
 
 @main.command()
 @click.argument("model_path")
-@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
+@handle_errors
 def inspect(model_path: str, as_json: bool) -> None:
     """Print the attention layers and heads of a checkpoint (a local folder or a hub id).
 
-    Example: prune-heads inspect ./my-pruned-bert
+    Example: prune-heads inspect ./pruned-fixture
     """
     model = load_pruned(model_path)
     layers = find_attention(model)
     rows = [{"index": l.index, "name": l.name, "kind": l.kind, "family": l.spec.name, "heads": l.num_heads,
              "kv_heads": l.num_kv_heads, "head_dim": l.head_dim, "original_heads": l.original_num_heads,
              "kept": list(l.heads)} for l in layers]
-    summary = {"model": model_path, "architecture": type(model).__name__, "parameters": _count(model),
+    summary = {"model": model_path, "architecture": type(model).__name__,
+               "parameters": sum(p.numel() for p in model.parameters()),
                "heads": sum(r["heads"] for r in rows), "original_heads": sum(r["original_heads"] for r in rows),
                "layers": rows}
-    if as_json:
-        json.dump(summary, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+
+    def text() -> str:
+        lines = [f"{model_path}: {summary['architecture']}, {summary['parameters']:,} parameters, "
+                 f"{summary['heads']} of {summary['original_heads']} heads",
+                 f"{'#':>3}  {'layer':48} {'kind':5} {'family':10} {'heads':>7} {'kv':>4} {'dim':>4}  kept"]
+        for r in rows:
+            kept = ",".join(map(str, r["kept"])) if r["heads"] < r["original_heads"] else "all"
+            lines.append(f"{r['index']:>3}  {r['name'][-48:]:48} {r['kind']:5} {r['family']:10} "
+                         f"{r['heads']:>3}/{r['original_heads']:<3} {r['kv_heads']:>4} {r['head_dim']:>4}  {kept}")
+        return "\n".join(lines)
+
+    _emit(summary, as_json, text)
+
+
+@main.command()
+@click.argument("model")
+@data_options
+@click.option("--method", default="gradient", show_default=True, help="gradient, fisher, taylor, activation, "
+              "magnitude, ablation or random.")
+@click.option("--label-free", is_flag=True, help="Ignore labels: score against the unpruned model's outputs.")
+@click.option("--output", "-o", default="head-scores", show_default=True, help="Folder for scores.json and heatmap.png.")
+@click.option("--force", is_flag=True, help="Overwrite the output folder.")
+@handle_errors
+def score(model: str, method: str, label_free: bool, output: str, force: bool, **opts: Any) -> None:
+    """Score every head on a dataset; writes scores.json and heatmap.png.
+
+    Example: prune-heads score ./model --data glue --split validation --method fisher -o scores
+    """
+    from .persistence import replace_folder
+    from .pipeline import load_model, task_data
+    from .scoring import score_heads
+
+    recipe = _recipe(model, opts, {"sparsity": 0.0}, {"method": method,
+                                                       "objective": "label-free" if label_free else "auto"})
+    Path(output).exists() and not force and replace_folder(Path(output), False, None)
+    loaded, processor = load_model(recipe)
+    data = task_data(recipe, loaded, processor, opts["split"], opts["examples"])
+    batches = data.without_labels() if label_free else data.batches
+    scores = score_heads(loaded, batches, method=method, seed=opts["seed"])
+
+    def write(tmp: Path) -> None:
+        scores.save(tmp / "scores.json")
+        scores.plot(tmp / "heatmap.png")
+
+    replace_folder(Path(output), force, write)
+    _emit(scores.to_dict(), opts["as_json"], lambda: f"scored {sum(len(v) for v in scores.heads.values())} heads "
+          f"on {scores.num_examples} examples ({method}); wrote {output}/scores.json and {output}/heatmap.png")
+
+
+@main.command(name="prune")
+@click.argument("model")
+@data_options
+@click.option("--sparsity", type=float, default=None, help="Fraction of all heads to remove.")
+@click.option("--num-heads", type=int, default=None, help="Number of heads to remove.")
+@click.option("--plan", "plan_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="JSON {layer: [heads]} to apply instead of scoring.")
+@click.option("--method", default="gradient", show_default=True)
+@click.option("--steps", type=int, default=1, show_default=True, help="More than 1: prune iteratively.")
+@click.option("--scope", type=click.Choice(["global", "layer"]), default="global", show_default=True)
+@click.option("--min-heads-per-layer", type=int, default=1, show_default=True)
+@click.option("--gqa", type=click.Choice(["groups", "uniform"]), default="groups", show_default=True)
+@click.option("--output", "-o", required=True, help="Folder for the pruned model (must not exist, see --force).")
+@click.option("--force", is_flag=True, help="Overwrite the output folder.")
+@handle_errors
+def prune_command(model: str, sparsity: float | None, num_heads: int | None, plan_file: str | None, method: str,
+                  steps: int, scope: str, min_heads_per_layer: int, gqa: str, output: str, force: bool,
+                  **opts: Any) -> None:
+    """Score, select and remove heads (or apply --plan); saves a model that ph.load_pruned loads.
+
+    Example: prune-heads prune ./model --data reviews.jsonl --sparsity 0.5 -o ./pruned
+    """
+    from .pipeline import run
+
+    if (sparsity is None) + (num_heads is None) + (plan_file is None) != 2:
+        raise click.UsageError("give exactly one of --sparsity, --num-heads or --plan")
+    plan = json.loads(Path(plan_file).read_text()) if plan_file else None
+    selection = {"num_heads": num_heads} if num_heads is not None else {"sparsity": sparsity or 0.0}
+    selection.update(scope=scope, min_heads_per_layer=min_heads_per_layer, gqa=gqa)
+    recipe = _recipe(model, opts, selection, {"method": method, "steps": steps})
+    report = run(recipe, output=output, force=force, plan=plan, evaluate=False)
+    _emit(report.to_dict(), opts["as_json"], lambda: f"removed {report.summary()['heads']['removed']} heads; "
+          f"saved the pruned model to {output}")
+
+
+@main.command(name="evaluate")
+@click.argument("model")
+@data_options
+@click.option("--metric", "metrics", multiple=True, default=("accuracy",), show_default=True,
+              help="evaluate metric (repeatable): accuracy, f1, matthews_correlation or any hub metric.")
+@click.option("--speed/--no-speed", default=True, show_default=True, help="Also measure latency and FLOPs.")
+@handle_errors
+def evaluate_command(model: str, metrics: tuple[str, ...], speed: bool, **opts: Any) -> None:
+    """Print the task metric and speed of a (pruned) model.
+
+    Example: prune-heads evaluate ./pruned --data reviews.jsonl --split test --metric accuracy --metric f1
+    """
+    from .pipeline import load_model, measure, measure_speed, task_data
+
+    recipe = _recipe(model, opts, {"sparsity": 0.0}, speed=speed, metrics=metrics, eval_split=opts["split"])
+    loaded, processor = load_model(recipe)
+    data = task_data(recipe, loaded, processor, opts["split"], opts["examples"])
+    result = measure(loaded, data, recipe)
+    if speed:
+        result["speed"] = measure_speed([loaded], recipe)[0]
+
+    def text() -> str:
+        lines = [f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in result["metrics"].items()]
+        lines.append(f"heads: {sum(result['heads'].values())}")
+        if speed:
+            s = result["speed"]
+            lines += [f"parameters: {s['parameters']:,}", f"GFLOPs per forward: {s['flops'] / 1e9:.2f}",
+                      f"latency: {s['latency_ms']:.1f} ms median, {s['latency_p90_ms']:.1f} ms p90 "
+                      f"(batch {s['settings']['batch_size']}, seq {s['settings']['seq_len']}, {s['settings']['device']})"]
+        return "\n".join(lines)
+
+    _emit(result, opts["as_json"], text)
+
+
+@main.command(name="run")
+@click.argument("recipe")
+@click.option("--set", "overrides", multiple=True, help="Override a recipe key, e.g. --set selection.sparsity=0.25.")
+@click.option("--output", "-o", default=None, help="Output folder (default: the recipe's output).")
+@click.option("--force", is_flag=True, help="Overwrite the output folder.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
+@handle_errors
+def run_command(recipe: str, overrides: tuple[str, ...], output: str | None, force: bool, as_json: bool) -> None:
+    """Run a recipe end to end: evaluate, score, select, prune, evaluate, save model and report.
+
+    RECIPE is a YAML file or the name of a shipped recipe (see `prune-heads recipes`).
+    Example: prune-heads run fixture-minilm-sentiment --set selection.sparsity=0.25 -o pruned-25
+    """
+    from .pipeline import run
+
+    parsed = load_recipe(recipe, list(overrides))
+    report = run(parsed, output=output, force=force)
+    target = output or parsed.output or "pruned-model"
+    _emit(report.to_dict(), as_json, lambda: report.markdown() + f"\nSaved the model and report to {target}/")
+
+
+@main.command()
+@click.argument("name", required=False)
+@handle_errors
+def recipes(name: str | None) -> None:
+    """List the shipped recipes, or print one.
+
+    Example: prune-heads recipes bert-base-sst2
+    """
+    if name:
+        click.echo(recipe_path(name).read_text())
         return
-    click.echo(f"{model_path}: {summary['architecture']}, {summary['parameters']:,} parameters, "
-               f"{summary['heads']} of {summary['original_heads']} heads")
-    click.echo(f"{'#':>3}  {'layer':48} {'kind':5} {'family':10} {'heads':>7} {'kv':>4} {'dim':>4}  kept")
-    for r in rows:
-        kept = ",".join(map(str, r["kept"])) if r["heads"] < r["original_heads"] else "all"
-        click.echo(f"{r['index']:>3}  {r['name'][-48:]:48} {r['kind']:5} {r['family']:10} "
-                   f"{r['heads']:>3}/{r['original_heads']:<3} {r['kv_heads']:>4} {r['head_dim']:>4}  {kept}")
+    for recipe_name, path in sorted(shipped_recipes().items()):
+        description = load_recipe(str(path)).description
+        click.echo(f"{recipe_name:32} {description}")
+
+
+@main.command()
+@click.option("--output", "-o", default="pruned-demo", show_default=True)
+@click.option("--sparsity", type=float, default=0.5, show_default=True)
+@click.option("--force", is_flag=True, help="Overwrite the output folder.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
+@handle_errors
+def demo(output: str, sparsity: float, force: bool, as_json: bool) -> None:
+    """Prune the embedded all-MiniLM-L6-v2 encoder on a shipped text sample; no hub, no GPU, no labels.
+
+    Example: prune-heads demo --sparsity 0.5 -o pruned-demo
+    """
+    from .pipeline import run
+
+    recipe = load_recipe("demo-minilm-embeddings", [f"selection.sparsity={sparsity}"])
+    report = run(recipe, output=output, force=force)
+    _emit(report.to_dict(), as_json, lambda: report.markdown() + f"\nSaved the pruned model, report.md, report.json "
+          f"and the plots to {output}/")

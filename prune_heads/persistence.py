@@ -74,14 +74,19 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     return model
 
 
+def ensure_free(target: Path, overwrite: bool) -> None:
+    """Raise OutputExistsError when `target` exists and `overwrite` is False."""
+    if Path(target).exists() and not overwrite:
+        raise OutputExistsError(f"{target} already exists; choose another folder or pass overwrite=True (--force)")
+
+
 def replace_folder(target: Path, overwrite: bool, write) -> Path:
     """Call `write(tmp_dir)` and move the result to `target` in one rename; nothing half-written is left.
 
     Raises OutputExistsError when `target` exists and `overwrite` is False.
     """
     target = Path(target)
-    if target.exists() and not overwrite:
-        raise OutputExistsError(f"{target} already exists; choose another folder or pass overwrite=True (--force)")
+    ensure_free(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:

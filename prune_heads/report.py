@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .scoring import HeadScores
@@ -44,6 +46,146 @@ def heatmap(scores: "HeadScores", path: Path, removed: dict[str, list[int]], tit
     kept = sum(len(h) for h in scores.heads.values()) - sum(len(h) for h in removed.values())
     ax.set_title(title or f"Head importance ({scores.method}, {scores.num_examples} examples); "
                           f"x = removed, {kept} heads kept", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+@dataclass
+class Report:
+    """Before/after measurements of one pruning run, with what was removed and why.
+
+    `before` and `after` are `measure` results: {"metrics": {...}, "speed": {...}, "heads": {layer: kept}}.
+    """
+
+    before: dict
+    after: dict
+    plan: dict[str, list[int]] = field(default_factory=dict)
+    scores: "HeadScores | None" = None
+    history: list[dict] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """Derived numbers: metric deltas, speed-up, the FLOPs ceiling and how close to it the speed-up is."""
+        out: dict[str, Any] = {"metrics": {}}
+        for key, value in self.before.get("metrics", {}).items():
+            new = self.after.get("metrics", {}).get(key)
+            if isinstance(value, (int, float)) and isinstance(new, (int, float)) and key != "examples":
+                out["metrics"][key] = {"before": value, "after": new, "delta": new - value}
+        sb, sa = self.before.get("speed", {}), self.after.get("speed", {})
+        if sb and sa:
+            speedup = sb["latency_ms"] / sa["latency_ms"]
+            ceiling = sb["flops"] / sa["flops"] if sa["flops"] else float("inf")
+            out["speed"] = {"speedup": speedup, "flops_ceiling": ceiling,
+                            "fraction_of_ceiling": (speedup - 1) / (ceiling - 1) if ceiling > 1 else None,
+                            "parameters_ratio": sa["parameters"] / sb["parameters"],
+                            "flops_ratio": sa["flops"] / sb["flops"]}
+        heads_before = sum(self.before.get("heads", {}).values())
+        heads_after = sum(self.after.get("heads", {}).values())
+        out["heads"] = {"before": heads_before, "after": heads_after, "removed": heads_before - heads_after}
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything, JSON-ready."""
+        return {"meta": self.meta, "summary": self.summary(), "before": self.before, "after": self.after,
+                "plan": self.plan, "history": self.history,
+                "scores": self.scores.to_dict() if self.scores is not None else None}
+
+    def markdown(self) -> str:
+        """A summary a person reads: metric, delta, speed-up, parameters, FLOPs, heads kept per layer."""
+        s = self.summary()
+        lines = [f"# Pruning report: {self.meta.get('model', '')}", ""]
+        if self.meta:
+            lines += [", ".join(f"{k}: {v}" for k, v in self.meta.items() if k != "model"), ""]
+        lines += ["| | before | after | change |", "|---|---|---|---|"]
+        for key, m in s["metrics"].items():
+            lines.append(f"| {key} | {m['before']:.4f} | {m['after']:.4f} | {m['delta']:+.4f} |")
+        lines.append(f"| attention heads | {s['heads']['before']} | {s['heads']['after']} | "
+                     f"-{s['heads']['removed']} |")
+        sb, sa = self.before.get("speed", {}), self.after.get("speed", {})
+        if sb and sa:
+            sp = s["speed"]
+            lines += [
+                f"| parameters | {sb['parameters']:,} | {sa['parameters']:,} | x{sp['parameters_ratio']:.3f} |",
+                f"| GFLOPs per forward | {sb['flops'] / 1e9:.2f} | {sa['flops'] / 1e9:.2f} | "
+                f"x{sp['flops_ratio']:.3f} |",
+                f"| latency median (ms) | {sb['latency_ms']:.1f} | {sa['latency_ms']:.1f} | "
+                f"{sp['speedup']:.2f}x faster |",
+                f"| latency p90 (ms) | {sb['latency_p90_ms']:.1f} | {sa['latency_p90_ms']:.1f} | |",
+                f"| examples/s | {sb['examples_per_s']:.1f} | {sa['examples_per_s']:.1f} | |",
+                f"| peak memory (MB) | {sb['peak_memory_bytes'] / 2**20:.1f} | "
+                f"{sa['peak_memory_bytes'] / 2**20:.1f} | |",
+            ]
+            for key, label in (("generate_tokens_per_s", "generated tokens/s"), ("kv_cache_bytes", "KV cache (KB)")):
+                if key in sb and key in sa:
+                    scale = 1 / 1024 if key == "kv_cache_bytes" else 1
+                    lines.append(f"| {label} | {sb[key] * scale:.1f} | {sa[key] * scale:.1f} | |")
+            ceiling = sp["flops_ceiling"]
+            lines += ["", f"FLOPs ceiling: removing these heads can make the forward pass at most {ceiling:.2f}x "
+                          f"faster; measured {sp['speedup']:.2f}x "
+                          f"({self._ceiling_note(sp)}). Settings: {sb['settings']}."]
+        lines += ["", "| layer | heads kept |", "|---|---|"]
+        for name, kept in self.after.get("heads", {}).items():
+            lines.append(f"| {name} | {kept} / {self.before['heads'].get(name, kept)} |")
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _ceiling_note(sp: dict) -> str:
+        fraction = sp["fraction_of_ceiling"]
+        return "no ceiling to reach" if fraction is None else f"{100 * fraction:.0f}% of the possible gain"
+
+    def write(self, folder: str | Path) -> dict[str, Path]:
+        """Write report.json, report.md and the PNG plots into `folder`; returns the paths written."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = {"json": folder / "report.json", "markdown": folder / "report.md"}
+        paths["json"].write_text(json.dumps(self.to_dict(), indent=1, default=float))
+        paths["markdown"].write_text(self.markdown())
+        if self.scores is not None:
+            paths["heatmap"] = heatmap(self.scores, folder / "heatmap.png", self.plan)
+        paths["heads"] = heads_per_layer(self.before.get("heads", {}), self.after.get("heads", {}),
+                                         folder / "heads_per_layer.png")
+        if len(self.history) > 1:
+            paths["curve"] = curve(self.history, folder / "curve.png")
+        return paths
+
+
+def compare(before: dict, after: dict, **extras: Any) -> Report:
+    """A Report from two `measure` results; `extras` are Report fields (plan, scores, history, meta)."""
+    return Report(before, after, **extras)
+
+
+def heads_per_layer(before: dict[str, int], after: dict[str, int], path: Path) -> Path:
+    """Bar chart of heads kept per layer, over the original count."""
+    plt = _pyplot()
+    names = list(before)
+    fig, ax = plt.subplots(figsize=(max(5, 0.35 * len(names) + 2), 3.2))
+    ax.bar(range(len(names)), [before[n] for n in names], color="#dddddd", label="before")
+    ax.bar(range(len(names)), [after.get(n, before[n]) for n in names], color="#3b75af", label="kept")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels([_short(n) for n in names], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("heads")
+    ax.set_title(f"Heads kept per layer: {sum(after.values())} of {sum(before.values())}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def curve(history: list[dict], path: Path) -> Path:
+    """Metric (and loss) against heads removed, from an iterative pruning history."""
+    plt = _pyplot()
+    removed = [h["heads_removed"] for h in history]
+    keys = [k for k in history[0] if k not in ("step", "heads_removed") and isinstance(history[0][k], (int, float))]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * max(len(keys), 1), 3.2), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        ax.plot(removed, [h[key] for h in history], marker="o")
+        ax.set_xlabel("heads removed")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    fig.suptitle("Iterative pruning", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

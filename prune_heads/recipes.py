@@ -1,0 +1,233 @@
+"""YAML recipes: one file maps one-to-one onto the API calls of a pruning run.
+
+Each section is a frozen dataclass; a recipe is validated on load against those classes, so an unknown
+or misspelled key, a wrong type or a missing field is an error that names the key and the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .data import TASKS
+from .scoring import METHODS
+
+
+SHIPPED = Path(__file__).parent / "shipped_recipes"
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the key and what would be valid."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the examples come from (`ph.load_task_data` arguments)."""
+
+    source: str
+    score_split: str = "validation"
+    eval_split: str | None = None
+    text_column: str = "sentence"
+    text_pair_column: str | None = None
+    label_column: str | None = "label"
+    image_column: str = "image"
+    name: str | None = None
+    max_length: int = 128
+    batch_size: int = 32
+    score_examples: int | None = None
+    eval_examples: int | None = None
+    stride: int | None = None
+
+
+@dataclass(frozen=True)
+class ScoringConfig:
+    """How heads are scored (`ph.score_heads` / `ph.prune_iteratively`); steps > 1 prunes iteratively."""
+
+    method: str = "gradient"
+    steps: int = 1
+    objective: str = "auto"
+    normalize: bool | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    """Which heads go (`ph.select_heads`)."""
+
+    sparsity: float | None = None
+    num_heads: int | None = None
+    keep_per_layer: int | None = None
+    scope: str = "global"
+    min_heads_per_layer: int = 1
+    gqa: str = "groups"
+    ignore: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SpeedConfig:
+    """How speed is measured (`ph.benchmark`)."""
+
+    batch_size: int = 8
+    seq_len: int = 128
+    repeats: int = 10
+    warmup: int = 2
+    threads: int | None = None
+    generate_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    """What is measured before and after; `speed: null` skips the speed measurement."""
+
+    metrics: list[str] = field(default_factory=lambda: ["accuracy"])
+    speed: SpeedConfig | None = field(default_factory=SpeedConfig)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A whole pruning run: model, data, scoring, selection, evaluation, output."""
+
+    model: str
+    data: DataConfig
+    selection: SelectionConfig
+    task: str = "classification"
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    output: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "task": TASKS,
+    "scoring.method": tuple(sorted(METHODS)),
+    "scoring.objective": ("auto", "label-free"),
+    "selection.scope": ("global", "layer"),
+    "selection.gqa": ("groups", "uniform"),
+    "dtype": ("float32", "float16", "bfloat16"),
+}
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if hint is Any:
+        return True
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    return str(hint).replace("typing.", "").replace("prune_heads.recipes.", "")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where or 'the recipe'} must be a mapping of keys to values, not {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise RecipeError(f"unknown key {where + '.' if where else ''}{key}: {hint}valid keys: {', '.join(fields)}")
+    values = {}
+    for name, f in fields.items():
+        path = f"{where}.{name}" if where else name
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise RecipeError(f"{path} is missing (a {_type_name(hints[name])})")
+            continue
+        value, hint = data[name], hints[name]
+        nested = next((h for h in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(h)), None)
+        if nested is not None and isinstance(value, dict):
+            value = _build(nested, value, path)
+        elif not _type_ok(value, hint):
+            raise RecipeError(f"{path} must be {_type_name(hint)}, not {value!r}")
+        if path in CHOICES and value not in CHOICES[path]:
+            raise RecipeError(f"{path} is {value!r}; choose one of {', '.join(CHOICES[path])}")
+        values[name] = value
+    return cls(**values)
+
+
+def _set(data: dict, assignment: str) -> None:
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"--set takes key=value (for example selection.sparsity=0.5), not {assignment!r}")
+    *parents, last = key.split(".")
+    target = data
+    for part in parents:
+        target = target.setdefault(part, {})
+        if not isinstance(target, dict):
+            raise RecipeError(f"--set {key}: {part} is not a section")
+    target[last] = yaml.safe_load(raw) if raw else None
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """The recipes shipped with the package, by name."""
+    return {p.stem: p for p in sorted(SHIPPED.glob("*.yaml"))}
+
+
+def recipe_path(name_or_path: str) -> Path:
+    """A recipe file: a path, or the name of a shipped recipe."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = shipped_recipes()
+    if name_or_path in shipped:
+        return shipped[name_or_path]
+    raise RecipeError(f"no recipe file or shipped recipe named {name_or_path!r}; shipped: {', '.join(sorted(shipped))}")
+
+
+def parse_recipe(data: Any, overrides: list[str] = ()) -> Recipe:
+    """Validate a recipe given as a dict (after applying `key=value` overrides)."""
+    data = dict(data) if isinstance(data, dict) else data
+    for assignment in overrides:
+        if isinstance(data, dict):
+            _set(data, assignment)
+    recipe = _build(Recipe, data, "")
+    chosen = [k for k in ("sparsity", "num_heads", "keep_per_layer") if getattr(recipe.selection, k) is not None]
+    if len(chosen) != 1:
+        raise RecipeError(f"selection needs exactly one of sparsity, num_heads or keep_per_layer (has {chosen or 'none'})")
+    return recipe
+
+
+def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
+    """Read, override and validate a recipe file (a path or a shipped recipe's name).
+
+    Raises RecipeError for a corrupt file, an unknown key (naming the valid ones), a wrong type or a
+    missing field.
+    """
+    path = recipe_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where else ""
+        raise RecipeError(f"{path} is not valid YAML{line}: {getattr(error, 'problem', error)}; fix the file") from None
+    return parse_recipe(data, overrides)
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    """The recipe as plain data (what `parse_recipe` accepts)."""
+    return dataclasses.asdict(recipe)

@@ -1,0 +1,164 @@
+"""Measured speed: latency, throughput, FLOPs, memory and, for decoders, generation and KV-cache size."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def dummy_inputs(model: nn.Module, batch_size: int, seq_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random inputs of the shape the model takes: token ids, pixels (vision) or features (speech)."""
+    config = model.config
+    g = torch.Generator().manual_seed(seed)
+    main_input = getattr(model, "main_input_name", "input_ids")
+    if main_input == "pixel_values":
+        size = config.image_size
+        return {"pixel_values": torch.randn(batch_size, config.num_channels, size, size, generator=g)}
+    if main_input == "input_features":
+        frames = 2 * config.max_source_positions
+        return {"input_features": torch.randn(batch_size, config.num_mel_bins, frames, generator=g),
+                "decoder_input_ids": torch.ones(batch_size, 1, dtype=torch.long)}
+    ids = torch.randint(5, config.get_text_config().vocab_size, (batch_size, seq_len), generator=g)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if config.is_encoder_decoder:
+        inputs["decoder_input_ids"] = ids[:, : max(seq_len // 4, 1)]
+    return inputs
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def count_flops(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
+    """FLOPs of one forward pass, counted by torch.utils.flop_counter (matmuls, convolutions, attention)."""
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(**inputs)
+    return int(counter.get_total_flops())
+
+
+def _peak_memory(model: nn.Module, inputs: dict, device: torch.device) -> int:
+    """Peak bytes allocated during one forward: CUDA's allocator statistics, or the CPU allocations seen by
+    the torch profiler (weights included, as they are resident)."""
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        with torch.no_grad():
+            model(**inputs)
+        return int(torch.cuda.max_memory_allocated(device))
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(**inputs)
+    events = sorted((e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start)
+    current = peak = 0
+    for event in events:
+        current += event.cpu_memory_usage
+        peak = max(peak, current)
+    return int(weights + peak)
+
+
+def kv_cache_bytes(cache: Any) -> int:
+    """Bytes held by the keys and values of a transformers cache."""
+    layers = getattr(cache, "layers", None)
+    if layers is None and hasattr(cache, "self_attention_cache"):
+        return kv_cache_bytes(cache.self_attention_cache) + kv_cache_bytes(cache.cross_attention_cache)
+    total = 0
+    for layer in layers or []:
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if torch.is_tensor(tensor):
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _prepare(model: nn.Module, device, dtype, threads) -> torch.device:
+    if device is not None:
+        model.to(device)
+    if dtype is not None:
+        model.to(dtype)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model.eval()
+    return next(model.parameters()).device
+
+
+def _latencies(models: list[nn.Module], inputs: list[dict], repeats: int, warmup: int) -> list[list[float]]:
+    """Forward-pass seconds of each model, the models taking turns so that machine noise hits all alike."""
+    times: list[list[float]] = [[] for _ in models]
+    with torch.no_grad():
+        for i in range(warmup + repeats):
+            for k, (model, x) in enumerate(zip(models, inputs)):
+                device = next(model.parameters()).device
+                _sync(device)
+                start = time.perf_counter()
+                model(**x)
+                _sync(device)
+                if i >= warmup:
+                    times[k].append(time.perf_counter() - start)
+    return [sorted(t) for t in times]
+
+
+def benchmark_pair(before: nn.Module, after: nn.Module, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`benchmark` two models (say, before and after pruning) in one run with interleaved repeats, so their
+    ratio is not skewed by the machine's state changing between two runs. Same keyword arguments."""
+    return tuple(benchmark([before, after], **kwargs))
+
+
+def benchmark(model: nn.Module | list[nn.Module], batch_size: int = 8, seq_len: int = 128, repeats: int = 10,
+              warmup: int = 2, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+              threads: int | None = None, generate_tokens: int = 0,
+              inputs: dict[str, torch.Tensor] | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+    """Time the model's forward pass and report what users compare before and after pruning.
+
+    Returns latency (median and p90 over `repeats` after `warmup` runs, CUDA synchronised), throughput
+    (examples/s, tokens/s), parameters, FLOPs per forward, peak memory, and with `generate_tokens` > 0 for
+    models that generate, greedy generation tokens/s and the KV-cache bytes after it. The settings
+    (batch size, sequence length, device, dtype, threads) are recorded in the result. `inputs` replaces the
+    random ones. Given a list of models, times them in turns and returns one result per model.
+    """
+    models = model if isinstance(model, list) else [model]
+    devices = [_prepare(m, device, dtype, threads) for m in models]
+    base = inputs if inputs is not None else dummy_inputs(models[0], batch_size, seq_len)
+    batches = [{k: v.to(d) for k, v in base.items()} for d in devices]
+    examples = next(iter(base.values())).shape[0]
+    tokens = examples * (base["input_ids"].shape[1] if "input_ids" in base else 1)
+    results = []
+    for m, d, x, times in zip(models, devices, batches, _latencies(models, batches, repeats, warmup)):
+        median = statistics.median(times)
+        result = {
+            "latency_ms": 1000 * median,
+            "latency_p90_ms": 1000 * times[min(len(times) - 1, int(0.9 * len(times)))],
+            "examples_per_s": examples / median,
+            "tokens_per_s": tokens / median,
+            "parameters": sum(p.numel() for p in m.parameters()),
+            "flops": count_flops(m, x),
+            "peak_memory_bytes": _peak_memory(m, x, d),
+            "settings": {"batch_size": examples, "seq_len": seq_len if "input_ids" in base else None,
+                         "device": str(d), "dtype": str(next(m.parameters()).dtype).replace("torch.", ""),
+                         "threads": torch.get_num_threads(), "repeats": repeats, "warmup": warmup},
+        }
+        if generate_tokens and getattr(m, "can_generate", lambda: False)():
+            result.update(_generation(m, x, generate_tokens, d))
+        results.append(result)
+    return results if isinstance(model, list) else results[0]
+
+
+def _generation(model: nn.Module, inputs: dict, new_tokens: int, device: torch.device) -> dict[str, Any]:
+    prompt = {k: v for k, v in inputs.items() if k != "decoder_input_ids"}
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  return_dict_in_generate=True, pad_token_id=model.config.get_text_config().pad_token_id or 0)
+    with torch.no_grad():
+        model.generate(**prompt, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
+        _sync(device)
+        start = time.perf_counter()
+        out = model.generate(**prompt, **kwargs)
+        _sync(device)
+    elapsed = time.perf_counter() - start
+    batch = next(iter(prompt.values())).shape[0]
+    return {"generate_tokens_per_s": batch * new_tokens / elapsed,
+            "kv_cache_bytes": kv_cache_bytes(out.past_key_values)}
