@@ -293,3 +293,7 @@ def demo(output: str, sparsity: float, force: bool, as_json: bool) -> None:
     report = run(recipe, output=output, force=force)
     _emit(report.to_dict(), as_json, lambda: report.markdown() + f"\nSaved the pruned model, report.md, report.json "
           f"and the plots to {output}/")
+
+
+if __name__ == "__main__":
+    main()

@@ -60,10 +60,8 @@ def load_split(source: str, split: str = "validation", name: str | None = None) 
         return datasets.load_dataset(source, name, split=split)
     except DataError:
         raise
-    except ValueError as error:
-        if "Unknown split" in str(error) or "split" in str(error).lower():
-            raise DataError(f"split {split!r} of {source}: {str(error).splitlines()[0]}") from None
-        raise
+    except ValueError as error:  # unknown split, bad slice, unreadable rows
+        raise DataError(f"split {split!r} of {source}: {str(error).splitlines()[0]}") from None
     except (FileNotFoundError, ConnectionError, OSError) as error:
         raise DataError(f"cannot load dataset {source!r} ({type(error).__name__}: {str(error).splitlines()[0]}); "
                         f"give a local file or folder, or check the name and your network") from None

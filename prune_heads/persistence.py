@@ -17,7 +17,7 @@ import transformers
 from torch import nn
 from transformers import AutoConfig
 
-from .layers import find_attention
+from .layers import UnsupportedModelError, find_attention
 from .surgery import RECORD_KEY, apply_plan
 
 
@@ -55,8 +55,8 @@ def model_class(config) -> type:
     """The transformers class named by `config.architectures[0]`."""
     architectures = getattr(config, "architectures", None) or []
     if not architectures or not hasattr(transformers, architectures[0]):
-        raise ValueError(f"config.architectures is {architectures!r}: cannot tell which model class to build; "
-                         f"save the model with save_pretrained so the architecture is recorded")
+        raise UnsupportedModelError(f"unknown architecture {architectures!r} in the model's config.json: name a "
+                                    f"transformers model class there (as save_pretrained records it)")
     return getattr(transformers, architectures[0])
 
 

@@ -23,7 +23,7 @@ from .report import Report, compare
 from .scoring import score_heads
 from .selection import select_heads
 from .speed import benchmark
-from .surgery import prune
+from .surgery import PlanError, normalize_plan, prune
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -92,15 +92,26 @@ def measure_speed(models: list[nn.Module], recipe: Recipe) -> list[dict[str, Any
                      warmup=speed.warmup, threads=speed.threads, generate_tokens=speed.generate_tokens)
 
 
-def choose_heads(model: nn.Module, data: TaskData, recipe: Recipe, plan: dict | None = None,
+def check_minimum(model: nn.Module, plan: dict, minimum: int) -> None:
+    """Refuse a given plan that leaves a layer with fewer than `minimum` heads (0 allows empty layers)."""
+    layers = find_attention(model)
+    for key, heads in normalize_plan(layers, plan).items():
+        left = next(l for l in layers if l.name == key).num_heads - len(heads)
+        if left < minimum:
+            raise PlanError(f"the plan leaves {key} with {left} heads, below min_heads_per_layer={minimum}; "
+                            f"set it to 0 (--min-heads-per-layer 0) to allow removing whole attention layers")
+
+
+def choose_heads(model: nn.Module, data: TaskData | None, recipe: Recipe, plan: dict | None = None,
                  progress: bool = True) -> dict[str, Any]:
     """Score, select and prune in place (or apply a given plan); returns plan, scores, history, seconds."""
     start = time.perf_counter()
     s = recipe.scoring
-    batches = data.without_labels() if s.objective == "label-free" else data.batches
+    batches = None if data is None else data.without_labels() if s.objective == "label-free" else data.batches
     selection = {k: v for k, v in vars(recipe.selection).items() if v is not None and v != []}
     found: dict[str, Any] = {"scores": None, "history": []}
     if plan is not None:
+        check_minimum(model, plan, recipe.selection.min_heads_per_layer)
         prune(model, plan)
     elif s.steps > 1:
         sparsity = selection.pop("sparsity", None)

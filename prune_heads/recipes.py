@@ -138,7 +138,8 @@ def _type_ok(value: Any, hint: Any) -> bool:
 
 
 def _type_name(hint: Any) -> str:
-    return str(hint).replace("typing.", "").replace("prune_heads.recipes.", "")
+    return getattr(hint, "__name__", None) if isinstance(hint, type) else \
+        str(hint).replace("typing.", "").replace("prune_heads.recipes.", "")
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
@@ -164,7 +165,7 @@ def _build(cls: type, data: Any, where: str) -> Any:
             value = _build(nested, value, path)
         elif not _type_ok(value, hint):
             raise RecipeError(f"{path} must be {_type_name(hint)}, not {value!r}")
-        if path in CHOICES and value not in CHOICES[path]:
+        if path in CHOICES and value is not None and value not in CHOICES[path]:
             raise RecipeError(f"{path} is {value!r}; choose one of {', '.join(CHOICES[path])}")
         values[name] = value
     return cls(**values)

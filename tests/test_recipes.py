@@ -1,0 +1,85 @@
+import pytest
+import torch
+
+import tiny_models as tm
+from prune_heads.data import TaskData
+from prune_heads.layers import find_attention
+from prune_heads.pipeline import choose_heads
+from prune_heads.recipes import RecipeError, load_recipe, parse_recipe, shipped_recipes
+
+# hub recipe -> the tiny random stand-in of the same family used to build its pipeline here (no hub)
+STAND_INS = {"bert-base-sst2": "bert", "bert-base-mnli": "bert", "distilbert-sst2": "distilbert",
+             "roberta-base-mnli": "roberta", "gpt2-wikitext2": "gpt2", "qwen2.5-0.5b-wikitext2": "qwen2",
+             "vit-base-beans": "vit", "all-minilm-l6-v2-embeddings": "bert"}
+
+
+def test_every_shipped_recipe_validates():
+    names = set(shipped_recipes())
+    assert set(STAND_INS) | {"fixture-minilm-sentiment", "demo-minilm-embeddings"} == names
+    for name in names:
+        recipe = load_recipe(name)
+        assert recipe.description and recipe.output
+
+
+def _synthetic(name: str, recipe) -> TaskData:
+    batches = [tm.make_inputs(name, batch=4, seed=s) for s in range(2)]
+    for batch in batches:
+        if recipe.task == "causal-lm":
+            batch["labels"] = batch["input_ids"].clone()
+        elif recipe.task in ("classification", "image-classification"):
+            batch["labels"] = torch.tensor([0, 1, 1, 0])
+    return TaskData(recipe.task, batches, 8)
+
+
+@pytest.mark.parametrize("recipe_name", sorted(STAND_INS))
+def test_hub_recipes_build_their_pipeline_on_a_stand_in(recipe_name):
+    recipe = load_recipe(recipe_name)
+    family = STAND_INS[recipe_name]
+    model = tm.build(family)
+    if recipe.task == "feature-extraction":
+        model = model.bert
+    total = sum(layer.num_heads for layer in find_attention(model))
+    found = choose_heads(model, _synthetic(family, recipe), recipe, progress=False)
+    removed = sum(len(h) for h in found["plan"].values())
+    group = find_attention(model)[0].group_size
+    assert abs(removed - recipe.selection.sparsity * total) <= group  # GQA removes in units of groups
+    assert sum(layer.num_heads for layer in find_attention(model)) == total - removed
+    assert found["scores"].method == recipe.scoring.method
+
+
+def _base():
+    return {"model": "m", "data": {"source": "d"}, "selection": {"sparsity": 0.5}}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"data": {"source": "d", "txt_column": "x"}}, "unknown key data.txt_column: did you mean 'text_column'\\?"),
+    ({"selction": {}}, "unknown key selction: did you mean 'selection'\\?"),
+    ({"selection": {"sparsity": "half"}}, "selection.sparsity must be float | None, not 'half'"),
+    ({"model": None}, "model must be str"),
+    ({"scoring": {"method": "magic"}}, "scoring.method is 'magic'; choose one of ablation, activation"),
+    ({"task": "translation"}, "task is 'translation'; choose one of classification"),
+    ({"selection": {"sparsity": 0.5, "num_heads": 3}}, "exactly one of sparsity, num_heads or keep_per_layer"),
+    ({"evaluation": {"speed": {"repeats": 2.5}}}, "evaluation.speed.repeats must be int"),
+])
+def test_bad_recipes_name_the_key(change, message):
+    data = {**_base(), **change}
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe(data)
+
+
+def test_missing_field_and_overrides():
+    with pytest.raises(RecipeError, match="data is missing"):
+        parse_recipe({"model": "m", "selection": {"sparsity": 0.5}})
+    recipe = parse_recipe(_base(), ["selection.sparsity=0.25", "evaluation.speed=null", "scoring.steps=3"])
+    assert recipe.selection.sparsity == 0.25 and recipe.evaluation.speed is None and recipe.scoring.steps == 3
+    with pytest.raises(RecipeError, match="--set takes key=value"):
+        parse_recipe(_base(), ["selection.sparsity"])
+
+
+def test_corrupt_yaml_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: m\ndata: [unclosed\n")
+    with pytest.raises(RecipeError, match="is not valid YAML at line 3"):
+        load_recipe(str(path))
+    with pytest.raises(RecipeError, match="no recipe file or shipped recipe named 'nope'; shipped: all-minilm"):
+        load_recipe("nope")

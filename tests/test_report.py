@@ -1,0 +1,40 @@
+import json
+
+import torch
+
+import prune_heads as ph
+from prune_heads.report import compare
+
+
+def measurement(acc, latency, flops, heads):
+    return {"metrics": {"accuracy": acc, "examples": 100},
+            "speed": {"latency_ms": latency, "latency_p90_ms": latency * 1.1, "examples_per_s": 8000 / latency,
+                      "tokens_per_s": 1e6 / latency, "parameters": 1000 + 10 * sum(heads.values()), "flops": flops,
+                      "peak_memory_bytes": 2 ** 20, "settings": {"batch_size": 8, "seq_len": 128}},
+            "heads": heads}
+
+
+def test_report_summary_json_markdown_and_plots(tmp_path):
+    before = measurement(0.85, 200.0, 100e9, {"l.0": 12, "l.1": 12})
+    after = measurement(0.84, 160.0, 80e9, {"l.0": 6, "l.1": 9})
+    scores = ph.HeadScores("gradient", 10, {"l.0": torch.rand(12), "l.1": torch.rand(12)},
+                           {"l.0": tuple(range(12)), "l.1": tuple(range(12))}, {"l.0": 1, "l.1": 1},
+                           {"l.0": 12, "l.1": 12})
+    history = [{"step": 0, "heads_removed": 0, "loss": 0.3, "accuracy": 0.85},
+               {"step": 1, "heads_removed": 9, "loss": 0.35, "accuracy": 0.84}]
+    report = compare(before, after, plan={"l.0": [0, 1, 2, 3, 4, 5], "l.1": [0, 1, 2]}, scores=scores,
+                     history=history, meta={"model": "m"})
+    summary = report.summary()
+    assert abs(summary["metrics"]["accuracy"]["delta"] + 0.01) < 1e-12
+    assert summary["speed"]["speedup"] == 1.25 and summary["speed"]["flops_ceiling"] == 1.25
+    assert summary["speed"]["fraction_of_ceiling"] == 1.0
+    assert summary["heads"] == {"before": 24, "after": 15, "removed": 9}
+    paths = report.write(tmp_path)
+    assert set(paths) == {"json", "markdown", "heatmap", "heads", "curve"}
+    for key in ("heatmap", "heads", "curve"):
+        assert paths[key].read_bytes()[:4] == b"\x89PNG"
+    data = json.loads(paths["json"].read_text())
+    assert data["summary"]["heads"]["removed"] == 9 and data["plan"]["l.1"] == [0, 1, 2]
+    text = paths["markdown"].read_text()
+    assert "| accuracy | 0.8500 | 0.8400 | -0.0100 |" in text and "1.25x faster" in text
+    assert "| l.0 | 6 / 12 |" in text

@@ -1,0 +1,46 @@
+import pytest
+import torch
+
+import prune_heads as ph
+import tiny_models as tm
+from prune_heads.speed import benchmark, benchmark_pair, count_flops, dummy_inputs
+
+
+def test_flops_drop_by_exactly_the_removed_heads():
+    model = tm.build("bert")  # hidden 32, head_dim 8
+    inputs = dummy_inputs(model, batch_size=2, seq_len=10)
+    before = count_flops(model, inputs)
+    ph.prune(model, {0: [0, 1], 2: [3]})
+    after = count_flops(model, inputs)
+    b, s, hidden, d = 2, 10, 32, 8
+    per_head = 4 * 2 * b * s * hidden * d + 2 * 2 * b * s * s * d  # q, k, v, o projections + scores + context
+    assert before - after == 3 * per_head
+
+
+def test_benchmark_reports_settings_and_decoder_figures():
+    model = tm.build("llama")
+    result = benchmark(model, batch_size=2, seq_len=12, repeats=3, warmup=1, generate_tokens=4)
+    assert result["settings"] == {"batch_size": 2, "seq_len": 12, "device": "cpu", "dtype": "float32",
+                                  "threads": torch.get_num_threads(), "repeats": 3, "warmup": 1}
+    assert result["latency_p90_ms"] >= result["latency_ms"] > 0
+    assert result["tokens_per_s"] == pytest.approx(result["examples_per_s"] * 12)
+    assert result["parameters"] == sum(p.numel() for p in model.parameters())
+    assert result["peak_memory_bytes"] > result["parameters"] * 4
+    assert result["generate_tokens_per_s"] > 0 and result["kv_cache_bytes"] > 0
+
+
+def test_pair_benchmark_shows_smaller_kv_cache_after_removing_groups():
+    original = tm.build("llama")
+    pruned = tm.build("llama")
+    ph.prune(pruned, {i: [0, 1] for i in range(3)})  # one of two KV groups in every layer
+    before, after = benchmark_pair(original, pruned, batch_size=2, seq_len=8, repeats=2, warmup=1,
+                                   generate_tokens=3)
+    assert after["kv_cache_bytes"] * 2 == before["kv_cache_bytes"]
+    assert after["flops"] < before["flops"] and after["parameters"] < before["parameters"]
+
+
+def test_dummy_inputs_fit_vision_and_speech_models():
+    for name in ("vit", "whisper", "t5"):
+        model = tm.build(name)
+        result = benchmark(model, batch_size=1, seq_len=6, repeats=1, warmup=0)
+        assert result["flops"] > 0
