@@ -19,6 +19,7 @@ from .iterative import prune_iteratively
 from .layers import find_attention
 from .persistence import ensure_free, load_pruned, replace_folder
 from .recipes import Recipe, recipe_to_dict
+from .recovery import plan_with_interactions, reconstruct
 from .report import Report, compare
 from .scoring import score_heads
 from .selection import select_heads
@@ -103,8 +104,9 @@ def check_minimum(model: nn.Module, plan: dict, minimum: int) -> None:
 
 
 def choose_heads(model: nn.Module, data: TaskData | None, recipe: Recipe, plan: dict | None = None,
-                 progress: bool = True) -> dict[str, Any]:
-    """Score, select and prune in place (or apply a given plan); returns plan, scores, history, seconds."""
+                 progress: bool = True, reference: nn.Module | None = None) -> dict[str, Any]:
+    """Score, select and prune in place (or apply a given plan), then run the recipe's recovery against the
+    unpruned `reference`; returns plan, scores, history, recovery report and seconds."""
     start = time.perf_counter()
     s = recipe.scoring
     batches = None if data is None else data.without_labels() if s.objective == "label-free" else data.batches
@@ -122,9 +124,18 @@ def choose_heads(model: nn.Module, data: TaskData | None, recipe: Recipe, plan: 
         plan, found["scores"], found["history"] = result.plan, result.scores, result.history
     else:
         scores = score_heads(model, batches, method=s.method, normalize=s.normalize, seed=s.seed, progress=progress)
-        plan = select_heads(scores, **selection)
+        if recipe.recovery.rearrange:
+            plan = plan_with_interactions(scores, num_heads=selection.get("num_heads"),
+                                          sparsity=selection.get("sparsity"),
+                                          min_heads_per_layer=recipe.selection.min_heads_per_layer)
+        else:
+            plan = select_heads(scores, **selection)
         prune(model, plan)
         found["scores"] = scores
+    r = recipe.recovery
+    if (r.mask_tuning or r.bias_compensation) and data is not None:
+        found["recovery"] = reconstruct(model, reference, data.without_labels(), scales=r.mask_tuning,
+                                        bias=r.bias_compensation, ridge=r.ridge, sequential=r.sequential)
     found["plan"] = plan
     found["seconds"] = time.perf_counter() - start
     return found
@@ -150,15 +161,18 @@ def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, p
     before = measure(model, eval_data, recipe, reference, progress) if evaluate else {"heads": heads_kept(model)}
     score_data = task_data(recipe, model, processor, d.score_split, d.score_examples) if plan is None else None
     timed = evaluate and recipe.evaluation.speed is not None
-    original = copy.deepcopy(model) if timed else None  # timed beside the pruned model, in turns
-    found = choose_heads(model, score_data, recipe, plan, progress)
+    recovering = recipe.recovery.mask_tuning or recipe.recovery.bias_compensation
+    # the unpruned model: timed beside the pruned one (in turns) and the target of recovery
+    original = copy.deepcopy(model) if timed or recovering else None
+    found = choose_heads(model, score_data, recipe, plan, progress, reference=original)
     after = measure(model, eval_data, recipe, reference, progress) if evaluate else {"heads": heads_kept(model)}
     if timed:
         before["speed"], after["speed"] = measure_speed([original, model], recipe)
-        del original
+    del original
     meta = {"model": recipe.model, "task": recipe.task, "method": recipe.scoring.method,
             "steps": recipe.scoring.steps, "scoring_seconds": round(found["seconds"], 2),
-            "score_examples": score_data.num_examples if score_data is not None else 0}
+            "score_examples": score_data.num_examples if score_data is not None else 0,
+            "recovery": {k: v for k, v in vars(recipe.recovery).items() if v is True} or None}
     report = compare(before, after, plan=found["plan"], scores=found["scores"], history=found["history"], meta=meta)
 
     def write(tmp: Path) -> None:

@@ -71,6 +71,19 @@ class SelectionConfig:
 
 
 @dataclass(frozen=True)
+class RecoveryConfig:
+    """Retraining-free recovery (`ph.plan_with_interactions`, `ph.reconstruct`): `rearrange` chooses the heads
+    with the Fisher blocks (needs scoring.method fisher); `mask_tuning` rescales kept heads and
+    `bias_compensation` refits output biases to match the unpruned layers on the scoring data."""
+
+    rearrange: bool = False
+    mask_tuning: bool = False
+    bias_compensation: bool = False
+    sequential: bool = False
+    ridge: float = 1e-3
+
+
+@dataclass(frozen=True)
 class SpeedConfig:
     """How speed is measured (`ph.benchmark`)."""
 
@@ -99,6 +112,7 @@ class Recipe:
     selection: SelectionConfig
     task: str = "classification"
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     output: str | None = None
     device: str | None = None
@@ -210,6 +224,10 @@ def parse_recipe(data: Any, overrides: list[str] = ()) -> Recipe:
     chosen = [k for k in ("sparsity", "num_heads", "keep_per_layer") if getattr(recipe.selection, k) is not None]
     if len(chosen) != 1:
         raise RecipeError(f"selection needs exactly one of sparsity, num_heads or keep_per_layer (has {chosen or 'none'})")
+    if recipe.recovery.rearrange and (recipe.scoring.method != "fisher" or recipe.scoring.steps > 1
+                                      or recipe.selection.keep_per_layer is not None):
+        raise RecipeError("recovery.rearrange needs scoring.method fisher, scoring.steps 1 and selection.sparsity "
+                          "or selection.num_heads")
     return recipe
 
 

@@ -102,6 +102,7 @@ class ScoringRun:
     generator: torch.Generator
     progress: bool
     examples: int = 0
+    meta: dict = field(default_factory=dict)
 
     def iterate(self, desc: str) -> Iterator[dict]:
         """Batches moved to the device, with a progress bar; counts the examples seen."""
@@ -249,8 +250,12 @@ def frozen(model: nn.Module) -> Iterator[None]:
 
 
 def gate_gradients(run: ScoringRun) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], int]:
-    """One pass with per-example gates: per layer, the sums of g, |g| and g^2 over examples (float64) and n."""
+    """One pass with per-example gates: per layer, the sums of g, |g| and g^2 over examples (float64) and n.
+
+    Also leaves each layer's Fisher block, the sum of g g^T, in `run.meta["fisher_blocks"]`.
+    """
     sums = [[torch.zeros(l.num_heads, dtype=torch.float64) for l in run.layers] for _ in range(3)]
+    blocks = [torch.zeros(l.num_heads, l.num_heads, dtype=torch.float64) for l in run.layers]
     count = 0
     with head_gates(run.model) as gates:
         for batch in run.iterate("scoring heads"):
@@ -265,7 +270,9 @@ def gate_gradients(run: ScoringRun) -> tuple[list[torch.Tensor], list[torch.Tens
                 sums[0][i] += g.sum(0)
                 sums[1][i] += g.abs().sum(0)
                 sums[2][i] += (g ** 2).sum(0)
+                blocks[i] += g.T @ g
             count += n if per_example else 1
+    run.meta["fisher_blocks"] = {l.name: b.tolist() for l, b in zip(run.layers, blocks)}
     return sums[0], sums[1], sums[2], count
 
 
@@ -413,5 +420,6 @@ def score_heads(model: nn.Module, dataloader: Iterable[dict], method: str = "gra
         group_sizes={l.name: l.group_size for l in layers},
         original_heads={l.name: l.original_num_heads for l in layers},
         variance=None if variances is None else {n: v.float() for n, v in zip(names, variances)},
-        meta={"normalized": bool(normalize if normalize is not None else method == "gradient"), "seed": seed},
+        meta={"normalized": bool(normalize if normalize is not None else method == "gradient"), "seed": seed,
+              **run.meta},
     )

@@ -1,0 +1,64 @@
+"""Shared set-up for the benchmarks: the fixture classifier and its splits (../shared/fixtures)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers.utils import logging
+
+from prune_heads.data import TaskData, load_task_data
+from prune_heads.evaluation import evaluate_task
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+MODEL = FIXTURES / "minilm-movie-sentiment"
+DATA = FIXTURES / "movie-snippets"
+logging.set_verbosity_error()
+logging.disable_progress_bar()
+
+
+def fixture() -> tuple[object, TaskData, TaskData]:
+    """A fresh copy of the fixture classifier, its validation batches (scoring) and test batches (accuracy)."""
+    if not MODEL.exists():
+        raise SystemExit(f"the benchmarks need the shared fixture at {MODEL}")
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    validation = load_task_data(str(DATA), tokenizer, split="validation", batch_size=64, max_length=128)
+    test = load_task_data(str(DATA), tokenizer, split="test", batch_size=64, max_length=128)
+    return load_model(), validation, test
+
+
+def load_model():
+    """The unpruned fixture classifier, in eval mode."""
+    return AutoModelForSequenceClassification.from_pretrained(MODEL).eval()
+
+
+def accuracy(model, test: TaskData) -> float:
+    """Test accuracy through the evaluator."""
+    return evaluate_task(model, test, ["accuracy"], progress=False)["accuracy"]
+
+
+class Timer:
+    """with Timer() as t: ...; t.seconds"""
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.start
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A Markdown table; floats get 3 decimals."""
+    def cell(v):
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def torch_threads() -> int:
+    return torch.get_num_threads()

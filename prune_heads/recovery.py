@@ -1,0 +1,222 @@
+"""Retraining-free recovery after head removal.
+
+- `plan_with_interactions`: Kwon et al. (2022)'s mask rearrangement, done exactly: per layer, the block of
+  the Fisher matrix (per-example gate gradients, g g^T) estimates the loss increase of removing a SET of
+  heads, 1_S^T F 1_S / 2, including their interactions; the best set per size is found by enumeration and the
+  sizes are shared out between layers by dynamic programming.
+- `reconstruct`: mask tuning (Kwon et al. 2022) and bias compensation (FLAP, An et al. 2024) as one least-squares
+  problem per layer: scales for the kept heads and/or a new output bias so that the pruned layer's output
+  projection matches the unpruned layer's on the calibration set. Layers are solved in order on the pruned
+  model's own inputs, so drift from earlier layers is corrected too. The scales are folded into the output
+  projection, so the saved model is a plain smaller model.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from .layers import AttentionLayer, find_attention, resolve
+from .scoring import HeadScores
+from .surgery import PlanError
+
+_MAX_ENUMERATED = 20_000  # subsets of one layer's units, beyond which the set is grown greedily
+
+
+def _best_sets(block: torch.Tensor, heads: tuple[int, ...], group: int) -> list[tuple[float, tuple[int, ...]]]:
+    """For k = 0..H removed units: the smallest estimated loss increase and the heads to remove.
+
+    Units are single heads, or whole KV groups in grouped-query layers. Enumerates every subset when that
+    is cheap, and grows the set greedily otherwise.
+    """
+    units: dict[int, list[int]] = {}
+    for position, h in enumerate(heads):
+        units.setdefault(h // group, []).append(position)
+    members = list(units.values())
+    best = [(0.0, ())]
+    chosen: list[int] = []
+    for k in range(1, len(members) + 1):
+        def cost(subset):
+            index = [p for u in subset for p in members[u]]
+            return float(block[index][:, index].sum()) / 2
+
+        count = sum(1 for _ in itertools.combinations(range(len(members)), k)) if len(members) <= 24 else None
+        if count is not None and count <= _MAX_ENUMERATED:
+            value, subset = min((cost(s), s) for s in itertools.combinations(range(len(members)), k))
+        else:
+            value, extra = min((cost((*chosen, u)), u) for u in range(len(members)) if u not in chosen)
+            subset = (*chosen, extra)
+        chosen = list(subset)
+        best.append((value, tuple(sorted(heads[p] for u in subset for p in members[u]))))
+    return best
+
+
+def plan_with_interactions(scores: HeadScores, num_heads: int | None = None, sparsity: float | None = None,
+                           min_heads_per_layer: int = 1) -> dict[str, list[int]]:
+    """The removal plan that minimises the block-diagonal Fisher estimate of the loss increase.
+
+    Needs scores from the "fisher" method (they carry each layer's Fisher block). Give `num_heads` (how
+    many more to remove) or `sparsity` (fraction of all original heads gone afterwards). Grouped-query
+    layers lose whole KV groups. Raises PlanError when the request cannot be met.
+    """
+    blocks = scores.meta.get("fisher_blocks")
+    if blocks is None:
+        raise PlanError("mask rearrangement needs scores from method='fisher' (they carry the Fisher blocks)")
+    present = {n: len(scores.heads[n]) for n in scores.layers}
+    if num_heads is None:
+        already = sum(scores.original_heads.values()) - sum(present.values())
+        num_heads = round((sparsity or 0.0) * sum(scores.original_heads.values())) - already
+    options = {}
+    for name in scores.layers:
+        block = torch.as_tensor(blocks[name], dtype=torch.float64)
+        options[name] = [(c, s) for c, s in _best_sets(block, scores.heads[name], scores.group_sizes[name])
+                         if present[name] - len(s) >= min_heads_per_layer]
+    # dp[r] = (cost, choices) of removing exactly r heads from the layers seen so far
+    dp: dict[int, tuple[float, list[tuple[int, ...]]]] = {0: (0.0, [])}
+    for name in scores.layers:
+        nxt: dict[int, tuple[float, list[tuple[int, ...]]]] = {}
+        for removed, (total, picks) in dp.items():
+            for cost, subset in options[name]:
+                r = removed + len(subset)
+                if r <= num_heads and (r not in nxt or total + cost < nxt[r][0]):
+                    nxt[r] = (total + cost, picks + [subset])
+        dp = nxt
+    if num_heads not in dp:
+        possible = max(dp)
+        raise PlanError(f"cannot remove {num_heads} heads with min_heads_per_layer={min_heads_per_layer} in whole "
+                        f"units; at most {possible} can go")
+    return {n: list(s) for n, s in zip(scores.layers, dp[num_heads][1]) if s}
+
+
+def _rows(x: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Token rows of a [batch, seq, features] activation, padding dropped."""
+    mask = batch.get("attention_mask")
+    if mask is not None and x.dim() == 3 and mask.shape == x.shape[:2]:
+        return x[mask.bool()]
+    return x.reshape(-1, x.shape[-1])
+
+
+def _weight(o_proj: nn.Module) -> torch.Tensor:
+    """[out, in] view of an output projection's weight (GPT-2's Conv1D stores [in, out])."""
+    return o_proj.weight if isinstance(o_proj, nn.Linear) else o_proj.weight.t()
+
+
+class _Statistics:
+    """Sums over calibration tokens of x x^T, x y^T, x, y and |y|^2 for one layer, where x is the pruned
+    layer's output-projection input and y the unpruned layer's output-projection output."""
+
+    def __init__(self, inner: int, width: int) -> None:
+        self.C = torch.zeros(inner, inner, dtype=torch.float64)
+        self.P = torch.zeros(inner, width, dtype=torch.float64)
+        self.sx, self.sy = torch.zeros(inner, dtype=torch.float64), torch.zeros(width, dtype=torch.float64)
+        self.yy, self.n = 0.0, 0
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        x, y = x.double().cpu(), y.double().cpu()
+        self.C += x.T @ x
+        self.P += x.T @ y
+        self.sx += x.sum(0)
+        self.sy += y.sum(0)
+        self.yy += float((y * y).sum())
+        self.n += y.shape[0]
+
+
+@torch.no_grad()
+def _collect(model: nn.Module, reference: nn.Module, pairs: list[tuple[AttentionLayer, AttentionLayer]],
+             batches: list[dict]) -> list[_Statistics]:
+    """One forward of each model per batch, with hooks on the output projections of every layer in `pairs`."""
+    stats = [_Statistics(l.num_heads * l.head_dim, _weight(resolve(l.module, l.spec.o)).shape[0]) for l, _ in pairs]
+    xs: dict[int, torch.Tensor] = {}
+    ys: dict[int, torch.Tensor] = {}
+    handles = []
+    for i, (layer, ref_layer) in enumerate(pairs):
+        handles.append(resolve(layer.module, layer.spec.o).register_forward_pre_hook(
+            lambda m, a, i=i: xs.__setitem__(i, a[0].detach())))
+        handles.append(resolve(ref_layer.module, ref_layer.spec.o).register_forward_hook(
+            lambda m, a, out, i=i: ys.__setitem__(i, out.detach())))
+    try:
+        for batch in batches:
+            xs.clear()
+            ys.clear()
+            reference(**batch)
+            model(**batch)
+            for i, (layer, _) in enumerate(pairs):
+                y = _rows(ys[i], batch)
+                x = _rows(xs[i], batch) if layer.num_heads else y.new_zeros(y.shape[0], 0)  # no heads: bias only
+                stats[i].add(x, y)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return stats
+
+
+@torch.no_grad()
+def _solve(layer: AttentionLayer, s: _Statistics, scales: bool, bias: bool, ridge: float) -> dict[str, float]:
+    """Fit the kept heads' scales and/or the output bias to the statistics, and fold them into the layer."""
+    o_proj = resolve(layer.module, layer.spec.o)
+    width, dim, heads = _weight(o_proj).shape[0], layer.head_dim, layer.num_heads
+    inner, n = heads * dim, max(s.n, 1)
+    W = _weight(o_proj).detach().double().cpu()  # [width, inner]
+    b_old = o_proj.bias.detach().double().cpu() if o_proj.bias is not None else torch.zeros(width, dtype=torch.float64)
+    Wh = W.reshape(width, heads, dim)
+
+    def error(m: torch.Tensor, b: torch.Tensor) -> float:
+        """Mean over tokens of ||sum_h m_h A_h + b - y||^2, from the statistics."""
+        Wm = (Wh * m[None, :, None]).reshape(width, inner)
+        return float((Wm @ s.C * Wm).sum() - 2 * (s.P * Wm.T).sum() + s.yy + s.n * b @ b + 2 * b @ (Wm @ s.sx)
+                     - 2 * b @ s.sy) / n
+
+    ones = torch.ones(heads, dtype=torch.float64)
+    before = error(ones, b_old)
+    can_bias = bias and o_proj.bias is not None
+    m = ones
+    if scales and heads:
+        Cc, Pc = (s.C - torch.outer(s.sx, s.sx) / n, s.P - torch.outer(s.sx, s.sy) / n) if can_bias else \
+            (s.C, s.P - torch.outer(s.sx, b_old))
+        G = torch.einsum("idje,aid,aje->ij", Cc.reshape(heads, dim, heads, dim), Wh, Wh)
+        r = torch.einsum("ida,aid->i", Pc.reshape(heads, dim, width), Wh)
+        lam = ridge * float(G.diagonal().mean()) + 1e-12
+        m = torch.linalg.solve(G + lam * torch.eye(heads, dtype=torch.float64), r + lam * ones)
+    b = b_old
+    if can_bias:
+        b = (s.sy - (Wh * m[None, :, None]).reshape(width, inner) @ s.sx) / n
+    after = error(m, b)
+    weight = o_proj.weight
+    factor = m.repeat_interleave(dim).to(weight.dtype).to(weight.device)
+    weight.mul_(factor[None, :] if isinstance(o_proj, nn.Linear) else factor[:, None])
+    if can_bias:
+        o_proj.bias.copy_(b.to(o_proj.bias.dtype))
+    return {"error_before": before, "error_after": after, "tokens": s.n, "scales": m.tolist()}
+
+
+def reconstruct(model: nn.Module, reference: nn.Module, dataloader: Iterable[dict], scales: bool = True,
+                bias: bool = True, ridge: float = 1e-3, sequential: bool = False) -> dict[str, dict[str, float]]:
+    """Rescale the kept heads (`scales`, mask tuning) and/or reset the output bias (`bias`, bias compensation)
+    of every pruned layer so that its output matches the unpruned `reference` model's on the calibration
+    batches, in place. `ridge` pulls the scales towards 1 (relative to the mean head energy). With
+    `sequential`, layers are fitted one after another, each on inputs that include the earlier fits (one
+    pass per layer); otherwise all layers are fitted from one pass.
+
+    Returns, per layer, the mean squared reconstruction error per token before and after. Bias
+    compensation needs an output projection with a bias (BERT-likes, GPT-2, OPT, ViT, ...); layers without
+    one get scales only. `model` is the pruned copy of `reference`.
+    """
+    device = next(model.parameters()).device
+    batches = [{k: v.to(device) for k, v in b.items() if k != "labels"} for b in dataloader]
+    layers, ref_layers = find_attention(model), {l.name: l for l in find_attention(reference)}
+    was_training = (model.training, reference.training)
+    model.eval()
+    reference.eval()
+    pairs = [(l, ref_layers[l.name]) for l in layers if l.num_heads < l.original_num_heads]
+    report = {}
+    try:
+        for group in ([[p] for p in pairs] if sequential else [pairs]):
+            for (layer, _), stats in zip(group, _collect(model, reference, group, batches)):
+                report[layer.name] = _solve(layer, stats, scales, bias, ridge)
+    finally:
+        model.train(was_training[0])
+        reference.train(was_training[1])
+    return report

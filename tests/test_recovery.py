@@ -1,0 +1,118 @@
+import copy
+
+import pytest
+import torch
+
+import prune_heads as ph
+import tiny_models as tm
+from prune_heads.recovery import plan_with_interactions, reconstruct
+
+
+def calibration(name="bert", n=3):
+    return [tm.make_inputs(name, batch=4, seq=9, seed=s) for s in range(n)]
+
+
+def layer_outputs(model, layer_index, batches):
+    """Output-projection outputs of one layer over the calibration tokens (padding dropped)."""
+    o_proj = ph.find_attention(model)[layer_index]
+    module = o_proj.module.get_submodule(o_proj.spec.o)
+    rows = []
+    handle = module.register_forward_hook(lambda m, a, out: rows.append(out.detach()))
+    with torch.no_grad():
+        for b in batches:
+            model(**b)
+    handle.remove()
+    return torch.cat([r[b["attention_mask"].bool()] for r, b in zip(rows, batches)])
+
+
+def pruned_pair(name="bert"):
+    reference = tm.build(name)
+    model = copy.deepcopy(reference)
+    ph.prune(model, {0: [1, 3]})  # only layer 0: its inputs are the reference's
+    return reference, model
+
+
+def test_mask_tuning_lowers_the_error_it_minimises():
+    reference, model = pruned_pair()
+    batches = calibration()
+    target = layer_outputs(reference, 0, batches)
+    before = (layer_outputs(model, 0, batches) - target).pow(2).sum(-1).mean()
+    report = reconstruct(model, reference, batches, scales=True, bias=False)
+    after = (layer_outputs(model, 0, batches) - target).pow(2).sum(-1).mean()
+    entry = report["bert.encoder.layer.0.attention"]
+    assert after < before
+    assert entry["error_before"] == pytest.approx(float(before), rel=1e-4)
+    assert entry["error_after"] == pytest.approx(float(after), rel=1e-4)
+
+
+def test_folded_scales_equal_the_gated_and_scaled_model():
+    reference, model = pruned_pair()
+    gated = copy.deepcopy(model)
+    batches = calibration()
+    scales = reconstruct(model, reference, batches, scales=True, bias=False)["bert.encoder.layer.0.attention"]["scales"]
+    inputs = tm.make_inputs("bert", seed=9)
+    with ph.head_gates(gated) as gates, torch.no_grad():
+        gates[0].copy_(torch.tensor(scales))
+        expected = gated(**inputs).logits
+    with torch.no_grad():
+        folded = model(**inputs).logits
+    torch.testing.assert_close(folded, expected, rtol=0, atol=1e-5)
+
+
+def test_bias_compensation_restores_the_mean_output():
+    reference, model = pruned_pair()
+    batches = calibration()
+    target = layer_outputs(reference, 0, batches).mean(0)
+    assert (layer_outputs(model, 0, batches).mean(0) - target).abs().max() > 1e-3
+    reconstruct(model, reference, batches, scales=False, bias=True)
+    torch.testing.assert_close(layer_outputs(model, 0, batches).mean(0), target, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_reconstruct_handles_every_pruned_layer_and_empty_layers(sequential):
+    reference = tm.build("gpt2")
+    model = copy.deepcopy(reference)
+    ph.prune(model, {0: [0, 1, 2, 3], 1: [2], 2: [0, 3]})
+    batches = calibration("gpt2")
+    report = reconstruct(model, reference, batches, sequential=sequential)
+    assert set(report) == {l.name for l in ph.find_attention(model)}
+    assert all(r["error_after"] <= r["error_before"] + 1e-9 for r in report.values())
+    assert report["transformer.h.0.attn"]["scales"] == []  # no heads left: its bias alone is refitted
+
+
+def fake_scores(block, group=1):
+    heads = tuple(range(len(block)))
+    diag = torch.tensor([block[i][i] for i in heads], dtype=torch.float32)
+    return ph.HeadScores("fisher", 8, {"l.0": diag}, {"l.0": heads}, {"l.0": group}, {"l.0": len(heads)},
+                         meta={"fisher_blocks": {"l.0": block}})
+
+
+def test_rearrangement_accounts_for_interactions():
+    # heads 0 and 1 are each cheap to remove but redundant together (positive off-diagonal)
+    block = [[1.0, 5.0, 0.0, 0.0], [5.0, 1.0, 0.0, 0.0], [0.0, 0.0, 2.0, 0.0], [0.0, 0.0, 0.0, 3.0]]
+    scores = fake_scores(block)
+    assert ph.select_heads(scores, num_heads=2) == {"l.0": [0, 1]}  # diagonal ranking
+    assert plan_with_interactions(scores, num_heads=2) == {"l.0": [0, 2]}  # 1 + 2 < 1 + 1 + 10
+
+
+def test_rearrangement_allocates_across_layers_and_keeps_groups():
+    scores = ph.HeadScores(
+        "fisher", 8, {"a": torch.ones(4), "b": torch.ones(4)}, {"a": (0, 1, 2, 3), "b": (0, 1, 2, 3)},
+        {"a": 2, "b": 1}, {"a": 4, "b": 4},
+        meta={"fisher_blocks": {"a": torch.diag(torch.tensor([9.0, 9.0, 0.1, 0.1])).tolist(),
+                                "b": torch.diag(torch.tensor([0.5, 0.2, 7.0, 7.0])).tolist()}})
+    assert plan_with_interactions(scores, num_heads=4) == {"a": [2, 3], "b": [0, 1]}
+    with pytest.raises(ph.PlanError, match="at most 5 can go"):
+        plan_with_interactions(scores, num_heads=6)
+    with pytest.raises(ph.PlanError, match="needs scores from method='fisher'"):
+        plan_with_interactions(ph.HeadScores("gradient", 1, {}, {}, {}, {}), num_heads=1)
+
+
+def test_real_scoring_carries_fisher_blocks():
+    model = tm.build("bert")
+    batches = [dict(b, labels=torch.tensor([0, 1, 1, 0])) for b in calibration()]
+    scores = ph.score_heads(model, batches, method="fisher", progress=False)
+    block = torch.tensor(scores.meta["fisher_blocks"]["bert.encoder.layer.0.attention"])
+    torch.testing.assert_close(block.diagonal().float(), scores.scores["bert.encoder.layer.0.attention"])
+    plan = plan_with_interactions(scores, sparsity=0.5)
+    assert sum(len(h) for h in plan.values()) == 6
