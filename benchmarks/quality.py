@@ -39,11 +39,14 @@ def fisher_rearranged(model, validation, sparsity, tuning=False, bias=False):
         ph.reconstruct(model, reference, validation.without_labels(), scales=tuning, bias=bias)
 
 
-def fisher_rearranged_iterative(model, validation, sparsity, steps=None):
-    steps = steps or max(2, round(sparsity / 0.125))
+def fisher_rearranged_tuned(model, validation, sparsity, steps=1):
+    """Fisher + rearrangement (in `steps` re-scored steps), then the kept heads' gates tuned to the unpruned
+    model's outputs (KL) and folded into the weights."""
+    reference = copy.deepcopy(model)
     for step in range(1, steps + 1):
         scores = ph.score_heads(model, validation, method="fisher", progress=False)
         ph.prune(model, ph.plan_with_interactions(scores, sparsity=sparsity * step / steps))
+    ph.tune_gates(model, reference, validation.without_labels())
 
 
 METHODS = {
@@ -54,7 +57,8 @@ METHODS = {
     "fisher + rearrangement + mask tuning": lambda m, v, s: fisher_rearranged(m, v, s, tuning=True),
     "fisher + rearrangement + mask tuning + bias compensation":
         lambda m, v, s: fisher_rearranged(m, v, s, tuning=True, bias=True),
-    "fisher + rearrangement, iterative (12.5% per step)": fisher_rearranged_iterative,
+    "fisher + rearrangement + gate tuning (KL to the unpruned model)": fisher_rearranged_tuned,
+    "fisher + rearrangement in 3 re-scored steps + gate tuning": lambda m, v, s: fisher_rearranged_tuned(m, v, s, 3),
 }
 
 

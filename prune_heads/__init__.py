@@ -7,7 +7,7 @@ from .gates import HeadGates, head_gates
 from .iterative import IterativeResult, prune_iteratively
 from .layers import AttentionLayer, UnsupportedModelError, find_attention
 from .persistence import OutputExistsError, load_pruned, save_pruned
-from .recovery import plan_with_interactions, reconstruct
+from .recovery import plan_with_interactions, reconstruct, tune_gates
 from .report import Report, compare
 from .scoring import METHODS, HeadScores, score_heads
 from .selection import select_heads
@@ -19,5 +19,5 @@ __all__ = [
     "OutputExistsError", "PlanError", "Report", "TaskData", "UnsupportedModelError", "benchmark", "benchmark_pair",
     "compare", "evaluate_task", "find_attention", "head_gates", "load_pruned", "load_task_data",
     "plan_with_interactions", "prune", "prune_iteratively", "reconstruct", "register_family", "save_pruned",
-    "score_heads", "select_heads",
+    "score_heads", "select_heads", "tune_gates",
 ]

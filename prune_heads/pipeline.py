@@ -19,7 +19,7 @@ from .iterative import prune_iteratively
 from .layers import find_attention
 from .persistence import ensure_free, load_pruned, replace_folder
 from .recipes import Recipe, recipe_to_dict
-from .recovery import plan_with_interactions, reconstruct
+from .recovery import plan_with_interactions, reconstruct, tune_gates
 from .report import Report, compare
 from .scoring import score_heads
 from .selection import select_heads
@@ -136,6 +136,9 @@ def choose_heads(model: nn.Module, data: TaskData | None, recipe: Recipe, plan: 
     if (r.mask_tuning or r.bias_compensation) and data is not None:
         found["recovery"] = reconstruct(model, reference, data.without_labels(), scales=r.mask_tuning,
                                         bias=r.bias_compensation, ridge=r.ridge, sequential=r.sequential)
+    if r.gate_tuning and data is not None:
+        found["gate_scales"] = tune_gates(model, reference, data.without_labels(), epochs=r.gate_epochs,
+                                          lr=r.gate_lr, seed=s.seed)
     found["plan"] = plan
     found["seconds"] = time.perf_counter() - start
     return found
@@ -161,7 +164,7 @@ def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, p
     before = measure(model, eval_data, recipe, reference, progress) if evaluate else {"heads": heads_kept(model)}
     score_data = task_data(recipe, model, processor, d.score_split, d.score_examples) if plan is None else None
     timed = evaluate and recipe.evaluation.speed is not None
-    recovering = recipe.recovery.mask_tuning or recipe.recovery.bias_compensation
+    recovering = recipe.recovery.mask_tuning or recipe.recovery.bias_compensation or recipe.recovery.gate_tuning
     # the unpruned model: timed beside the pruned one (in turns) and the target of recovery
     original = copy.deepcopy(model) if timed or recovering else None
     found = choose_heads(model, score_data, recipe, plan, progress, reference=original)

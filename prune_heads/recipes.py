@@ -72,15 +72,19 @@ class SelectionConfig:
 
 @dataclass(frozen=True)
 class RecoveryConfig:
-    """Retraining-free recovery (`ph.plan_with_interactions`, `ph.reconstruct`): `rearrange` chooses the heads
-    with the Fisher blocks (needs scoring.method fisher); `mask_tuning` rescales kept heads and
-    `bias_compensation` refits output biases to match the unpruned layers on the scoring data."""
+    """Retraining-free recovery (`ph.plan_with_interactions`, `ph.reconstruct`, `ph.tune_gates`): `rearrange`
+    chooses the heads with the Fisher blocks (needs scoring.method fisher); `mask_tuning` rescales kept heads
+    and `bias_compensation` refits output biases to match the unpruned layers on the scoring data (least
+    squares); `gate_tuning` tunes the kept heads' scales to the unpruned model's outputs (KL)."""
 
     rearrange: bool = False
     mask_tuning: bool = False
     bias_compensation: bool = False
     sequential: bool = False
     ridge: float = 1e-3
+    gate_tuning: bool = False
+    gate_epochs: int = 2
+    gate_lr: float = 0.05
 
 
 @dataclass(frozen=True)

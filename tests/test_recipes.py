@@ -85,3 +85,20 @@ def test_corrupt_yaml_is_a_clear_error(tmp_path):
         load_recipe(str(path))
     with pytest.raises(RecipeError, match="no recipe file or shipped recipe named 'nope'; shipped: all-minilm"):
         load_recipe("nope")
+
+
+def test_recovery_section_runs_in_the_pipeline():
+    import copy
+
+    recipe = parse_recipe({**_base(), "scoring": {"method": "fisher"},
+                           "recovery": {"rearrange": True, "gate_tuning": True, "mask_tuning": True,
+                                        "bias_compensation": True, "gate_epochs": 1}})
+    model = tm.build("bert")
+    reference = copy.deepcopy(model)
+    found = choose_heads(model, _synthetic("bert", recipe), recipe, progress=False, reference=reference)
+    assert sum(len(h) for h in found["plan"].values()) == 6
+    assert set(found["recovery"]) == set(found["plan"])  # least squares: the pruned layers
+    assert len(found["gate_scales"]) == 3  # gate tuning: the kept heads of every layer
+    pruned = next(iter(found["plan"])).split(".")[3]
+    layer, original = model.bert.encoder.layer[int(pruned)], reference.bert.encoder.layer[int(pruned)]
+    assert not torch.equal(layer.attention.output.dense.bias, original.attention.output.dense.bias)

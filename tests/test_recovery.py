@@ -116,3 +116,33 @@ def test_real_scoring_carries_fisher_blocks():
     torch.testing.assert_close(block.diagonal().float(), scores.scores["bert.encoder.layer.0.attention"])
     plan = plan_with_interactions(scores, sparsity=0.5)
     assert sum(len(h) for h in plan.values()) == 6
+
+
+def _kl(model, reference, batches):
+    total = 0.0
+    with torch.no_grad():
+        for b in batches:
+            p = torch.log_softmax(reference(**b).logits, -1)
+            q = torch.log_softmax(model(**b).logits, -1)
+            total += float((p.exp() * (p - q)).sum(-1).mean())
+    return total
+
+
+def test_gate_tuning_lowers_the_divergence_and_folds_exactly():
+    reference = tm.build("bert")
+    model = copy.deepcopy(reference)
+    ph.prune(model, {0: [0, 1], 1: [2], 2: [1, 2, 3]})
+    gated = copy.deepcopy(model)
+    batches = calibration()
+    before = _kl(model, reference, batches)
+    scales = ph.tune_gates(model, reference, batches, epochs=5, lr=0.05)
+    assert _kl(model, reference, batches) < before
+    assert [len(v) for v in scales.values()] == [2, 3, 1]
+    inputs = tm.make_inputs("bert", seed=9)
+    with ph.head_gates(gated) as gates, torch.no_grad():
+        for i, values in enumerate(scales.values()):
+            gates[i].copy_(torch.tensor(values))
+        expected = gated(**inputs).logits
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, expected, rtol=0, atol=1e-5)
+    assert all(p.requires_grad for p in model.parameters())  # parameters were frozen only while tuning
