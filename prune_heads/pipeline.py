@@ -106,12 +106,16 @@ def check_minimum(model: nn.Module, plan: dict, minimum: int) -> None:
 def choose_heads(model: nn.Module, data: TaskData | None, recipe: Recipe, plan: dict | None = None,
                  progress: bool = True, reference: nn.Module | None = None) -> dict[str, Any]:
     """Score, select and prune in place (or apply a given plan), then run the recipe's recovery against the
-    unpruned `reference`; returns plan, scores, history, recovery report and seconds."""
+    unpruned `reference` (a copy of `model` is made when none is given); returns plan, scores, history,
+    recovery report and seconds."""
     start = time.perf_counter()
     s = recipe.scoring
     batches = None if data is None else data.without_labels() if s.objective == "label-free" else data.batches
     selection = {k: v for k, v in vars(recipe.selection).items() if v is not None and v != []}
     found: dict[str, Any] = {"scores": None, "history": []}
+    r = recipe.recovery
+    if reference is None and (r.mask_tuning or r.bias_compensation or r.gate_tuning):
+        reference = copy.deepcopy(model)
     if plan is not None:
         check_minimum(model, plan, recipe.selection.min_heads_per_layer)
         prune(model, plan)
@@ -132,7 +136,6 @@ def choose_heads(model: nn.Module, data: TaskData | None, recipe: Recipe, plan: 
             plan = select_heads(scores, **selection)
         prune(model, plan)
         found["scores"] = scores
-    r = recipe.recovery
     if (r.mask_tuning or r.bias_compensation) and data is not None:
         found["recovery"] = reconstruct(model, reference, data.without_labels(), scales=r.mask_tuning,
                                         bias=r.bias_compensation, ridge=r.ridge, sequential=r.sequential)
@@ -173,7 +176,7 @@ def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, p
         before["speed"], after["speed"] = measure_speed([original, model], recipe)
     del original
     meta = {"model": recipe.model, "task": recipe.task, "method": recipe.scoring.method,
-            "steps": recipe.scoring.steps, "scoring_seconds": round(found["seconds"], 2),
+            "steps": recipe.scoring.steps, "pruning_seconds": round(found["seconds"], 2),
             "score_examples": score_data.num_examples if score_data is not None else 0,
             "recovery": {k: v for k, v in vars(recipe.recovery).items() if v is True} or None}
     report = compare(before, after, plan=found["plan"], scores=found["scores"], history=found["history"], meta=meta)

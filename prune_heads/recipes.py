@@ -232,6 +232,9 @@ def parse_recipe(data: Any, overrides: list[str] = ()) -> Recipe:
                                       or recipe.selection.keep_per_layer is not None):
         raise RecipeError("recovery.rearrange needs scoring.method fisher, scoring.steps 1 and selection.sparsity "
                           "or selection.num_heads")
+    if recipe.recovery.rearrange and recipe.selection.gqa == "uniform":
+        raise RecipeError("recovery.rearrange removes whole KV groups; set selection.gqa: groups or "
+                          "recovery.rearrange: false")
     return recipe
 
 

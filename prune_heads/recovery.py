@@ -69,9 +69,12 @@ def plan_with_interactions(scores: HeadScores, num_heads: int | None = None, spa
     if blocks is None:
         raise PlanError("mask rearrangement needs scores from method='fisher' (they carry the Fisher blocks)")
     present = {n: len(scores.heads[n]) for n in scores.layers}
+    total = sum(scores.original_heads.values())
+    already = total - sum(present.values())
+    asked = f"{num_heads} heads" if num_heads is not None else None
     if num_heads is None:
-        already = sum(scores.original_heads.values()) - sum(present.values())
-        num_heads = round((sparsity or 0.0) * sum(scores.original_heads.values())) - already
+        num_heads = round((sparsity or 0.0) * total) - already
+        asked = f"sparsity {sparsity} ({num_heads} more heads)"
     options = {}
     for name in scores.layers:
         block = torch.as_tensor(blocks[name], dtype=torch.float64)
@@ -81,16 +84,16 @@ def plan_with_interactions(scores: HeadScores, num_heads: int | None = None, spa
     dp: dict[int, tuple[float, list[tuple[int, ...]]]] = {0: (0.0, [])}
     for name in scores.layers:
         nxt: dict[int, tuple[float, list[tuple[int, ...]]]] = {}
-        for removed, (total, picks) in dp.items():
+        for removed, (so_far, picks) in dp.items():
             for cost, subset in options[name]:
                 r = removed + len(subset)
-                if r <= num_heads and (r not in nxt or total + cost < nxt[r][0]):
-                    nxt[r] = (total + cost, picks + [subset])
+                if r <= num_heads and (r not in nxt or so_far + cost < nxt[r][0]):
+                    nxt[r] = (so_far + cost, picks + [subset])
         dp = nxt
     if num_heads not in dp:
-        possible = max(dp)
-        raise PlanError(f"cannot remove {num_heads} heads with min_heads_per_layer={min_heads_per_layer} in whole "
-                        f"units; at most {possible} can go")
+        possible = max(r for r in dp if r <= num_heads)
+        raise PlanError(f"cannot remove {asked}: with min_heads_per_layer={min_heads_per_layer} and whole KV groups "
+                        f"at most {possible} can go (sparsity {(already + possible) / total:.3f}); ask for less")
     return {n: list(s) for n, s in zip(scores.layers, dp[num_heads][1]) if s}
 
 
@@ -245,15 +248,15 @@ def tune_gates(model: nn.Module, reference: nn.Module, dataloader: Iterable[dict
     device = next(model.parameters()).device
     batches = [{k: v.to(device) for k, v in b.items() if k != "labels"} for b in dataloader]
     objective = Objective(model)
-    with torch.no_grad():
-        reference.eval()
-        targets = [objective.reference(reference(**b), b) for b in batches]
+    reference.eval()
     generator = torch.Generator().manual_seed(seed)
     with frozen(model), head_gates(model) as gates:
         optimizer = torch.optim.Adam(list(gates), lr=lr)
         for _ in range(epochs):
             for i in torch.randperm(len(batches), generator=generator).tolist():
-                loss = objective.divergence(model(**batches[i]), batches[i], targets[i]).mean()
+                with torch.no_grad():  # recomputed, not stored: a language model's log-probs are large
+                    target = objective.reference(reference(**batches[i]), batches[i])
+                loss = objective.divergence(model(**batches[i]), batches[i], target).mean()
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()

@@ -61,6 +61,8 @@ def _base():
     ({"selection": {"sparsity": 0.5, "num_heads": 3}}, "exactly one of sparsity, num_heads or keep_per_layer"),
     ({"evaluation": {"speed": {"repeats": 2.5}}}, "evaluation.speed.repeats must be int"),
     ({"recovery": {"rearrange": True}}, "recovery.rearrange needs scoring.method fisher"),
+    ({"scoring": {"method": "fisher"}, "recovery": {"rearrange": True}, "selection": {"sparsity": 0.5, "gqa": "uniform"}},
+     "recovery.rearrange removes whole KV groups"),
     ({"recovery": {"mask_tunning": True}}, "unknown key recovery.mask_tunning: did you mean 'mask_tuning'\\?"),
 ])
 def test_bad_recipes_name_the_key(change, message):
