@@ -149,13 +149,13 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, *
 
     Example: prune-heads score ./model --data glue --split validation --method fisher -o scores
     """
-    from .persistence import replace_folder
+    from .persistence import ensure_free, replace_folder
     from .pipeline import load_model, task_data
     from .scoring import score_heads
 
     recipe = _recipe(model, opts, {"sparsity": 0.0}, {"method": method,
                                                        "objective": "label-free" if label_free else "auto"})
-    Path(output).exists() and not force and replace_folder(Path(output), False, None)
+    ensure_free(Path(output), force)  # before any work
     loaded, processor = load_model(recipe)
     data = task_data(recipe, loaded, processor, opts["split"], opts["examples"])
     batches = data.without_labels() if label_free else data.batches

@@ -39,6 +39,11 @@ class TaskData:
         return [{k: v for k, v in b.items() if k != "labels"} for b in self.batches]
 
 
+def to_device(batch: dict, device: torch.device | str) -> dict:
+    """The batch with its tensors moved to `device`."""
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 def load_split(source: str, split: str = "validation", name: str | None = None) -> datasets.Dataset:
     """One split of a dataset: a hub name, a local file (csv, tsv, json, jsonl, parquet, txt) or a folder of
     files named after their splits (`validation.jsonl`). `split` may slice, as in `train[:2048]`.

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .data import TaskData
+from .data import TaskData, to_device
 from .scoring import pooled
 
 _SHIPPED = Path(__file__).parent / "metrics"
@@ -37,7 +37,7 @@ def _device_batches(model: nn.Module, batches: Iterable[dict], desc: str, progre
     device = next(model.parameters()).device
     total = len(batches) if hasattr(batches, "__len__") else None
     for batch in tqdm(batches, desc=desc, total=total, disable=not progress, leave=False):
-        yield {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        yield to_device(batch, device)
 
 
 @torch.no_grad()

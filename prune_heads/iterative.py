@@ -8,6 +8,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from .data import to_device
 from .scoring import HeadScores, Loss, Objective, batch_size, frozen, score_heads
 from .selection import select_heads
 from .surgery import prune
@@ -32,7 +33,7 @@ def mean_loss(model: nn.Module, dataloader: Iterable[dict], loss: Loss | None = 
         for batch in dataloader:
             if "labels" not in batch and loss is None:
                 return None
-            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            batch = to_device(batch, device)
             total += float(objective.per_example(model(**batch), batch, generator).double().sum())
             count += batch_size(batch) if loss is None else 1
     return total / max(count, 1)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .data import to_device
 from .gates import head_gates
 from .layers import AttentionLayer, find_attention, resolve
 
@@ -110,7 +111,7 @@ class ScoringRun:
         self.examples = 0
         for batch in tqdm(self.batches, desc=desc, total=total, disable=not self.progress, leave=False):
             self.examples += batch_size(batch)
-            yield {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            yield to_device(batch, self.device)
 
     def forward(self, batch: dict):
         ctx = torch.autocast(self.device.type, self.autocast) if self.autocast else nullcontext()
@@ -226,7 +227,7 @@ class Objective:
             return self._token_mean((reference.exp() * (reference - logq)).sum(-1), batch)
         return 1 - (nn.functional.normalize(pooled(outputs, batch), dim=-1) * reference).sum(-1)
 
-    def value(self, run: ScoringRun, outputs, batch: dict, reference: torch.Tensor | None) -> torch.Tensor:
+    def value(self, outputs, batch: dict, reference: torch.Tensor | None) -> torch.Tensor:
         """The exact per-example objective: task loss with labels, else the divergence from `reference`."""
         if self.custom is not None:
             return self.custom(outputs, batch).reshape(1)
@@ -368,11 +369,11 @@ def ablation_importance(run: ScoringRun):
         for batch in run.iterate("ablating heads"):
             outputs = run.forward(batch)
             reference = None if run.objective.has_labels(batch) else run.objective.reference(outputs, batch)
-            base = run.objective.value(run, outputs, batch, reference).double().sum().cpu()
+            base = run.objective.value(outputs, batch, reference).double().sum().cpu()
             for i, layer in enumerate(run.layers):
                 for h in range(layer.num_heads):
                     gates[i][h] = 0.0
-                    value = run.objective.value(run, run.forward(batch), batch, reference).double().sum().cpu()
+                    value = run.objective.value(run.forward(batch), batch, reference).double().sum().cpu()
                     increases[i][h] += value - base
                     gates[i][h] = 1.0
     return [inc / max(run.examples, 1) for inc in increases], None

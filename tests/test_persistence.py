@@ -28,6 +28,9 @@ def test_save_pretrained_output_loads_too(tmp_path):
     model, inputs = tm.build("gpt2"), tm.make_inputs("gpt2")
     ph.prune(model, {0: [1, 2]})
     model.save_pretrained(tmp_path / "m")
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        assert torch.equal(ph.load_pruned(tmp_path / "m", attn_implementation="eager")(**inputs).logits, expected)
     loaded = ph.load_pruned(tmp_path / "m", attn_implementation="eager", dtype=torch.bfloat16)
     assert loaded.transformer.h[0].attn.num_heads == 2
     assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
