@@ -7,6 +7,7 @@ config, re-applies the surgery, and only then loads the weights, through `from_p
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import tempfile
@@ -104,14 +105,48 @@ def replace_folder(target: Path, overwrite: bool, write) -> Path:
     return target
 
 
+_STOCK_FAMILIES = ("llama",)  # families whose config can state per-model head counts natively
+
+
+def stock_config(model: nn.Module) -> Any | None:
+    """A plain config for a pruned model whose every layer kept the same heads and KV heads, for families
+    whose config says so natively (Llama, Mistral, Qwen2/3, Gemma...): num_attention_heads,
+    num_key_value_heads and head_dim set, the prune record moved to `pruned_from`. None otherwise."""
+    config = getattr(model, "config", None)
+    layers = find_attention(model)
+    record = getattr(config, RECORD_KEY, None)
+    if not record or not layers or any(l.spec.name not in _STOCK_FAMILIES for l in layers):
+        return None
+    shapes = {(l.num_heads, l.num_kv_heads, l.head_dim) for l in layers}
+    if len(shapes) != 1 or next(iter(shapes))[0] == 0:
+        return None
+    heads, kv_heads, head_dim = shapes.pop()
+    stock = copy.deepcopy(config)
+    stock.num_attention_heads, stock.num_key_value_heads, stock.head_dim = heads, kv_heads, head_dim
+    delattr(stock, RECORD_KEY)
+    stock.pruned_from = record
+    return stock
+
+
 def save_pruned(model: nn.Module, path: str | os.PathLike, tokenizer: Any = None, overwrite: bool = False) -> Path:
     """Save a (pruned) model, and its tokenizer or processor if given, so `load_pruned` restores it exactly.
 
-    The folder is written under a temporary name and renamed into place, so an interrupted save leaves no
-    half-written model. Raises OutputExistsError if `path` exists and `overwrite` is False.
+    When every layer kept the same heads and the family's config can say so (Llama-style), the saved config
+    is a stock one (see `stock_config`): plain `AutoModelForCausalLM.from_pretrained` and other runtimes load
+    it with no code of ours. The folder is written under a temporary name and renamed into place, so an
+    interrupted save leaves no half-written model. Raises OutputExistsError if `path` exists and `overwrite`
+    is False.
     """
+    stock = stock_config(model)
+
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp)
+        original = model.config
+        if stock is not None:
+            model.config = stock
+        try:
+            model.save_pretrained(tmp)
+        finally:
+            model.config = original
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
 

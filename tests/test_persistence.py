@@ -91,3 +91,29 @@ def test_fixture_half_heads_round_trip_in_a_fresh_process(fixture_model_path, fi
     assert loaded_params == sum(p.numel() for p in model.parameters()) < params
     assert torch.equal(pruned.argmax(-1), gated.argmax(-1))
     torch.testing.assert_close(pruned, gated, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2"])
+def test_uniform_llama_style_plans_save_a_stock_config(name, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, inputs = tm.build(name), tm.make_inputs(name)
+    ph.prune(model, {i: [0, 1] for i in range(3)})  # one of two KV groups in every layer
+    ph.save_pruned(model, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (2, 1, 8)
+    assert "prune_heads" not in config and config["pruned_from"]["format"] == 1
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert torch.equal(plain(**inputs).logits, model(**inputs).logits)
+    assert torch.equal(plain.generate(**inputs, max_new_tokens=5, do_sample=False),
+                       model.generate(**inputs, max_new_tokens=5, do_sample=False))
+    assert model.config.prune_heads["format"] == 1  # the model in memory keeps its record
+
+
+def test_uneven_plans_keep_the_record(tmp_path):
+    model = tm.build("llama")
+    ph.prune(model, {0: [0, 1]})
+    ph.save_pruned(model, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["num_attention_heads"] == 4 and "prune_heads" in config
