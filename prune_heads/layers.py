@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .families import FAMILIES, AttentionSpec, spec_for_type
@@ -67,6 +68,11 @@ def features(layer: nn.Module, side: str) -> int:
         return layer.out_features if side == "out" else layer.in_features
     weight = layer.weight
     return weight.shape[1] if side == "out" else weight.shape[0]
+
+
+def weight_matrix(layer: nn.Module) -> torch.Tensor:
+    """The [out, in] weight of an nn.Linear or a GPT-2 style Conv1D (which stores [in, out])."""
+    return layer.weight if isinstance(layer, nn.Linear) else layer.weight.t()
 
 
 def describe(module: nn.Module, spec: AttentionSpec, name: str, index: int) -> AttentionLayer:

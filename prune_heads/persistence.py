@@ -137,17 +137,19 @@ def save_pruned(model: nn.Module, path: str | os.PathLike, tokenizer: Any = None
     interrupted save leaves no half-written model. Raises OutputExistsError if `path` exists and `overwrite`
     is False.
     """
+    return replace_folder(Path(path), overwrite, lambda tmp: write_model(model, tmp, tokenizer))
+
+
+def write_model(model: nn.Module, folder: Path, tokenizer: Any = None) -> None:
+    """Write the model (with a stock config when `stock_config` gives one) and its tokenizer into an existing
+    folder; `save_pruned` and the pipeline both write through here."""
     stock = stock_config(model)
-
-    def write(tmp: Path) -> None:
-        original = model.config
-        if stock is not None:
-            model.config = stock
-        try:
-            model.save_pretrained(tmp)
-        finally:
-            model.config = original
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-
-    return replace_folder(Path(path), overwrite, write)
+    original = model.config
+    if stock is not None:
+        model.config = stock
+    try:
+        model.save_pretrained(folder)
+    finally:
+        model.config = original
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)

@@ -17,7 +17,7 @@ from .data import TaskData, load_task_data
 from .evaluation import embed, evaluate_task
 from .iterative import prune_iteratively
 from .layers import find_attention
-from .persistence import ensure_free, load_pruned, replace_folder
+from .persistence import ensure_free, load_pruned, replace_folder, write_model
 from .recipes import Recipe, recipe_to_dict
 from .recovery import plan_with_interactions, reconstruct, tune_gates
 from .report import Report, compare
@@ -114,7 +114,7 @@ def choose_heads(model: nn.Module, data: TaskData | None, recipe: Recipe, plan: 
     selection = {k: v for k, v in vars(recipe.selection).items() if v is not None and v != []}
     found: dict[str, Any] = {"scores": None, "history": []}
     r = recipe.recovery
-    if reference is None and (r.mask_tuning or r.bias_compensation or r.gate_tuning):
+    if reference is None and r.needs_reference:
         reference = copy.deepcopy(model)
     if plan is not None:
         check_minimum(model, plan, recipe.selection.min_heads_per_layer)
@@ -128,7 +128,7 @@ def choose_heads(model: nn.Module, data: TaskData | None, recipe: Recipe, plan: 
         plan, found["scores"], found["history"] = result.plan, result.scores, result.history
     else:
         scores = score_heads(model, batches, method=s.method, normalize=s.normalize, seed=s.seed, progress=progress)
-        if recipe.recovery.rearrange:
+        if r.rearrange:
             plan = plan_with_interactions(scores, num_heads=selection.get("num_heads"),
                                           sparsity=selection.get("sparsity"),
                                           min_heads_per_layer=recipe.selection.min_heads_per_layer)
@@ -164,14 +164,13 @@ def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, p
         else None
     reference = embed(model, eval_data, progress) if eval_data is not None and recipe.task == "feature-extraction" \
         else None
-    before = measure(model, eval_data, recipe, reference, progress) if evaluate else {"heads": heads_kept(model)}
+    before = measure(model, eval_data, recipe, reference, progress)  # heads only without eval data
     score_data = task_data(recipe, model, processor, d.score_split, d.score_examples) if plan is None else None
     timed = evaluate and recipe.evaluation.speed is not None
-    recovering = recipe.recovery.mask_tuning or recipe.recovery.bias_compensation or recipe.recovery.gate_tuning
     # the unpruned model: timed beside the pruned one (in turns) and the target of recovery
-    original = copy.deepcopy(model) if timed or recovering else None
+    original = copy.deepcopy(model) if timed or recipe.recovery.needs_reference else None
     found = choose_heads(model, score_data, recipe, plan, progress, reference=original)
-    after = measure(model, eval_data, recipe, reference, progress) if evaluate else {"heads": heads_kept(model)}
+    after = measure(model, eval_data, recipe, reference, progress)
     if timed:
         before["speed"], after["speed"] = measure_speed([original, model], recipe)
     del original
@@ -182,8 +181,7 @@ def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, p
     report = compare(before, after, plan=found["plan"], scores=found["scores"], history=found["history"], meta=meta)
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp)
-        processor.save_pretrained(tmp)
+        write_model(model, tmp, processor)
         report.write(tmp)
         (tmp / "plan.json").write_text(json.dumps(found["plan"], indent=1))
         if found["scores"] is not None:

@@ -86,6 +86,11 @@ class RecoveryConfig:
     gate_epochs: int = 2
     gate_lr: float = 0.05
 
+    @property
+    def needs_reference(self) -> bool:
+        """Whether recovery compares against a copy of the unpruned model."""
+        return self.mask_tuning or self.bias_compensation or self.gate_tuning
+
 
 @dataclass(frozen=True)
 class SpeedConfig:

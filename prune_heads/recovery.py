@@ -17,12 +17,13 @@
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Iterable
 
 import torch
 from torch import nn
 
-from .layers import AttentionLayer, find_attention, resolve
+from .layers import AttentionLayer, find_attention, resolve, weight_matrix
 from .scoring import HeadScores
 from .surgery import PlanError
 
@@ -46,8 +47,7 @@ def _best_sets(block: torch.Tensor, heads: tuple[int, ...], group: int) -> list[
             index = [p for u in subset for p in members[u]]
             return float(block[index][:, index].sum()) / 2
 
-        count = sum(1 for _ in itertools.combinations(range(len(members)), k)) if len(members) <= 24 else None
-        if count is not None and count <= _MAX_ENUMERATED:
+        if math.comb(len(members), k) <= _MAX_ENUMERATED:
             value, subset = min((cost(s), s) for s in itertools.combinations(range(len(members)), k))
         else:
             value, extra = min((cost((*chosen, u)), u) for u in range(len(members)) if u not in chosen)
@@ -105,11 +105,6 @@ def _rows(x: torch.Tensor, batch: dict) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _weight(o_proj: nn.Module) -> torch.Tensor:
-    """[out, in] view of an output projection's weight (GPT-2's Conv1D stores [in, out])."""
-    return o_proj.weight if isinstance(o_proj, nn.Linear) else o_proj.weight.t()
-
-
 class _Statistics:
     """Sums over calibration tokens of x x^T, x y^T, x, y and |y|^2 for one layer, where x is the pruned
     layer's output-projection input and y the unpruned layer's output-projection output."""
@@ -134,7 +129,7 @@ class _Statistics:
 def _collect(model: nn.Module, reference: nn.Module, pairs: list[tuple[AttentionLayer, AttentionLayer]],
              batches: list[dict]) -> list[_Statistics]:
     """One forward of each model per batch, with hooks on the output projections of every layer in `pairs`."""
-    stats = [_Statistics(l.num_heads * l.head_dim, _weight(resolve(l.module, l.spec.o)).shape[0]) for l, _ in pairs]
+    stats = [_Statistics(l.num_heads * l.head_dim, weight_matrix(resolve(l.module, l.spec.o)).shape[0]) for l, _ in pairs]
     xs: dict[int, torch.Tensor] = {}
     ys: dict[int, torch.Tensor] = {}
     handles = []
@@ -170,9 +165,9 @@ def _fold_scales(layer: AttentionLayer, scales: torch.Tensor) -> None:
 def _solve(layer: AttentionLayer, s: _Statistics, scales: bool, bias: bool, ridge: float) -> dict[str, float]:
     """Fit the kept heads' scales and/or the output bias to the statistics, and fold them into the layer."""
     o_proj = resolve(layer.module, layer.spec.o)
-    width, dim, heads = _weight(o_proj).shape[0], layer.head_dim, layer.num_heads
+    width, dim, heads = weight_matrix(o_proj).shape[0], layer.head_dim, layer.num_heads
     inner, n = heads * dim, max(s.n, 1)
-    W = _weight(o_proj).detach().double().cpu()  # [width, inner]
+    W = weight_matrix(o_proj).detach().double().cpu()  # [width, inner]
     b_old = o_proj.bias.detach().double().cpu() if o_proj.bias is not None else torch.zeros(width, dtype=torch.float64)
     Wh = W.reshape(width, heads, dim)
 

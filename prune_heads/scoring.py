@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from .data import to_device
 from .gates import head_gates
-from .layers import AttentionLayer, find_attention, resolve
+from .layers import AttentionLayer, find_attention, resolve, weight_matrix
 
 Loss = Callable[[object, dict], torch.Tensor]
 
@@ -316,8 +316,7 @@ def activation_importance(run: ScoringRun):
         def hook(module, args):
             x = args[0].detach().float()
             heads = x.reshape(-1, layer.num_heads, layer.head_dim)
-            weight = o_proj.weight.detach().float()
-            weight = weight if isinstance(o_proj, nn.Linear) else weight.t()
+            weight = weight_matrix(o_proj).detach().float()
             per_head = weight.reshape(weight.shape[0], layer.num_heads, layer.head_dim)
             contribution = torch.einsum("thd,ohd->tho", heads, per_head).norm(dim=-1)
             totals[i] += contribution.sum(0).double().cpu()
@@ -342,19 +341,14 @@ def magnitude_importance(run: ScoringRun):
     scores = []
     for layer in run.layers:
         spec, module, dim = layer.spec, layer.module, layer.head_dim
-        o_weight = resolve(module, spec.o).weight.detach().float()
-        o_in = o_weight if not isinstance(resolve(module, spec.o), nn.Linear) else o_weight.t()  # [in, out]
+        o_in = weight_matrix(resolve(module, spec.o)).detach().float().t()  # [in, out]
         o_norm = o_in.reshape(layer.num_heads, dim, -1).flatten(1).norm(dim=1)
         if spec.fused_qkv:
-            fused = resolve(module, spec.fused_qkv)
-            w = fused.weight.detach().float()
-            w = w.t() if isinstance(fused, nn.Linear) else w  # [in, out]
+            w = weight_matrix(resolve(module, spec.fused_qkv)).detach().float().t()  # [in, out]
             start = (layer.num_heads + layer.num_kv_heads) * dim
             v = w[:, start:start + layer.num_kv_heads * dim]
         else:
-            v_layer = resolve(module, spec.v)
-            v = v_layer.weight.detach().float()
-            v = v.t() if isinstance(v_layer, nn.Linear) else v
+            v = weight_matrix(resolve(module, spec.v)).detach().float().t()  # [in, out]
         v_norm = v.reshape(v.shape[0], layer.num_kv_heads, dim).permute(1, 0, 2).flatten(1).norm(dim=1)
         group_of = [layer.kv_heads.index(h // layer.group_size) for h in layer.heads]
         scores.append((o_norm * v_norm[group_of]).double().cpu())
