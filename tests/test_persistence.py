@@ -83,12 +83,16 @@ def test_fixture_half_heads_round_trip_in_a_fresh_process(fixture_model_path, fi
         f"m = ph.load_pruned(r'{tmp_path / 'pruned'}').eval()\n"
         f"b = torch.load(r'{tmp_path / 'batch.pt'}')\n"
         "with torch.no_grad(): logits = m(**b).logits\n"
-        f"torch.save((logits, sum(p.numel() for p in m.parameters())), r'{tmp_path / 'out.pt'}')\n"
+        f"torch.save((logits, m.state_dict()), r'{tmp_path / 'out.pt'}')\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True)
-    logits, loaded_params = torch.load(tmp_path / "out.pt")
-    assert torch.equal(logits, pruned)
-    assert loaded_params == sum(p.numel() for p in model.parameters()) < params
+    logits, loaded_state = torch.load(tmp_path / "out.pt")
+    state = model.state_dict()
+    assert loaded_state.keys() == state.keys()
+    assert all(torch.equal(loaded_state[k], state[k]) for k in state)  # the weights round-trip bit for bit
+    assert sum(p.numel() for p in model.parameters()) < params
+    # Another process may take other CPU kernel paths (memory alignment, ISA), so outputs agree to float noise.
+    torch.testing.assert_close(logits, pruned, rtol=0, atol=1e-5)
     assert torch.equal(pruned.argmax(-1), gated.argmax(-1))
     torch.testing.assert_close(pruned, gated, rtol=0, atol=1e-5)
 
