@@ -182,12 +182,13 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, *
 @click.option("--scope", type=click.Choice(["global", "layer"]), default="global", show_default=True)
 @click.option("--min-heads-per-layer", type=int, default=1, show_default=True)
 @click.option("--gqa", type=click.Choice(["groups", "uniform"]), default="groups", show_default=True)
+@click.option("--uniform", is_flag=True, help="Every layer keeps the same number of heads (stock Llama configs).")
 @click.option("--output", "-o", required=True, help="Folder for the pruned model (must not exist, see --force).")
 @click.option("--force", is_flag=True, help="Overwrite the output folder.")
 @handle_errors
 def prune_command(model: str, sparsity: float | None, num_heads: int | None, plan_file: str | None, method: str,
-                  steps: int, scope: str, min_heads_per_layer: int, gqa: str, output: str, force: bool,
-                  **opts: Any) -> None:
+                  steps: int, scope: str, min_heads_per_layer: int, gqa: str, uniform: bool, output: str,
+                  force: bool, **opts: Any) -> None:
     """Score, select and remove heads (or apply --plan); saves a model that ph.load_pruned loads.
 
     Example: prune-heads prune ./model --data reviews.jsonl --sparsity 0.5 -o ./pruned
@@ -198,7 +199,7 @@ def prune_command(model: str, sparsity: float | None, num_heads: int | None, pla
         raise click.UsageError("give exactly one of --sparsity, --num-heads or --plan")
     plan = json.loads(Path(plan_file).read_text()) if plan_file else None
     selection = {"num_heads": num_heads} if num_heads is not None else {"sparsity": sparsity or 0.0}
-    selection.update(scope=scope, min_heads_per_layer=min_heads_per_layer, gqa=gqa)
+    selection.update(scope=scope, min_heads_per_layer=min_heads_per_layer, gqa=gqa, uniform=uniform)
     recipe = _recipe(model, opts, selection, {"method": method, "steps": steps})
     report = run(recipe, output=output, force=force, plan=plan, evaluate=False)
     _emit(report.to_dict(), opts["as_json"], lambda: f"removed {report.summary()['heads']['removed']} heads; "

@@ -67,6 +67,7 @@ class SelectionConfig:
     scope: str = "global"
     min_heads_per_layer: int = 1
     gqa: str = "groups"
+    uniform: bool = False
     ignore: list[str] = field(default_factory=list)
 
 
@@ -237,6 +238,9 @@ def parse_recipe(data: Any, overrides: list[str] = ()) -> Recipe:
                                       or recipe.selection.keep_per_layer is not None):
         raise RecipeError("recovery.rearrange needs scoring.method fisher, scoring.steps 1 and selection.sparsity "
                           "or selection.num_heads")
+    if recipe.recovery.rearrange and recipe.selection.uniform:
+        raise RecipeError("recovery.rearrange lets layers keep different numbers of heads; set "
+                          "selection.uniform: false or recovery.rearrange: false")
     if recipe.recovery.rearrange and recipe.selection.gqa == "uniform":
         raise RecipeError("recovery.rearrange removes whole KV groups; set selection.gqa: groups or "
                           "recovery.rearrange: false")

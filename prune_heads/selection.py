@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -56,10 +57,36 @@ def _take(units: list[_Unit], budget: int, room: dict[str, int]) -> list[_Unit]:
     return taken
 
 
+def _uniform_keep(scores: HeadScores, names: list[str], present: dict[str, int], sparsity: float | None,
+                  num_heads: int | None, keep_per_layer, gqa: str) -> int:
+    """The number of heads every layer keeps under `uniform=True`."""
+    if names != scores.layers:
+        raise PlanError("uniform=True prunes every layer alike; drop ignore, or pass uniform=False")
+    shapes = {(present[n], len({h // scores.group_sizes[n] for h in scores.heads[n]})) for n in names}
+    if len(shapes) != 1:
+        raise PlanError(f"uniform=True needs layers that have the same heads now; they have {sorted(shapes)} "
+                        f"(present heads, KV groups)")
+    heads, groups = shapes.pop()
+    if isinstance(keep_per_layer, dict):
+        if len(set(keep_per_layer.values())) != 1 or set(keep_per_layer) != set(names):
+            raise PlanError("uniform=True takes keep_per_layer as one number for every layer")
+        keep_per_layer = next(iter(keep_per_layer.values()))
+    if keep_per_layer is not None:
+        remove = heads - keep_per_layer
+    elif num_heads is not None:
+        remove = num_heads / len(names)
+    else:
+        total = sum(scores.original_heads.values())
+        remove = (sparsity * total - (total - heads * len(names))) / len(names)
+    grouped = any(scores.group_sizes[n] > 1 for n in names)
+    unit = 1 if not grouped else heads // groups if gqa == "groups" else groups
+    return heads - unit * math.floor(remove / unit + 0.5)
+
+
 def select_heads(scores: HeadScores, sparsity: float | None = None, num_heads: int | None = None,
                  keep_per_layer: int | dict[str, int] | None = None, scope: str = "global",
                  min_heads_per_layer: int = 1, ignore: str | list[str] | None = None,
-                 gqa: str = "groups") -> dict[str, list[int]]:
+                 gqa: str = "groups", uniform: bool = False) -> dict[str, list[int]]:
     """Choose the least important heads to remove; returns `{layer name: [original heads]}` for `prune`.
 
     Give exactly one of: `sparsity`, the fraction of all ORIGINAL heads that should be gone afterwards
@@ -68,6 +95,9 @@ def select_heads(scores: HeadScores, sparsity: float | None = None, num_heads: i
     "layer" removes the same fraction from every layer. `min_heads_per_layer` (0 allows removing whole
     attention layers) and `ignore` (regexes on layer names) protect layers. Grouped-query layers lose whole
     KV groups (`gqa="groups"`) or the same number of query heads from every group (`gqa="uniform"`).
+    `uniform=True` makes every layer keep the same number of heads and KV heads (each layer's own least
+    important ones go), the count rounded to whole units (a KV group, or one head from every group), so
+    Llama-style models save with a stock config (see `save_pruned`).
     Raises PlanError for a request that cannot be met, saying what is possible.
     """
     if sum(x is not None for x in (sparsity, num_heads, keep_per_layer)) != 1:
@@ -85,6 +115,9 @@ def select_heads(scores: HeadScores, sparsity: float | None = None, num_heads: i
     units = {n: _units(n, scores.heads[n], scores.scores[n], scores.group_sizes[n], gqa) for n in names}
     total_original = sum(scores.original_heads.values())
     already = total_original - sum(present.values())
+    if uniform:
+        keep_per_layer = _uniform_keep(scores, names, present, sparsity, num_heads, keep_per_layer, gqa)
+        sparsity = num_heads = None
 
     if keep_per_layer is not None:
         keep = keep_per_layer if isinstance(keep_per_layer, dict) else {n: keep_per_layer for n in names}

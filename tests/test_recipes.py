@@ -4,6 +4,7 @@ import torch
 import tiny_models as tm
 from prune_heads.data import TaskData
 from prune_heads.layers import find_attention
+from prune_heads.persistence import stock_config
 from prune_heads.pipeline import choose_heads
 from prune_heads.recipes import RecipeError, load_recipe, parse_recipe, shipped_recipes
 
@@ -41,10 +42,13 @@ def test_hub_recipes_build_their_pipeline_on_a_stand_in(recipe_name):
     total = sum(layer.num_heads for layer in find_attention(model))
     found = choose_heads(model, _synthetic(family, recipe), recipe, progress=False)
     removed = sum(len(h) for h in found["plan"].values())
-    group = find_attention(model)[0].group_size
-    assert abs(removed - recipe.selection.sparsity * total) <= group  # GQA removes in units of groups
+    layers = find_attention(model)
+    slack = layers[0].group_size * (len(layers) if recipe.selection.uniform else 1)  # GQA removes whole units
+    assert abs(removed - recipe.selection.sparsity * total) <= slack
     assert sum(layer.num_heads for layer in find_attention(model)) == total - removed
     assert found["scores"].method == recipe.scoring.method
+    if recipe.selection.uniform:  # every layer kept the same heads: a stock config is saved
+        assert stock_config(model) is not None
 
 
 def _base():
@@ -63,6 +67,8 @@ def _base():
     ({"recovery": {"rearrange": True}}, "recovery.rearrange needs scoring.method fisher"),
     ({"scoring": {"method": "fisher"}, "recovery": {"rearrange": True}, "selection": {"sparsity": 0.5, "gqa": "uniform"}},
      "recovery.rearrange removes whole KV groups"),
+    ({"scoring": {"method": "fisher"}, "recovery": {"rearrange": True}, "selection": {"sparsity": 0.5, "uniform": True}},
+     "set selection.uniform: false"),
     ({"recovery": {"mask_tunning": True}}, "unknown key recovery.mask_tunning: did you mean 'mask_tuning'\\?"),
 ])
 def test_bad_recipes_name_the_key(change, message):

@@ -58,3 +58,25 @@ def test_grouped_query_layers_lose_groups_or_even_heads():
     assert ph.select_heads(scores, num_heads=2, gqa="groups") == {"layers.0.attn": [0, 1]}
     assert ph.select_heads(scores, num_heads=3, gqa="uniform") == {"layers.0.attn": [0, 3, 4]}
     assert ph.select_heads(scores, num_heads=4, gqa="groups") == {"layers.0.attn": [0, 1, 4, 5]}
+
+
+def test_uniform_plans_keep_the_same_heads_in_every_layer():
+    scores = make_scores([[0.9, 0.1, 0.5, 0.2], [0.05, 0.8, 0.7, 0.6], [0.3, 0.2, 0.1, 0.4]])
+    # sparsity 0.5 of 12 heads: each layer loses its own two weakest, whatever the global ranking says
+    assert ph.select_heads(scores, sparsity=0.5, uniform=True) == {
+        "layers.0.attn": [1, 3], "layers.1.attn": [0, 3], "layers.2.attn": [1, 2]}
+    assert ph.select_heads(scores, num_heads=4, uniform=True) == ph.select_heads(scores, keep_per_layer=3)
+    with pytest.raises(ph.PlanError, match="drop ignore"):
+        ph.select_heads(scores, sparsity=0.5, uniform=True, ignore="layers.0")
+    uneven = make_scores([[0.3, 0.4], [0.9, 0.8, 0.7, 0.6]], heads=[(0, 3), None], original=[4, 4])
+    with pytest.raises(ph.PlanError, match="same heads now"):
+        ph.select_heads(uneven, sparsity=0.75, uniform=True)
+
+
+def test_uniform_grouped_plans_round_to_whole_units():
+    # two layers of 6 query heads, 2 per KV head
+    scores = make_scores([[0.1, 0.2, 0.9, 0.8, 0.15, 0.3], [0.9, 0.8, 0.1, 0.1, 0.5, 0.5]], group_sizes=[2, 2])
+    by_groups = ph.select_heads(scores, sparsity=0.3, uniform=True, gqa="groups")  # 3.6 heads -> one group each
+    assert by_groups == {"layers.0.attn": [0, 1], "layers.1.attn": [2, 3]}
+    by_rounds = ph.select_heads(scores, sparsity=0.5, uniform=True, gqa="uniform")  # one head from every group
+    assert by_rounds == {"layers.0.attn": [0, 3, 4], "layers.1.attn": [1, 2, 4]}
