@@ -87,10 +87,11 @@ def data_options(command: Callable) -> Callable:
 
 
 def _recipe(model: str, opts: dict[str, Any], selection: dict[str, Any], scoring: dict[str, Any] | None = None,
-            speed: bool = False, metrics: tuple[str, ...] = ("accuracy",), eval_split: str | None = None):
+            speed: bool = False, metrics: tuple[str, ...] = ("accuracy",), eval_split: str | None = None,
+            standalone: bool = False):
     task = opts["task"]
     return parse_recipe({
-        "model": model, "task": task, "device": opts["device"], "dtype": opts["dtype"],
+        "model": model, "task": task, "device": opts["device"], "dtype": opts["dtype"], "standalone": standalone,
         "data": {"source": opts["source"], "score_split": opts["split"], "eval_split": eval_split,
                  "text_column": opts["text_column"], "text_pair_column": opts["text_pair_column"],
                  "label_column": None if task == "feature-extraction" else opts["label_column"],
@@ -183,12 +184,14 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, *
 @click.option("--min-heads-per-layer", type=int, default=1, show_default=True)
 @click.option("--gqa", type=click.Choice(["groups", "uniform"]), default="groups", show_default=True)
 @click.option("--uniform", is_flag=True, help="Every layer keeps the same number of heads (stock Llama configs).")
+@click.option("--standalone", is_flag=True,
+              help="Add a modeling file so from_pretrained(trust_remote_code=True) loads it without prune-heads.")
 @click.option("--output", "-o", required=True, help="Folder for the pruned model (must not exist, see --force).")
 @click.option("--force", is_flag=True, help="Overwrite the output folder.")
 @handle_errors
 def prune_command(model: str, sparsity: float | None, num_heads: int | None, plan_file: str | None, method: str,
-                  steps: int, scope: str, min_heads_per_layer: int, gqa: str, uniform: bool, output: str,
-                  force: bool, **opts: Any) -> None:
+                  steps: int, scope: str, min_heads_per_layer: int, gqa: str, uniform: bool, standalone: bool,
+                  output: str, force: bool, **opts: Any) -> None:
     """Score, select and remove heads (or apply --plan); saves a model that ph.load_pruned loads.
 
     Example: prune-heads prune ./model --data reviews.jsonl --sparsity 0.5 -o ./pruned
@@ -200,7 +203,7 @@ def prune_command(model: str, sparsity: float | None, num_heads: int | None, pla
     plan = json.loads(Path(plan_file).read_text()) if plan_file else None
     selection = {"num_heads": num_heads} if num_heads is not None else {"sparsity": sparsity or 0.0}
     selection.update(scope=scope, min_heads_per_layer=min_heads_per_layer, gqa=gqa, uniform=uniform)
-    recipe = _recipe(model, opts, selection, {"method": method, "steps": steps})
+    recipe = _recipe(model, opts, selection, {"method": method, "steps": steps}, standalone=standalone)
     report = run(recipe, output=output, force=force, plan=plan, evaluate=False)
     _emit(report.to_dict(), opts["as_json"], lambda: f"removed {report.summary()['heads']['removed']} heads; "
           f"saved the pruned model to {output}")

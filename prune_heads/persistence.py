@@ -19,28 +19,12 @@ from torch import nn
 from transformers import AutoConfig
 
 from .layers import UnsupportedModelError, find_attention
-from .surgery import RECORD_KEY, apply_plan
+from .standalone import standalone_config, write_code
+from .surgery import RECORD_KEY, reapply_record
 
 
 class OutputExistsError(FileExistsError):
     """Raised when a save would overwrite an existing folder without `overwrite=True`."""
-
-
-def reapply_record(model: nn.Module, record: dict | None) -> None:
-    """Re-apply a `config.prune_heads` record to a freshly built (unpruned) model."""
-    if not record:
-        return
-    if record.get("format") != 1 or not isinstance(record.get("layers"), dict):
-        raise ValueError(f"config.{RECORD_KEY} is not a prune_heads record of format 1: {record!r}")
-    layers = find_attention(model)
-    by_name = {layer.name: layer for layer in layers}
-    for name, entry in record["layers"].items():
-        layer = by_name.get(name)
-        if layer is None or layer.num_heads != entry["num_heads"]:
-            raise ValueError(f"config.{RECORD_KEY} names layer {name!r} with {entry['num_heads']} heads, "
-                             f"which this model does not have; was the config edited by hand?")
-    apply_plan(model, layers, {name: entry["removed"] for name, entry in record["layers"].items()
-                               if entry["removed"]})
 
 
 def _pruned_subclass(base: type) -> type:
@@ -128,25 +112,31 @@ def stock_config(model: nn.Module) -> Any | None:
     return stock
 
 
-def save_pruned(model: nn.Module, path: str | os.PathLike, tokenizer: Any = None, overwrite: bool = False) -> Path:
+def save_pruned(model: nn.Module, path: str | os.PathLike, tokenizer: Any = None, overwrite: bool = False,
+                standalone: bool = False) -> Path:
     """Save a (pruned) model, and its tokenizer or processor if given, so `load_pruned` restores it exactly.
 
     When every layer kept the same heads and the family's config can say so (Llama-style), the saved config
     is a stock one (see `stock_config`): plain `AutoModelForCausalLM.from_pretrained` and other runtimes load
-    it with no code of ours. The folder is written under a temporary name and renamed into place, so an
+    it with no code of ours. Otherwise `standalone=True` writes a small modeling file and an `auto_map` into
+    the checkpoint, so `AutoModel*.from_pretrained(path, trust_remote_code=True)` loads it where prune_heads
+    is not installed (see `prune_heads.standalone`). The folder is written under a temporary name and renamed into place, so an
     interrupted save leaves no half-written model. Raises OutputExistsError if `path` exists and `overwrite`
     is False.
     """
-    return replace_folder(Path(path), overwrite, lambda tmp: write_model(model, tmp, tokenizer))
+    return replace_folder(Path(path), overwrite, lambda tmp: write_model(model, tmp, tokenizer, standalone))
 
 
-def write_model(model: nn.Module, folder: Path, tokenizer: Any = None) -> None:
-    """Write the model (with a stock config when `stock_config` gives one) and its tokenizer into an existing
-    folder; `save_pruned` and the pipeline both write through here."""
-    stock = stock_config(model)
+def write_model(model: nn.Module, folder: Path, tokenizer: Any = None, standalone: bool = False) -> None:
+    """Write the model (with a stock config when `stock_config` gives one, else with remote code when
+    `standalone`) and its tokenizer into an existing folder; `save_pruned` and the pipeline write through here."""
+    config = stock_config(model)
+    if config is None and standalone and getattr(model.config, RECORD_KEY, None):
+        config = standalone_config(model)
+        write_code(model, folder)
     original = model.config
-    if stock is not None:
-        model.config = stock
+    if config is not None:
+        model.config = config
     try:
         model.save_pretrained(folder)
     finally:

@@ -181,7 +181,7 @@ def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, p
     report = compare(before, after, plan=found["plan"], scores=found["scores"], history=found["history"], meta=meta)
 
     def write(tmp: Path) -> None:
-        write_model(model, tmp, processor)
+        write_model(model, tmp, processor, standalone=recipe.standalone)
         report.write(tmp)
         (tmp / "plan.json").write_text(json.dumps(found["plan"], indent=1))
         if found["scores"] is not None:

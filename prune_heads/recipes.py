@@ -125,6 +125,7 @@ class Recipe:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     output: str | None = None
+    standalone: bool = False  # ph.save_pruned(standalone=True): loadable without prune_heads
     device: str | None = None
     dtype: str | None = None
     model_kwargs: dict[str, Any] = field(default_factory=dict)

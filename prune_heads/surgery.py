@@ -218,3 +218,20 @@ def prune(model: nn.Module, heads_to_prune: Plan) -> nn.Module:
         record = {layer.name: layer.module._ph_record for layer in layers if hasattr(layer.module, "_ph_record")}
         setattr(config, RECORD_KEY, {"format": 1, "layers": record})
     return model
+
+
+def reapply_record(model: nn.Module, record: dict | None) -> None:
+    """Re-apply a `config.prune_heads` record to a freshly built (unpruned) model."""
+    if not record:
+        return
+    if record.get("format") != 1 or not isinstance(record.get("layers"), dict):
+        raise ValueError(f"config.{RECORD_KEY} is not a prune_heads record of format 1: {record!r}")
+    layers = find_attention(model)
+    by_name = {layer.name: layer for layer in layers}
+    for name, entry in record["layers"].items():
+        layer = by_name.get(name)
+        if layer is None or layer.num_heads != entry["num_heads"]:
+            raise ValueError(f"config.{RECORD_KEY} names layer {name!r} with {entry['num_heads']} heads, "
+                             f"which this model does not have; was the config edited by hand?")
+    apply_plan(model, layers, {name: entry["removed"] for name, entry in record["layers"].items()
+                               if entry["removed"]})

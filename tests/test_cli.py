@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from transformers import AutoTokenizer
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import prune_heads as ph
 from prune_heads.cli import main
@@ -86,9 +86,12 @@ def test_plan_that_empties_a_layer_needs_min_heads_zero(tmp_path, fixture_model_
     result = _invoke(args)
     assert result.exit_code == 2 and "leaves bert.encoder.layer.0.attention with 0 heads" in result.output
     assert not (tmp_path / "out").exists()
-    result = _invoke(args + ["--min-heads-per-layer", "0"])
+    result = _invoke(args + ["--min-heads-per-layer", "0", "--standalone"])
     assert result.exit_code == 0, result.output
     assert ph.find_attention(ph.load_pruned(tmp_path / "out"))[0].num_heads == 0
+    remote = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out", trust_remote_code=True)
+    assert type(remote).__name__ == "PrunedBertForSequenceClassification"
+    assert ph.find_attention(remote)[0].num_heads == 0
 
 
 def test_unknown_architecture_is_a_clear_error(tmp_path):
