@@ -25,8 +25,9 @@ class AttentionSpec:
     config gets a private view of it. `per_head_out` are further projections sliced like q (when present),
     `per_head_columns` are parameters with one column per head (when present). `prepare` runs once on the
     whole model before its first surgery, for families whose layers share per-head state. `no_heads` names
-    the module whose forward is replaced when a layer loses every head (for families whose code cannot run
-    with zero heads), and `no_heads_outputs` the length of the tuple that module returns.
+    the module whose forward is replaced when a layer loses every head (so no zero-width projection or
+    reshape runs: some families' code cannot, and ONNX reshapes cannot), and `no_heads_outputs` the length
+    of the tuple that module returns.
     """
 
     name: str
@@ -111,19 +112,19 @@ FAMILIES: list[AttentionSpec] = [
     AttentionSpec("bert", ("BertAttention", "RobertaAttention", "XLMRobertaAttention", "ElectraAttention",
                            "CamembertAttention", "RobertaPreLayerNormAttention", "XmodAttention"),
                   q="self.query", k="self.key", v="self.value", o="output.dense",
-                  head_dim="self.attention_head_size", updates=_BERT_UPDATES),
+                  head_dim="self.attention_head_size", updates=_BERT_UPDATES, no_heads="self"),
     AttentionSpec("albert", ("AlbertAttention",), q="query", k="key", v="value", o="dense",
                   head_dim="attention_head_size",
                   updates=(("", "num_attention_heads", "heads"), ("", "all_head_size", "inner"))),
     AttentionSpec("distilbert", ("DistilBertSelfAttention",), q="q_lin", k="k_lin", v="v_lin", o="out_lin",
-                  head_dim="attention_head_size", updates=(("", "n_heads", "heads"),)),
+                  head_dim="attention_head_size", updates=(("", "n_heads", "heads"),), no_heads=""),
     AttentionSpec("deberta-v2", ("DebertaV2Attention",), q="self.query_proj", k="self.key_proj",
                   v="self.value_proj", o="output.dense", head_dim="self.attention_head_size",
                   updates=_BERT_UPDATES, per_head_out=("self.pos_key_proj", "self.pos_query_proj"),
                   no_heads="self"),
     AttentionSpec("mpnet", ("MPNetSelfAttention",), q="q", k="k", v="v", o="o", head_dim="attention_head_size",
                   updates=(("", "num_attention_heads", "heads"), ("", "all_head_size", "inner")),
-                  prepare=_mpnet_select_bias_heads),
+                  prepare=_mpnet_select_bias_heads, no_heads="", no_heads_outputs=1),
     AttentionSpec("modernbert", ("ModernBertAttention",), fused_qkv="Wqkv", o="Wo", head_dim="head_dim"),
     AttentionSpec("gpt2", ("GPT2Attention",), fused_qkv="c_attn", o="c_proj", head_dim="head_dim",
                   updates=(("", "num_heads", "heads"), ("", "split_size", "inner")), no_heads=""),
@@ -132,9 +133,9 @@ FAMILIES: list[AttentionSpec] = [
     AttentionSpec("bart", _BART_TYPES, q="q_proj", k="k_proj", v="v_proj", o="out_proj", head_dim="head_dim",
                   updates=(("", "num_heads", "heads"),), no_heads=""),
     AttentionSpec("llama", _LLAMA_TYPES, q="q_proj", k="k_proj", v="v_proj", o="o_proj", head_dim="head_dim",
-                  grouped=True, updates=(("", "num_key_value_groups", "kv_groups"),)),
+                  grouped=True, updates=(("", "num_key_value_groups", "kv_groups"),), no_heads=""),
     AttentionSpec("phi", ("PhiAttention",), q="q_proj", k="k_proj", v="v_proj", o="dense", head_dim="head_dim",
-                  grouped=True, updates=(("", "num_key_value_groups", "kv_groups"),)),
+                  grouped=True, updates=(("", "num_key_value_groups", "kv_groups"),), no_heads=""),
     AttentionSpec("phi3", ("Phi3Attention",), fused_qkv="qkv_proj", o="o_proj", head_dim="head_dim", grouped=True,
                   updates=(("", "num_key_value_groups", "kv_groups"), ("", "num_key_value_heads", "kv_heads"),
                            ("config", "num_attention_heads", "heads"))),
@@ -143,7 +144,7 @@ FAMILIES: list[AttentionSpec] = [
                   per_head_columns=("relative_attention_bias.weight",), prepare=_t5_own_position_bias),
     AttentionSpec("vit", ("ViTAttention", "DeiTAttention", "ViTMAEAttention", "Dinov2Attention"),
                   q="q_proj", k="k_proj", v="v_proj", o="o_proj", head_dim="head_dim",
-                  updates=(("", "num_attention_heads", "heads"),)),
+                  updates=(("", "num_attention_heads", "heads"),), no_heads=""),
 ]
 
 
