@@ -39,6 +39,19 @@ def handle_errors(command: Callable) -> Callable:
     return wrapper
 
 
+def _without_option(args: list[str], name: str) -> list[str]:
+    """`args` without `name VALUE` or `name=VALUE`."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            kept.append(arg)
+    return kept
+
+
 def _emit(data: Any, as_json: bool, text: Callable[[], str]) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=1, default=float))
@@ -144,12 +157,15 @@ def inspect(model_path: str, as_json: bool) -> None:
 @click.option("--label-free", is_flag=True, help="Ignore labels: score against the unpruned model's outputs.")
 @click.option("--output", "-o", default="head-scores", show_default=True, help="Folder for scores.json and heatmap.png.")
 @click.option("--force", is_flag=True, help="Overwrite the output folder.")
+@click.option("--processes", type=int, default=1, show_default=True,
+              help="Score data-parallel on this many processes (accelerate launch: one per GPU, else CPU over gloo).")
 @handle_errors
-def score(model: str, method: str, label_free: bool, output: str, force: bool, **opts: Any) -> None:
+def score(model: str, method: str, label_free: bool, output: str, force: bool, processes: int, **opts: Any) -> None:
     """Score every head on a dataset; writes scores.json and heatmap.png.
 
-    Example: prune-heads score ./model --data glue --split validation --method fisher -o scores
+    Example: prune-heads score ./model --data glue --split validation --method fisher -o scores --processes 2
     """
+    from .parallel import distributed, relaunch
     from .persistence import ensure_free, replace_folder
     from .pipeline import load_model, task_data
     from .scoring import score_heads
@@ -157,10 +173,15 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, *
     recipe = _recipe(model, opts, {"sparsity": 0.0}, {"method": method,
                                                        "objective": "label-free" if label_free else "auto"})
     ensure_free(Path(output), force)  # before any work
+    state = distributed()
+    if processes > 1 and state is None:
+        sys.exit(relaunch(processes, _without_option(sys.argv[1:], "--processes")))
     loaded, processor = load_model(recipe)
     data = task_data(recipe, loaded, processor, opts["split"], opts["examples"])
     batches = data.without_labels() if label_free else data.batches
     scores = score_heads(loaded, batches, method=method, seed=opts["seed"])
+    if state is not None and not state.is_main_process:
+        return  # every process holds the same scores; the first one writes them
 
     def write(tmp: Path) -> None:
         scores.save(tmp / "scores.json")

@@ -8,6 +8,7 @@ variances. The gradient family (gradient, taylor, fisher) shares one pass with p
 
 from __future__ import annotations
 
+import itertools
 import json
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 from .data import to_device
 from .gates import head_gates
 from .layers import AttentionLayer, find_attention, resolve, weight_matrix
+from .parallel import distributed, rank_and_size, sum_across
 
 Loss = Callable[[object, dict], torch.Tensor]
 
@@ -102,14 +104,20 @@ class ScoringRun:
     autocast: torch.dtype | None
     generator: torch.Generator
     progress: bool
+    seed: int = 0
     examples: int = 0
     meta: dict = field(default_factory=dict)
 
     def iterate(self, desc: str) -> Iterator[dict]:
-        """Batches moved to the device, with a progress bar; counts the examples seen."""
-        total = len(self.batches) if hasattr(self.batches, "__len__") else None
+        """This process's batches (every one, or every N-th of N data-parallel processes) moved to the device,
+        with a progress bar; counts the examples seen. The sampling generator is re-seeded per batch, so the
+        scores do not depend on how the batches are shared out."""
+        rank, size = rank_and_size()
+        total = -(-(len(self.batches) - rank) // size) if hasattr(self.batches, "__len__") else None
         self.examples = 0
-        for batch in tqdm(self.batches, desc=desc, total=total, disable=not self.progress, leave=False):
+        mine = itertools.islice(enumerate(self.batches), rank, None, size)
+        for index, batch in tqdm(mine, desc=desc, total=total, disable=not self.progress or rank > 0, leave=False):
+            self.generator.manual_seed(self.seed * 1_000_003 + index)
             self.examples += batch_size(batch)
             yield to_device(batch, self.device)
 
@@ -273,8 +281,10 @@ def gate_gradients(run: ScoringRun) -> tuple[list[torch.Tensor], list[torch.Tens
                 sums[2][i] += (g ** 2).sum(0)
                 blocks[i] += g.T @ g
             count += n if per_example else 1
-    run.meta["fisher_blocks"] = {l.name: b.tolist() for l, b in zip(run.layers, blocks)}
-    return sums[0], sums[1], sums[2], count
+    n = len(run.layers)
+    *summed, total = sum_across([*sums[0], *sums[1], *sums[2], *blocks, torch.tensor(float(count))])
+    run.meta["fisher_blocks"] = {l.name: b.tolist() for l, b in zip(run.layers, summed[3 * n:])}
+    return summed[:n], summed[n:2 * n], summed[2 * n:3 * n], int(total)
 
 
 def _variance(total: torch.Tensor, total_sq: torch.Tensor, n: int) -> torch.Tensor:
@@ -332,7 +342,8 @@ def activation_importance(run: ScoringRun):
     finally:
         for handle in handles:
             handle.remove()
-    return [t / max(c, 1) for t, c in zip(totals, counts)], None
+    summed = sum_across([*totals, torch.tensor(counts, dtype=torch.float64)])
+    return [t / max(float(c), 1) for t, c in zip(summed[:-1], summed[-1])], None
 
 
 @method("magnitude")
@@ -370,7 +381,8 @@ def ablation_importance(run: ScoringRun):
                     value = run.objective.value(run.forward(batch), batch, reference).double().sum().cpu()
                     increases[i][h] += value - base
                     gates[i][h] = 1.0
-    return [inc / max(run.examples, 1) for inc in increases], None
+    *summed, examples = sum_across([*increases, torch.tensor(float(run.examples))])
+    return [inc / max(float(examples), 1) for inc in summed], None
 
 
 @method("random")
@@ -394,22 +406,26 @@ def score_heads(model: nn.Module, dataloader: Iterable[dict], method: str = "gra
     """
     if method not in METHODS:
         raise ValueError(f"unknown scoring method {method!r}; choose one of {', '.join(sorted(METHODS))}")
+    state = distributed()
+    if device is None and state is not None and state.device.type != "cpu":
+        device = state.device  # one GPU per process
     if device is not None:
         model.to(device)
     target = torch.device(device) if device is not None else next(model.parameters()).device
     layers = find_attention(model)
     generator = torch.Generator().manual_seed(seed)
-    run = ScoringRun(model, layers, dataloader, Objective(model, loss), target, autocast, generator, progress)
+    run = ScoringRun(model, layers, dataloader, Objective(model, loss), target, autocast, generator, progress, seed)
     torch.manual_seed(seed)
     with frozen(model):
         scores, variances = METHODS[method](run)
+    examples = int(sum_across([torch.tensor(float(run.examples))])[0])
     if normalize if normalize is not None else method == "gradient":
         norms = [s.norm() for s in scores]
         scores = [s / n if n > 0 else s for s, n in zip(scores, norms)]
         variances = None if variances is None else [v / n ** 2 if n > 0 else v for v, n in zip(variances, norms)]
     names = [l.name for l in layers]
     return HeadScores(
-        method=method, num_examples=run.examples,
+        method=method, num_examples=examples,
         scores={n: s.float() for n, s in zip(names, scores)},
         heads={l.name: l.heads for l in layers},
         group_sizes={l.name: l.group_size for l in layers},
