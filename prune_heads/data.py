@@ -44,6 +44,16 @@ def to_device(batch: dict, device: torch.device | str) -> dict:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
+def input_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's inputs go: the first device of a `device_map` that is not disk, else the device of
+    its first parameter (the CPU for weights offloaded to the meta device)."""
+    placed = [d for d in getattr(model, "hf_device_map", {}).values() if d != "disk"]
+    if placed:
+        return torch.device(f"cuda:{placed[0]}" if isinstance(placed[0], int) else placed[0])
+    device = next(model.parameters()).device
+    return torch.device("cpu") if device.type == "meta" else device
+
+
 def load_split(source: str, split: str = "validation", name: str | None = None) -> datasets.Dataset:
     """One split of a dataset: a hub name, a local file (csv, tsv, json, jsonl, parquet, txt) or a folder of
     files named after their splits (`validation.jsonl`). `split` may slice, as in `train[:2048]`.

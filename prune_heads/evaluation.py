@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .data import TaskData, to_device
+from .data import TaskData, input_device, to_device
 from .scoring import pooled
 
 _SHIPPED = Path(__file__).parent / "metrics"
@@ -34,7 +34,7 @@ def load_metric(name: str) -> evaluate.EvaluationModule:
 
 
 def _device_batches(model: nn.Module, batches: Iterable[dict], desc: str, progress: bool):
-    device = next(model.parameters()).device
+    device = input_device(model)
     total = len(batches) if hasattr(batches, "__len__") else None
     for batch in tqdm(batches, desc=desc, total=total, disable=not progress, leave=False):
         yield to_device(batch, device)

@@ -33,7 +33,7 @@ class HeadGates(list):
 def _gate_hook(gates: HeadGates, i: int, head_dim: int):
     def hook(module: nn.Module, args: tuple) -> tuple:
         x, *rest = args
-        gate = gates[i].to(x.dtype)
+        gate = gates[i].to(x.device, x.dtype)  # offloaded layers (device_map) run where accelerate puts them
         heads = x.reshape(*x.shape[:-1], x.shape[-1] // head_dim, head_dim)
         if gate.dim() == 2:  # [batch, heads] against [batch, ..., heads, head_dim]
             gate = gate.reshape(gate.shape[0], *([1] * (heads.dim() - 3)), gate.shape[1])
@@ -56,6 +56,7 @@ def head_gates(model: nn.Module, requires_grad: bool = True) -> Iterator[HeadGat
     tensors = []
     for layer in layers:
         device = resolve(layer.module, layer.spec.o).weight.device
+        device = torch.device("cpu") if device.type == "meta" else device  # offloaded weights (device_map)
         tensors.append(torch.ones(layer.num_heads, dtype=torch.float32, device=device, requires_grad=requires_grad))
     gates = HeadGates(layers, tensors)
     try:

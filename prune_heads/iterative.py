@@ -8,7 +8,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from .data import to_device
+from .data import input_device, to_device
 from .scoring import HeadScores, Loss, Objective, batch_size, frozen, score_heads
 from .selection import select_heads
 from .surgery import prune
@@ -26,7 +26,7 @@ class IterativeResult:
 def mean_loss(model: nn.Module, dataloader: Iterable[dict], loss: Loss | None = None) -> float | None:
     """Mean per-example task loss over the batches (None when the batches have no labels)."""
     objective = Objective(model, loss)
-    device = next(model.parameters()).device
+    device = input_device(model)
     total, count = 0.0, 0
     generator = torch.Generator().manual_seed(0)
     with frozen(model), torch.no_grad():

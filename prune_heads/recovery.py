@@ -23,6 +23,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from .data import input_device, to_device
 from .layers import AttentionLayer, find_attention, resolve, weight_matrix
 from .scoring import HeadScores
 from .surgery import PlanError
@@ -210,8 +211,8 @@ def reconstruct(model: nn.Module, reference: nn.Module, dataloader: Iterable[dic
     compensation needs an output projection with a bias (BERT-likes, GPT-2, OPT, ViT, ...); layers without
     one get scales only. `model` is the pruned copy of `reference`.
     """
-    device = next(model.parameters()).device
-    batches = [{k: v.to(device) for k, v in b.items() if k != "labels"} for b in dataloader]
+    device = input_device(model)
+    batches = [to_device({k: v for k, v in b.items() if k != "labels"}, device) for b in dataloader]
     layers, ref_layers = find_attention(model), {l.name: l for l in find_attention(reference)}
     was_training = (model.training, reference.training)
     model.eval()
@@ -240,8 +241,8 @@ def tune_gates(model: nn.Module, reference: nn.Module, dataloader: Iterable[dict
     from .gates import head_gates
     from .scoring import Objective, frozen
 
-    device = next(model.parameters()).device
-    batches = [{k: v.to(device) for k, v in b.items() if k != "labels"} for b in dataloader]
+    device = input_device(model)
+    batches = [to_device({k: v for k, v in b.items() if k != "labels"}, device) for b in dataloader]
     objective = Objective(model)
     reference.eval()
     generator = torch.Generator().manual_seed(seed)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .data import to_device
+from .data import input_device, to_device
 from .gates import head_gates
 from .layers import AttentionLayer, find_attention, resolve, weight_matrix
 from .parallel import distributed, rank_and_size, sum_across
@@ -401,17 +401,22 @@ def score_heads(model: nn.Module, dataloader: Iterable[dict], method: str = "gra
     Objective). Methods: see `METHODS` (gradient, taylor, fisher, activation, magnitude, ablation, random).
     Parameters are frozen while scoring (only gate gradients are computed) and restored after. `normalize`
     (default: on for gradient, as Michel et al.) divides each layer's scores by their L2 norm. `device`
-    moves the model there; `autocast` (e.g. torch.bfloat16) runs the forward under autocast; scores are
-    accumulated in float64 and returned as float32. Deterministic for a given seed.
+    moves the model there (leave it unset for a model loaded with `device_map`, layers on several devices or
+    offloaded); `autocast` (e.g. torch.bfloat16) runs the forward under autocast; gates stay float32 in a
+    bf16/fp16 model and scores are accumulated in float64 and returned as float32. Deterministic for a given
+    seed. Under `accelerate launch` each process scores its share of the batches and every process gets
+    the scores of all of them (see `prune_heads.parallel`).
     """
     if method not in METHODS:
         raise ValueError(f"unknown scoring method {method!r}; choose one of {', '.join(sorted(METHODS))}")
     state = distributed()
     if device is None and state is not None and state.device.type != "cpu":
         device = state.device  # one GPU per process
+    if device is not None and hasattr(model, "hf_device_map"):
+        raise ValueError("the model was loaded with a device_map, which already placed it; leave device unset")
     if device is not None:
         model.to(device)
-    target = torch.device(device) if device is not None else next(model.parameters()).device
+    target = torch.device(device) if device is not None else input_device(model)
     layers = find_attention(model)
     generator = torch.Generator().manual_seed(seed)
     run = ScoringRun(model, layers, dataloader, Objective(model, loss), target, autocast, generator, progress, seed)

@@ -80,6 +80,9 @@ def normalize_plan(layers: list[AttentionLayer], plan: Plan) -> dict[str, list[i
         else:
             raise PlanError(f"no attention layer named {key!r}; prune_heads.find_attention(model) lists them")
         heads = sorted(set(normalized.get(layer.name, [])) | {int(h) for h in heads})
+        if heads and any(p.device.type == "meta" for p in layer.module.parameters()):
+            raise PlanError(f"{layer.name} is offloaded (device_map put its weights on disk or CPU offload); load "
+                            f"the model without offloading (device_map=None, or more max_memory) to prune it")
         for h in heads:
             if not 0 <= h < layer.original_num_heads:
                 raise PlanError(f"{layer.name} has heads 0..{layer.original_num_heads - 1}; head {h} does not exist")

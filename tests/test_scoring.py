@@ -131,3 +131,50 @@ def test_prune_iteratively_records_a_curve():
     assert result.history[0]["params"] > result.history[-1]["params"]
     assert sum(l.num_heads for l in ph.find_attention(model)) == 6
     assert sum(len(h) for h in result.plan.values()) == 6
+
+
+def _labelled(name: str, batches: int = 3) -> list[dict]:
+    out = []
+    for seed in range(batches):
+        x = tm.make_inputs(name, batch=4, seed=seed)
+        x["labels"] = x["input_ids"].clone() if tm.FAMILIES[name][3] == "decoder" else torch.tensor([0, 1, 1, 0])
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_bf16_models_score_like_float32_ones(name):
+    model, batches = tm.build(name), _labelled(name)
+    expected = ph.score_heads(model, batches, method="fisher", progress=False)
+    scores = ph.score_heads(model.to(torch.bfloat16), batches, method="fisher", progress=False)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    for n in expected.layers:  # float32 gates, float64 sums: only the bf16 forward differs
+        assert scores.scores[n].dtype == torch.float32
+        torch.testing.assert_close(scores.scores[n], expected.scores[n], rtol=0.05,
+                                   atol=0.05 * expected.scores[n].abs().max().item())
+
+
+def test_models_loaded_with_a_device_map_score_and_refuse_pruning_offloaded_layers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, batches = tm.build("llama"), _labelled("llama")
+    model.save_pretrained(tmp_path / "m")
+    expected = ph.score_heads(model, batches, method="fisher", progress=False)
+    placement = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                 "model.layers.2": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map=placement, attn_implementation="eager",
+                                                     offload_folder=str(tmp_path / "offload"))
+    assert next(offloaded.model.layers[1].parameters()).device.type == "meta"
+    scores = ph.score_heads(offloaded, batches, method="fisher", progress=False)
+    for n in expected.layers:
+        torch.testing.assert_close(scores.scores[n], expected.scores[n])
+    with pytest.raises(ph.PlanError, match="model.layers.1.self_attn is offloaded"):
+        ph.prune(offloaded, {1: [0, 1]})
+    with pytest.raises(ValueError, match="leave device unset"):
+        ph.score_heads(offloaded, batches, device="cpu", progress=False)
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map="auto", attn_implementation="eager")
+    ph.prune(auto, {0: [0, 1], 2: [2, 3]})
+    ph.prune(model, {0: [0, 1], 2: [2, 3]})
+    inputs = tm.make_inputs("llama")
+    assert torch.equal(auto.generate(**inputs, max_new_tokens=4, do_sample=False),
+                       model.generate(**inputs, max_new_tokens=4, do_sample=False))
