@@ -4,6 +4,7 @@ from .data import TaskData, load_task_data
 from .evaluation import evaluate_task
 from .families import FAMILIES, AttentionSpec, register_family
 from .gates import HeadGates, head_gates
+from .hub import model_card, push_pruned
 from .iterative import IterativeResult, prune_iteratively
 from .layers import AttentionLayer, UnsupportedModelError, find_attention
 from .persistence import OutputExistsError, load_pruned, save_pruned
@@ -17,7 +18,7 @@ from .surgery import PlanError, prune
 __all__ = [
     "FAMILIES", "METHODS", "AttentionLayer", "AttentionSpec", "HeadGates", "HeadScores", "IterativeResult",
     "OutputExistsError", "PlanError", "Report", "TaskData", "UnsupportedModelError", "benchmark", "benchmark_pair",
-    "compare", "evaluate_task", "find_attention", "head_gates", "load_pruned", "load_task_data",
-    "plan_with_interactions", "prune", "prune_iteratively", "reconstruct", "register_family", "save_pruned",
-    "score_heads", "select_heads", "tune_gates",
+    "compare", "evaluate_task", "find_attention", "head_gates", "load_pruned", "load_task_data", "model_card",
+    "plan_with_interactions", "prune", "prune_iteratively", "push_pruned", "reconstruct", "register_family",
+    "save_pruned", "score_heads", "select_heads", "tune_gates",
 ]

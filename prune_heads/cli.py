@@ -230,6 +230,24 @@ def prune_command(model: str, sparsity: float | None, num_heads: int | None, pla
           f"saved the pruned model to {output}")
 
 
+@main.command()
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.argument("repo_id")
+@click.option("--base-model", default=None, help="Hub id of the unpruned model (default: from the report).")
+@click.option("--private", is_flag=True, help="Create the repo as private.")
+@click.option("--token", default=None, help="Hub token (default: the one huggingface-cli login saved).")
+@handle_errors
+def push(folder: str, repo_id: str, base_model: str | None, private: bool, token: str | None) -> None:
+    """Push a pruned model folder to the Hugging Face Hub with a model card (base model, plan, before/after).
+
+    Example: prune-heads push ./pruned-bert-sst2 me/bert-base-sst2-pruned-50
+    """
+    from .hub import push_pruned
+
+    info = push_pruned(folder, repo_id, base_model=base_model, private=private or None, token=token)
+    click.echo(f"pushed {folder} to {repo_id}: {getattr(info, 'commit_url', info)}")
+
+
 @main.command(name="evaluate")
 @click.argument("model")
 @data_options

@@ -92,6 +92,16 @@ class Report:
                 "plan": self.plan, "history": self.history,
                 "scores": self.scores.to_dict() if self.scores is not None else None}
 
+    @classmethod
+    def load(cls, path: str | Path) -> "Report":
+        """Read a report.json written by `write`."""
+        from .scoring import HeadScores
+
+        data = json.loads(Path(path).read_text())
+        scores = HeadScores.from_dict(data["scores"]) if data.get("scores") else None
+        return cls(data["before"], data["after"], data.get("plan", {}), scores, data.get("history", []),
+                   data.get("meta", {}))
+
     def markdown(self) -> str:
         """A summary a person reads: metric, delta, speed-up, parameters, FLOPs, heads kept per layer."""
         s = self.summary()

@@ -1,8 +1,6 @@
 """End-to-end tests of the CLI on the shared fixture (click's runner and a real subprocess)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,20 +11,7 @@ import prune_heads as ph
 from prune_heads.cli import main
 from prune_heads.data import load_task_data
 from prune_heads.evaluation import evaluate_task
-
-FAST = ["--set", "data.eval_examples=300", "--set", "evaluation.speed.repeats=2",
-        "--set", "evaluation.speed.batch_size=8", "--set", "evaluation.speed.seq_len=64"]
-
-
-@pytest.fixture(scope="module")
-def fixture_run(tmp_path_factory, fixture_model_path):
-    """`prune-heads run fixture-minilm-sentiment` in a real subprocess, as a user runs it."""
-    out = tmp_path_factory.mktemp("run") / "pruned"
-    proc = subprocess.run([sys.executable, "-m", "prune_heads.cli", "run", "fixture-minilm-sentiment", "-o",
-                           str(out), *FAST], capture_output=True, text=True, cwd=Path(__file__).parents[1])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return out, proc
-
+from conftest import FAST
 
 def test_run_writes_a_loadable_model_and_a_true_report(fixture_run, fixture_model_path, fixture_data_path):
     out, proc = fixture_run
