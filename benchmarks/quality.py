@@ -41,14 +41,14 @@ def fisher_rearranged(model, validation, sparsity, tuning=False, bias=False):
         ph.reconstruct(model, reference, validation.without_labels(), scales=tuning, bias=bias)
 
 
-def fisher_rearranged_tuned(model, validation, sparsity, steps=1):
-    """Fisher + rearrangement (in `steps` re-scored steps), then the kept heads' gates tuned to the unpruned
-    model's outputs (KL) and folded into the weights."""
+def fisher_rearranged_tuned(model, validation, sparsity, steps=1, epochs=2, bias_lr=None):
+    """Fisher + rearrangement (in `steps` re-scored steps), then the kept heads' gates (and with `bias_lr`
+    the output biases) tuned to the unpruned model's outputs (KL) and folded into the weights."""
     reference = copy.deepcopy(model)
     for step in range(1, steps + 1):
         scores = ph.score_heads(model, validation, method="fisher", progress=False)
         ph.prune(model, ph.plan_with_interactions(scores, sparsity=sparsity * step / steps))
-    ph.tune_gates(model, reference, validation.without_labels())
+    ph.tune_gates(model, reference, validation.without_labels(), epochs=epochs, bias_lr=bias_lr)
 
 
 METHODS = {
@@ -61,6 +61,9 @@ METHODS = {
         lambda m, v, s: fisher_rearranged(m, v, s, tuning=True, bias=True),
     "fisher + rearrangement + gate tuning (KL to the unpruned model)": fisher_rearranged_tuned,
     "fisher + rearrangement in 3 re-scored steps + gate tuning": lambda m, v, s: fisher_rearranged_tuned(m, v, s, 3),
+    "fisher + rearrangement + gate tuning, 4 epochs": lambda m, v, s: fisher_rearranged_tuned(m, v, s, epochs=4),
+    "fisher + rearrangement + gate and output-bias tuning, 4 epochs":
+        lambda m, v, s: fisher_rearranged_tuned(m, v, s, epochs=4, bias_lr=0.01),
 }
 
 

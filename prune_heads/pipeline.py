@@ -141,7 +141,7 @@ def choose_heads(model: nn.Module, data: TaskData | None, recipe: Recipe, plan: 
                                         bias=r.bias_compensation, ridge=r.ridge, sequential=r.sequential)
     if r.gate_tuning and data is not None:
         found["gate_scales"] = tune_gates(model, reference, data.without_labels(), epochs=r.gate_epochs,
-                                          lr=r.gate_lr, seed=s.seed)
+                                          lr=r.gate_lr, seed=s.seed, bias_lr=r.bias_lr if r.bias_tuning else None)
     found["plan"] = plan
     found["seconds"] = time.perf_counter() - start
     return found

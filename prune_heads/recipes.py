@@ -76,7 +76,8 @@ class RecoveryConfig:
     """Retraining-free recovery (`ph.plan_with_interactions`, `ph.reconstruct`, `ph.tune_gates`): `rearrange`
     chooses the heads with the Fisher blocks (needs scoring.method fisher); `mask_tuning` rescales kept heads
     and `bias_compensation` refits output biases to match the unpruned layers on the scoring data (least
-    squares); `gate_tuning` tunes the kept heads' scales to the unpruned model's outputs (KL)."""
+    squares); `gate_tuning` tunes the kept heads' scales to the unpruned model's outputs (KL), and with
+    `bias_tuning` the output projections' biases too (at `bias_lr`)."""
 
     rearrange: bool = False
     mask_tuning: bool = False
@@ -86,6 +87,8 @@ class RecoveryConfig:
     gate_tuning: bool = False
     gate_epochs: int = 2
     gate_lr: float = 0.05
+    bias_tuning: bool = False
+    bias_lr: float = 0.01
 
     @property
     def needs_reference(self) -> bool:
@@ -239,6 +242,8 @@ def parse_recipe(data: Any, overrides: list[str] = ()) -> Recipe:
                                       or recipe.selection.keep_per_layer is not None):
         raise RecipeError("recovery.rearrange needs scoring.method fisher, scoring.steps 1 and selection.sparsity "
                           "or selection.num_heads")
+    if recipe.recovery.bias_tuning and not recipe.recovery.gate_tuning:
+        raise RecipeError("recovery.bias_tuning tunes the biases during gate tuning; set recovery.gate_tuning: true")
     if recipe.recovery.rearrange and recipe.selection.uniform:
         raise RecipeError("recovery.rearrange lets layers keep different numbers of heads; set "
                           "selection.uniform: false or recovery.rearrange: false")

@@ -230,13 +230,15 @@ def reconstruct(model: nn.Module, reference: nn.Module, dataloader: Iterable[dic
 
 
 def tune_gates(model: nn.Module, reference: nn.Module, dataloader: Iterable[dict], epochs: int = 2,
-               lr: float = 0.05, seed: int = 0) -> dict[str, list[float]]:
+               lr: float = 0.05, seed: int = 0, bias_lr: float | None = None) -> dict[str, list[float]]:
     """Tune one scale per kept head so the pruned model's outputs match the unpruned `reference` model's,
     then fold the scales into the output projections (the model stays a plain smaller model).
 
     The objective is the label-free divergence (KL on logits, 1 - cosine of pooled embeddings) over the
-    calibration batches, minimised with Adam over the head gates alone: no weight is trained, and there are
-    as many free values as kept heads. Returns the scales per layer.
+    calibration batches, minimised with Adam over the head gates alone: no weight matrix is trained, and
+    there are as many free values as kept heads. With `bias_lr`, the output projections' biases (where they
+    have one) are tuned too, at that learning rate: the same objective then also corrects the mean shift the
+    removed heads leave in the residual stream (a learned bias compensation). Returns the scales per layer.
     """
     from .gates import head_gates
     from .scoring import Objective, frozen
@@ -246,18 +248,33 @@ def tune_gates(model: nn.Module, reference: nn.Module, dataloader: Iterable[dict
     objective = Objective(model)
     reference.eval()
     generator = torch.Generator().manual_seed(seed)
-    with frozen(model), head_gates(model) as gates:
-        optimizer = torch.optim.Adam(list(gates), lr=lr)
+    targets: dict[int, torch.Tensor] = {}
+
+    def target(i: int) -> torch.Tensor:
+        if i in targets:
+            return targets[i]
+        with torch.no_grad():
+            value = objective.reference(reference(**batches[i]), batches[i])
+        if value.dim() <= 2:  # one vector per example: kept; per-token log-probs are recomputed (too large)
+            targets[i] = value
+        return value
+
+    layers = find_attention(model)
+    biases = [resolve(l.module, l.spec.o).bias for l in layers] if bias_lr else []
+    biases = [b for b in biases if b is not None]
+    with frozen(model), head_gates(model) as gates:  # frozen restores every requires_grad flag on exit
+        for b in biases:
+            b.requires_grad_(True)
+        groups = [{"params": list(gates), "lr": lr}] + ([{"params": biases, "lr": bias_lr}] if biases else [])
+        optimizer = torch.optim.Adam(groups)
         for _ in range(epochs):
             for i in torch.randperm(len(batches), generator=generator).tolist():
-                with torch.no_grad():  # recomputed, not stored: a language model's log-probs are large
-                    target = objective.reference(reference(**batches[i]), batches[i])
-                loss = objective.divergence(model(**batches[i]), batches[i], target).mean()
+                loss = objective.divergence(model(**batches[i]), batches[i], target(i)).mean()
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         scales = [g.detach().clone() for g in gates]
-        layers = gates.layers
     with torch.no_grad():
         for layer, scale in zip(layers, scales):
             if layer.num_heads:

@@ -69,6 +69,7 @@ def _base():
      "recovery.rearrange removes whole KV groups"),
     ({"scoring": {"method": "fisher"}, "recovery": {"rearrange": True}, "selection": {"sparsity": 0.5, "uniform": True}},
      "set selection.uniform: false"),
+    ({"recovery": {"bias_tuning": True}}, "set recovery.gate_tuning: true"),
     ({"recovery": {"mask_tunning": True}}, "unknown key recovery.mask_tunning: did you mean 'mask_tuning'\\?"),
 ])
 def test_bad_recipes_name_the_key(change, message):

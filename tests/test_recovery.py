@@ -146,3 +146,21 @@ def test_gate_tuning_lowers_the_divergence_and_folds_exactly():
     with torch.no_grad():
         torch.testing.assert_close(model(**inputs).logits, expected, rtol=0, atol=1e-5)
     assert all(p.requires_grad for p in model.parameters())  # parameters were frozen only while tuning
+
+
+def test_bias_tuning_moves_only_output_biases_and_lowers_the_divergence():
+    reference = tm.build("bert")
+    model = copy.deepcopy(reference)
+    ph.prune(model, {0: [0, 1], 1: [2], 2: [1, 2, 3]})
+    batches = calibration()
+    with_bias = copy.deepcopy(model)
+    ph.tune_gates(with_bias, reference, batches, epochs=5, lr=0.0, bias_lr=0.001)  # the biases alone
+    assert _kl(with_bias, reference, batches) < _kl(model, reference, batches) / 2
+    outputs = {l.name + "." + l.spec.o + ".bias" for l in ph.find_attention(model)}
+    before, after = dict(model.named_parameters()), dict(with_bias.named_parameters())
+    moved = {n for n in before if n.endswith("bias") and not torch.equal(before[n], after[n])}
+    assert moved == outputs and all(p.grad is None for p in with_bias.parameters())
+    llama = tm.build("llama")  # no output bias: nothing to tune there, and none is added
+    ph.prune(llama, {0: [0, 1]})
+    ph.tune_gates(llama, tm.build("llama"), [tm.make_inputs("llama")], epochs=1, bias_lr=0.01)
+    assert all(l.module.o_proj.bias is None for l in ph.find_attention(llama))
