@@ -91,8 +91,9 @@ def test_fixture_half_heads_round_trip_in_a_fresh_process(fixture_model_path, fi
     assert loaded_state.keys() == state.keys()
     assert all(torch.equal(loaded_state[k], state[k]) for k in state)  # the weights round-trip bit for bit
     assert sum(p.numel() for p in model.parameters()) < params
-    # Another process may take other CPU kernel paths (memory alignment, ISA), so outputs agree to float noise.
-    torch.testing.assert_close(logits, pruned, rtol=0, atol=1e-5)
+    # Another process may take other CPU kernel paths (memory alignment of the loaded weights), so its outputs
+    # differ by float noise, seen up to 4e-5 on these logits; a wrong weight would move them by 1e-1.
+    torch.testing.assert_close(logits, pruned, rtol=0, atol=5e-4)
     assert torch.equal(pruned.argmax(-1), gated.argmax(-1))
     torch.testing.assert_close(pruned, gated, rtol=0, atol=1e-5)
 
