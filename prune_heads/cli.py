@@ -197,6 +197,8 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
 @data_options
 @click.option("--sparsity", type=float, default=None, help="Fraction of all heads to remove.")
 @click.option("--num-heads", type=int, default=None, help="Number of heads to remove.")
+@click.option("--keep-flops", type=float, default=None, help="Remove heads until a forward pass costs at most "
+              "this fraction of its FLOPs (at --max-length).")
 @click.option("--plan", "plan_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSON {layer: [heads]} to apply instead of scoring.")
 @click.option("--method", default="gradient", show_default=True)
@@ -210,7 +212,8 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
 @click.option("--output", "-o", required=True, help="Folder for the pruned model (must not exist, see --force).")
 @click.option("--force", is_flag=True, help="Overwrite the output folder.")
 @handle_errors
-def prune_command(model: str, sparsity: float | None, num_heads: int | None, plan_file: str | None, method: str,
+def prune_command(model: str, sparsity: float | None, num_heads: int | None, keep_flops: float | None,
+                  plan_file: str | None, method: str,
                   steps: int, scope: str, min_heads_per_layer: int, gqa: str, uniform: bool, standalone: bool,
                   output: str, force: bool, **opts: Any) -> None:
     """Score, select and remove heads (or apply --plan); saves a model that ph.load_pruned loads.
@@ -219,10 +222,11 @@ def prune_command(model: str, sparsity: float | None, num_heads: int | None, pla
     """
     from .pipeline import run
 
-    if (sparsity is None) + (num_heads is None) + (plan_file is None) != 2:
-        raise click.UsageError("give exactly one of --sparsity, --num-heads or --plan")
+    budgets = {"sparsity": sparsity, "num_heads": num_heads, "flops": keep_flops}
+    if sum(v is not None for v in budgets.values()) + (plan_file is not None) != 1:
+        raise click.UsageError("give exactly one of --sparsity, --num-heads, --keep-flops or --plan")
     plan = json.loads(Path(plan_file).read_text()) if plan_file else None
-    selection = {"num_heads": num_heads} if num_heads is not None else {"sparsity": sparsity or 0.0}
+    selection = {k: v for k, v in budgets.items() if v is not None} or {"sparsity": 0.0}
     selection.update(scope=scope, min_heads_per_layer=min_heads_per_layer, gqa=gqa, uniform=uniform)
     recipe = _recipe(model, opts, selection, {"method": method, "steps": steps}, standalone=standalone)
     report = run(recipe, output=output, force=force, plan=plan, evaluate=False)

@@ -23,7 +23,7 @@ from .recovery import plan_with_interactions, reconstruct, tune_gates
 from .report import Report, compare
 from .scoring import score_heads
 from .selection import select_heads
-from .speed import benchmark
+from .speed import benchmark, heads_for_flops
 from .surgery import PlanError, normalize_plan, prune
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -112,6 +112,9 @@ def choose_heads(model: nn.Module, data: TaskData | None, recipe: Recipe, plan: 
     s = recipe.scoring
     batches = None if data is None else data.without_labels() if s.objective == "label-free" else data.batches
     selection = {k: v for k, v in vars(recipe.selection).items() if v is not None and v != []}
+    if "flops" in selection and plan is None:
+        length = recipe.evaluation.speed.seq_len if recipe.evaluation.speed else recipe.data.max_length
+        selection["num_heads"] = heads_for_flops(model, selection.pop("flops"), seq_len=length)
     found: dict[str, Any] = {"scores": None, "history": []}
     r = recipe.recovery
     if reference is None and r.needs_reference:

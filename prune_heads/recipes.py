@@ -64,6 +64,7 @@ class SelectionConfig:
     sparsity: float | None = None
     num_heads: int | None = None
     keep_per_layer: int | None = None
+    flops: float | None = None  # fraction of the forward FLOPs to keep (ph.heads_for_flops -> num_heads)
     scope: str = "global"
     min_heads_per_layer: int = 1
     gqa: str = "groups"
@@ -235,9 +236,13 @@ def parse_recipe(data: Any, overrides: list[str] = ()) -> Recipe:
         if isinstance(data, dict):
             _set(data, assignment)
     recipe = _build(Recipe, data, "")
-    chosen = [k for k in ("sparsity", "num_heads", "keep_per_layer") if getattr(recipe.selection, k) is not None]
+    budgets = ("sparsity", "num_heads", "keep_per_layer", "flops")
+    chosen = [k for k in budgets if getattr(recipe.selection, k) is not None]
     if len(chosen) != 1:
-        raise RecipeError(f"selection needs exactly one of sparsity, num_heads or keep_per_layer (has {chosen or 'none'})")
+        raise RecipeError(f"selection needs exactly one of sparsity, num_heads, keep_per_layer or flops "
+                          f"(has {chosen or 'none'})")
+    if recipe.selection.flops is not None and recipe.scoring.steps > 1:
+        raise RecipeError("selection.flops needs scoring.steps 1; iterative pruning takes selection.sparsity")
     if recipe.recovery.rearrange and (recipe.scoring.method != "fisher" or recipe.scoring.steps > 1
                                       or recipe.selection.keep_per_layer is not None):
         raise RecipeError("recovery.rearrange needs scoring.method fisher, scoring.steps 1 and selection.sparsity "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import math
 import statistics
 import time
 from typing import Any
@@ -40,6 +42,33 @@ def count_flops(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(**inputs)
     return int(counter.get_total_flops())
+
+
+def heads_for_flops(model: nn.Module, keep_flops: float, batch_size: int = 1, seq_len: int = 128) -> int:
+    """How many more heads to remove so one forward pass costs at most `keep_flops` of its FLOPs now.
+
+    Measured, not modelled: the FLOPs of the model and of a copy without any attention head, on dummy inputs
+    of `batch_size` x `seq_len` (FLOPs per head grow with the sequence), give the mean cost of one head. Pass
+    the result to `select_heads(num_heads=...)` or `plan_with_interactions(num_heads=...)`. Raises
+    PlanError when even removing every head cannot reach the target.
+    """
+    from .layers import find_attention
+    from .surgery import PlanError, prune
+
+    if not 0 < keep_flops <= 1:
+        raise PlanError(f"keep_flops must be in (0, 1], not {keep_flops}")
+    inputs = dummy_inputs(model, batch_size, seq_len)
+    total = count_flops(model, inputs)
+    bare = copy.deepcopy(model)
+    layers = find_attention(bare)
+    prune(bare, {layer.index: list(layer.heads) for layer in layers if layer.num_heads})
+    floor = count_flops(bare, inputs)
+    heads = sum(layer.num_heads for layer in layers)
+    if floor > keep_flops * total:
+        raise PlanError(f"removing all {heads} heads keeps {floor / total:.3f} of the FLOPs at sequence length "
+                        f"{seq_len}; ask for keep_flops of at least that")
+    per_head = (total - floor) / max(heads, 1)
+    return min(heads, math.ceil((total - keep_flops * total) / per_head - 1e-9))
 
 
 def _peak_memory(model: nn.Module, inputs: dict, device: torch.device) -> int:

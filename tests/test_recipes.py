@@ -62,7 +62,7 @@ def _base():
     ({"model": None}, "model must be str"),
     ({"scoring": {"method": "magic"}}, "scoring.method is 'magic'; choose one of ablation, activation"),
     ({"task": "translation"}, "task is 'translation'; choose one of classification"),
-    ({"selection": {"sparsity": 0.5, "num_heads": 3}}, "exactly one of sparsity, num_heads or keep_per_layer"),
+    ({"selection": {"sparsity": 0.5, "num_heads": 3}}, "exactly one of sparsity, num_heads, keep_per_layer or flops"),
     ({"evaluation": {"speed": {"repeats": 2.5}}}, "evaluation.speed.repeats must be int"),
     ({"recovery": {"rearrange": True}}, "recovery.rearrange needs scoring.method fisher"),
     ({"scoring": {"method": "fisher"}, "recovery": {"rearrange": True}, "selection": {"sparsity": 0.5, "gqa": "uniform"}},
@@ -111,3 +111,17 @@ def test_recovery_section_runs_in_the_pipeline():
     pruned = next(iter(found["plan"])).split(".")[3]
     layer, original = model.bert.encoder.layer[int(pruned)], reference.bert.encoder.layer[int(pruned)]
     assert not torch.equal(layer.attention.output.dense.bias, original.attention.output.dense.bias)
+
+
+def test_a_flops_budget_becomes_a_head_count():
+    from prune_heads.speed import count_flops, dummy_inputs
+
+    recipe = parse_recipe({"model": "m", "data": {"source": "d"}, "selection": {"flops": 0.85},
+                           "evaluation": {"speed": {"seq_len": 16}}})
+    model = tm.build("bert")
+    inputs = dummy_inputs(model, 1, 16)
+    before = count_flops(model, inputs)
+    found = choose_heads(model, _synthetic("bert", recipe), recipe, progress=False)
+    assert found["plan"] and count_flops(model, inputs) <= 0.85 * before
+    with pytest.raises(RecipeError, match="selection.flops needs scoring.steps 1"):
+        parse_recipe({"model": "m", "data": {"source": "d"}, "selection": {"flops": 0.85}, "scoring": {"steps": 3}})

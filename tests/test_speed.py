@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -44,3 +46,24 @@ def test_dummy_inputs_fit_vision_and_speech_models():
         model = tm.build(name)
         result = benchmark(model, batch_size=1, seq_len=6, repeats=1, warmup=0)
         assert result["flops"] > 0
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_heads_for_flops_meets_the_target_with_the_fewest_heads(name):
+    model = tm.build(name)
+    inputs = dummy_inputs(model, 1, 16)
+    total = count_flops(model, inputs)
+    n = ph.heads_for_flops(model, 0.9, seq_len=16)
+    layers = ph.find_attention(model)
+    order = [(l.index, h) for h in range(4) for l in layers]  # spread over layers: every head costs the same
+
+    def flops_without(k):
+        pruned = copy.deepcopy(model)
+        plan = {}
+        for layer, head in order[:k]:
+            plan.setdefault(layer, []).append(head)
+        return count_flops(ph.prune(pruned, plan), inputs)
+
+    assert 0 < n < 12 and flops_without(n) <= 0.9 * total < flops_without(n - 1)
+    with pytest.raises(ph.PlanError, match="removing all 12 heads keeps"):
+        ph.heads_for_flops(model, 0.1, seq_len=16)
