@@ -23,7 +23,7 @@ def _record(config: dict) -> dict:
     return (config.get(RECORD_KEY) or config.get("pruned_from") or {}).get("layers", {})
 
 
-def _how_to_load(folder: Path, config: dict) -> str:
+def _how_to_load(config: dict) -> str:
     auto = sorted(config.get("auto_map", {}))
     if auto:
         return (f"```python\nfrom transformers import {auto[0]}\nmodel = {auto[0]}.from_pretrained(REPO, "
@@ -55,7 +55,7 @@ def model_card(folder: str | os.PathLike, base_model: str | None = None) -> str:
         recovery = ", ".join(meta.get("recovery") or {}) or "none"
         lines += ["", f"Method: {meta.get('method')} scores ({meta.get('steps', 1)} step(s), "
                       f"{meta.get('score_examples', 0)} examples), recovery: {recovery}."]
-    lines += ["", "## How to load", "", _how_to_load(folder, config)]
+    lines += ["", "## How to load", "", _how_to_load(config)]
     if report is not None:
         table = report.markdown().splitlines()
         start, end = table.index("| | before | after | change |"), table.index("| layer | heads kept |")

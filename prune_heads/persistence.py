@@ -120,9 +120,9 @@ def save_pruned(model: nn.Module, path: str | os.PathLike, tokenizer: Any = None
     is a stock one (see `stock_config`): plain `AutoModelForCausalLM.from_pretrained` and other runtimes load
     it with no code of ours. Otherwise `standalone=True` writes a small modeling file and an `auto_map` into
     the checkpoint, so `AutoModel*.from_pretrained(path, trust_remote_code=True)` loads it where prune_heads
-    is not installed (see `prune_heads.standalone`). The folder is written under a temporary name and renamed into place, so an
-    interrupted save leaves no half-written model. Raises OutputExistsError if `path` exists and `overwrite`
-    is False.
+    is not installed (see `prune_heads.standalone`). The folder is written under a temporary name and
+    renamed into place, so an interrupted save leaves no half-written model. Raises OutputExistsError if
+    `path` exists and `overwrite` is False.
     """
     return replace_folder(Path(path), overwrite, lambda tmp: write_model(model, tmp, tokenizer, standalone))
 

@@ -110,8 +110,8 @@ class ScoringRun:
 
     def iterate(self, desc: str) -> Iterator[dict]:
         """This process's batches (every one, or every N-th of N data-parallel processes) moved to the device,
-        with a progress bar; counts the examples seen. The sampling generator is re-seeded per batch, so the
-        scores do not depend on how the batches are shared out."""
+        with a progress bar. The sampling generator is re-seeded per batch, so the scores do not depend on how
+        the batches are shared out. Once all are seen, `examples` holds the count over all processes."""
         rank, size = rank_and_size()
         total = -(-(len(self.batches) - rank) // size) if hasattr(self.batches, "__len__") else None
         self.examples = 0
@@ -120,6 +120,7 @@ class ScoringRun:
             self.generator.manual_seed(self.seed * 1_000_003 + index)
             self.examples += batch_size(batch)
             yield to_device(batch, self.device)
+        self.examples = int(sum_across([torch.tensor(float(self.examples))])[0])
 
     def forward(self, batch: dict):
         ctx = torch.autocast(self.device.type, self.autocast) if self.autocast else nullcontext()
@@ -381,8 +382,7 @@ def ablation_importance(run: ScoringRun):
                     value = run.objective.value(run.forward(batch), batch, reference).double().sum().cpu()
                     increases[i][h] += value - base
                     gates[i][h] = 1.0
-    *summed, examples = sum_across([*increases, torch.tensor(float(run.examples))])
-    return [inc / max(float(examples), 1) for inc in summed], None
+    return [inc / max(run.examples, 1) for inc in sum_across(increases)], None
 
 
 @method("random")
@@ -423,14 +423,13 @@ def score_heads(model: nn.Module, dataloader: Iterable[dict], method: str = "gra
     torch.manual_seed(seed)
     with frozen(model):
         scores, variances = METHODS[method](run)
-    examples = int(sum_across([torch.tensor(float(run.examples))])[0])
     if normalize if normalize is not None else method == "gradient":
         norms = [s.norm() for s in scores]
         scores = [s / n if n > 0 else s for s, n in zip(scores, norms)]
         variances = None if variances is None else [v / n ** 2 if n > 0 else v for v, n in zip(variances, norms)]
     names = [l.name for l in layers]
     return HeadScores(
-        method=method, num_examples=examples,
+        method=method, num_examples=run.examples,
         scores={n: s.float() for n, s in zip(names, scores)},
         heads={l.name: l.heads for l in layers},
         group_sizes={l.name: l.group_size for l in layers},

@@ -12,6 +12,10 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from .data import input_device, to_device
+from .layers import find_attention
+from .surgery import PlanError, prune
+
 
 def dummy_inputs(model: nn.Module, batch_size: int, seq_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random inputs of the shape the model takes: token ids, pixels (vision) or features (speech)."""
@@ -52,12 +56,9 @@ def heads_for_flops(model: nn.Module, keep_flops: float, batch_size: int = 1, se
     the result to `select_heads(num_heads=...)` or `plan_with_interactions(num_heads=...)`. Raises
     PlanError when even removing every head cannot reach the target.
     """
-    from .layers import find_attention
-    from .surgery import PlanError, prune
-
     if not 0 < keep_flops <= 1:
         raise PlanError(f"keep_flops must be in (0, 1], not {keep_flops}")
-    inputs = dummy_inputs(model, batch_size, seq_len)
+    inputs = to_device(dummy_inputs(model, batch_size, seq_len), input_device(model))
     total = count_flops(model, inputs)
     bare = copy.deepcopy(model)
     layers = find_attention(bare)
