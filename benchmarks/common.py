@@ -15,6 +15,8 @@ from prune_heads.evaluation import evaluate_task
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 MODEL = FIXTURES / "minilm-movie-sentiment"
 DATA = FIXTURES / "movie-snippets"
+FIXTURES_BY_NAME = {"movie": ("minilm-movie-sentiment", "movie-snippets"),
+                    "tweet": ("minilm-tweet-sentiment", "tweet-snippets")}
 logging.set_verbosity_error()
 logging.disable_progress_bar()
 
@@ -32,6 +34,17 @@ def fixture() -> tuple[object, TaskData, TaskData]:
 def load_model():
     """The unpruned fixture classifier, in eval mode."""
     return AutoModelForSequenceClassification.from_pretrained(MODEL).eval()
+
+
+def classifier(name: str) -> tuple[object, TaskData, TaskData]:
+    """A fresh copy of a fixture classifier ("movie" or "tweet"), its validation and test batches."""
+    model_dir, data_dir = (FIXTURES / part for part in FIXTURES_BY_NAME[name])
+    if not model_dir.exists():
+        raise SystemExit(f"the benchmarks need the shared fixture at {model_dir}")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    validation = load_task_data(str(data_dir), tokenizer, split="validation", batch_size=64, max_length=128)
+    test = load_task_data(str(data_dir), tokenizer, split="test", batch_size=64, max_length=128)
+    return AutoModelForSequenceClassification.from_pretrained(model_dir).eval(), validation, test
 
 
 def accuracy(model, test: TaskData) -> float:

@@ -1,24 +1,28 @@
 """prune-heads: find and physically remove redundant attention heads from transformers models."""
 
+from .config import PruneConfig, RecoveryConfig, ScoringConfig, SelectionConfig
 from .data import TaskData, load_task_data
 from .evaluation import evaluate_task
 from .families import FAMILIES, AttentionSpec, register_family
 from .gates import HeadGates, head_gates
+from .head_scores import HeadScores
 from .hub import model_card, push_pruned
 from .iterative import IterativeResult, prune_iteratively
 from .layers import AttentionLayer, UnsupportedModelError, find_attention
 from .persistence import OutputExistsError, load_pruned, save_pruned
-from .recovery import plan_with_interactions, reconstruct, tune_gates
+from .pruner import PruneResult, prune_model
+from .recovery import reconstruct, tune_gates
 from .report import Report, compare
-from .scoring import METHODS, HeadScores, score_heads
-from .selection import select_heads
+from .scoring import METHODS, score_heads
+from .selection import check_budget, plan_with_interactions, select_heads
 from .speed import benchmark, benchmark_pair, heads_for_flops
 from .surgery import PlanError, prune
 
 __all__ = [
     "FAMILIES", "METHODS", "AttentionLayer", "AttentionSpec", "HeadGates", "HeadScores", "IterativeResult",
-    "OutputExistsError", "PlanError", "Report", "TaskData", "UnsupportedModelError", "benchmark", "benchmark_pair",
+    "OutputExistsError", "PlanError", "PruneConfig", "PruneResult", "RecoveryConfig", "Report", "ScoringConfig",
+    "SelectionConfig", "TaskData", "UnsupportedModelError", "benchmark", "benchmark_pair", "check_budget",
     "compare", "evaluate_task", "find_attention", "head_gates", "heads_for_flops", "load_pruned", "load_task_data",
-    "model_card", "plan_with_interactions", "prune", "prune_iteratively", "push_pruned", "reconstruct",
-    "register_family", "save_pruned", "score_heads", "select_heads", "tune_gates",
+    "model_card", "plan_with_interactions", "prune", "prune_iteratively", "prune_model", "push_pruned",
+    "reconstruct", "register_family", "save_pruned", "score_heads", "select_heads", "tune_gates",
 ]

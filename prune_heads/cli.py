@@ -10,14 +10,17 @@ from typing import Any, Callable
 
 import click
 
+from .config import CHOICES, ConfigError, RecoveryConfig, ScoringConfig, SelectionConfig
 from .data import DataError
 from .evaluation import MetricError
 from .layers import UnsupportedModelError, find_attention
 from .persistence import OutputExistsError, load_pruned
-from .recipes import RecipeError, load_recipe, parse_recipe, recipe_path, shipped_recipes
+from .recipes import load_recipe, parse_recipe, recipe_path, shipped_recipes
+from .scoring import METHODS
 from .surgery import PlanError
 
-BAD_INPUT = (RecipeError, PlanError, DataError, MetricError, OutputExistsError, UnsupportedModelError)
+BAD_INPUT = (ConfigError, PlanError, DataError, MetricError, OutputExistsError, UnsupportedModelError)
+METHOD_HELP = f"Scoring method: {', '.join(sorted(METHODS))}."
 
 
 def _fail(message: str, code: int) -> None:
@@ -78,10 +81,11 @@ def main() -> None:
 def data_options(command: Callable) -> Callable:
     """Options that describe the model's task data (see ph.load_task_data)."""
     options = [
-        click.option("--data", "source", required=True, help="Dataset: hub name, file (csv/json/jsonl/parquet/txt) "
+        click.option("--data", "source", default=None, help="Dataset: hub name, file (csv/json/jsonl/parquet/txt) "
                      "or folder of split files."),
-        click.option("--task", default="classification", show_default=True,
-                     type=click.Choice(["classification", "causal-lm", "feature-extraction", "image-classification"])),
+        click.option("--gguf-file", default=None, help="GGUF file inside MODEL's folder (or hub repo) to load "
+                     "(dequantized; saved as safetensors)."),
+        click.option("--task", default="classification", show_default=True, type=click.Choice(CHOICES["task"])),
         click.option("--split", default="validation", show_default=True, help="Split to use, e.g. 'train[:2048]'."),
         click.option("--text-column", default="sentence", show_default=True),
         click.option("--text-pair-column", default=None),
@@ -90,7 +94,7 @@ def data_options(command: Callable) -> Callable:
         click.option("--batch-size", type=int, default=32, show_default=True),
         click.option("--max-length", type=int, default=128, show_default=True),
         click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: where the model loads)."),
-        click.option("--dtype", default=None, type=click.Choice(["float32", "float16", "bfloat16"])),
+        click.option("--dtype", default=None, type=click.Choice(CHOICES["dtype"])),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout; logs go to stderr."),
     ]
@@ -101,17 +105,21 @@ def data_options(command: Callable) -> Callable:
 
 def _recipe(model: str, opts: dict[str, Any], selection: dict[str, Any], scoring: dict[str, Any] | None = None,
             speed: bool = False, metrics: tuple[str, ...] = ("accuracy",), eval_split: str | None = None,
-            standalone: bool = False):
+            standalone: bool = False, recovery: dict[str, Any] | None = None, needs_data: bool = True):
     task = opts["task"]
+    if needs_data and not opts["source"]:
+        raise click.UsageError("--data is required (a dataset: hub name, file or folder of split files)")
     return parse_recipe({
         "model": model, "task": task, "device": opts["device"], "dtype": opts["dtype"], "standalone": standalone,
-        "data": {"source": opts["source"], "score_split": opts["split"], "eval_split": eval_split,
+        "model_kwargs": {"gguf_file": opts["gguf_file"]} if opts["gguf_file"] else {},
+        "data": {"source": opts["source"] or "", "score_split": opts["split"], "eval_split": eval_split,
                  "text_column": opts["text_column"], "text_pair_column": opts["text_pair_column"],
                  "label_column": None if task == "feature-extraction" else opts["label_column"],
                  "max_length": opts["max_length"], "batch_size": opts["batch_size"],
                  "score_examples": opts["examples"], "eval_examples": opts["examples"]},
         "scoring": {"seed": opts["seed"], **(scoring or {})},
         "selection": selection,
+        "recovery": recovery if recovery is not None else {},
         "evaluation": {"metrics": [] if task in ("causal-lm", "feature-extraction") else list(metrics),
                        "speed": {} if speed else None},
     })
@@ -119,14 +127,15 @@ def _recipe(model: str, opts: dict[str, Any], selection: dict[str, Any], scoring
 
 @main.command()
 @click.argument("model_path")
+@click.option("--gguf-file", default=None, help="GGUF file inside MODEL_PATH's folder (or hub repo) to load.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
 @handle_errors
-def inspect(model_path: str, as_json: bool) -> None:
+def inspect(model_path: str, gguf_file: str | None, as_json: bool) -> None:
     """Print the attention layers and heads of a checkpoint (a local folder or a hub id).
 
     Example: prune-heads inspect ./pruned-fixture
     """
-    model = load_pruned(model_path)
+    model = load_pruned(model_path, **({"gguf_file": gguf_file} if gguf_file else {}))
     layers = find_attention(model)
     rows = [{"index": l.index, "name": l.name, "kind": l.kind, "family": l.spec.name, "heads": l.num_heads,
              "kv_heads": l.num_kv_heads, "head_dim": l.head_dim, "original_heads": l.original_num_heads,
@@ -152,8 +161,8 @@ def inspect(model_path: str, as_json: bool) -> None:
 @main.command()
 @click.argument("model")
 @data_options
-@click.option("--method", default="gradient", show_default=True, help="gradient, fisher, taylor, activation, "
-              "magnitude, ablation or random.")
+@click.option("--method", default=ScoringConfig.method, show_default=True, type=click.Choice(sorted(METHODS)),
+              help=METHOD_HELP)
 @click.option("--label-free", is_flag=True, help="Ignore labels: score against the unpruned model's outputs.")
 @click.option("--output", "-o", default="head-scores", show_default=True, help="Folder for scores.json and heatmap.png.")
 @click.option("--force", is_flag=True, help="Overwrite the output folder.")
@@ -168,6 +177,7 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
     from .parallel import distributed, relaunch
     from .persistence import ensure_free, replace_folder
     from .pipeline import load_model, task_data
+    from .report import heatmap
     from .scoring import score_heads
 
     recipe = _recipe(model, opts, {"sparsity": 0.0}, {"method": method,
@@ -185,11 +195,24 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
 
     def write(tmp: Path) -> None:
         scores.save(tmp / "scores.json")
-        scores.plot(tmp / "heatmap.png")
+        heatmap(scores, tmp / "heatmap.png", {})
 
     replace_folder(Path(output), force, write)
     _emit(scores.to_dict(), opts["as_json"], lambda: f"scored {sum(len(v) for v in scores.heads.values())} heads "
           f"on {scores.num_examples} examples ({method}); wrote {output}/scores.json and {output}/heatmap.png")
+
+
+def _plan_file(path: str) -> dict:
+    """A plan JSON file: an object {layer: [heads]}; anything else is a PlanError naming the file."""
+    try:
+        plan = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise PlanError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}); a plan is "
+                        f'{{"layer name or index": [heads to remove]}}') from None
+    if not isinstance(plan, dict) or not all(isinstance(v, list) for v in plan.values()):
+        raise PlanError(f'{path} must hold a JSON object {{"layer name or index": [heads to remove]}}, '
+                        f"not {type(plan).__name__}")
+    return plan
 
 
 @main.command(name="prune")
@@ -200,38 +223,76 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
 @click.option("--keep-flops", type=float, default=None, help="Remove heads until a forward pass costs at most "
               "this fraction of its FLOPs (at --max-length).")
 @click.option("--plan", "plan_file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="JSON {layer: [heads]} to apply instead of scoring.")
-@click.option("--method", default="gradient", show_default=True)
-@click.option("--steps", type=int, default=1, show_default=True, help="More than 1: prune iteratively.")
-@click.option("--scope", type=click.Choice(["global", "layer"]), default="global", show_default=True)
-@click.option("--min-heads-per-layer", type=int, default=1, show_default=True)
-@click.option("--gqa", type=click.Choice(["groups", "uniform"]), default="groups", show_default=True)
+              help="JSON {layer: [heads]} to apply instead of scoring (no --data needed).")
+@click.option("--method", default=ScoringConfig.method, show_default=True, type=click.Choice(sorted(METHODS)),
+              help=METHOD_HELP)
+@click.option("--steps", type=int, default=1, show_default=True,
+              help="More than 1: prune iteratively, re-scoring after each step (needs --no-recovery).")
+@click.option("--scope", type=click.Choice(CHOICES["selection.scope"]), default="global", show_default=True)
+@click.option("--min-heads-per-layer", type=int, default=SelectionConfig.min_heads_per_layer, show_default=True)
+@click.option("--gqa", type=click.Choice(CHOICES["selection.gqa"]), default="groups", show_default=True,
+              help="Grouped-query layers lose whole KV groups, or the same number of heads from every group.")
+@click.option("--granularity", type=click.Choice(CHOICES["selection.granularity"]), default="head",
+              show_default=True, help="'layer' removes whole attention blocks (and their KV cache).")
+@click.option("--round", "rounding", type=click.Choice(CHOICES["selection.round"]), default=None,
+              help="When the structure cannot remove exactly what was asked, take the nearest reachable count "
+                   "(down, nearest or up) instead of stopping with an error; the report says what was removed.")
 @click.option("--uniform", is_flag=True, help="Every layer keeps the same number of heads (stock Llama configs).")
+@click.option("--recovery/--no-recovery", default=True, show_default=True,
+              help="Recovery steps, each kept only if it helps on held-out calibration data.")
+@click.option("--rearrange/--no-rearrange", default=RecoveryConfig.rearrange, show_default=True,
+              help="Also try the Fisher-block (Kwon) and fluctuation (FLAP) plans.")
+@click.option("--bias-compensation/--no-bias-compensation", default=RecoveryConfig.bias_compensation,
+              show_default=True, help="Try adding the removed heads' mean output to the output bias (FLAP).")
+@click.option("--gate-tuning/--no-gate-tuning", default=RecoveryConfig.gate_tuning, show_default=True,
+              help="Tune one scale per kept head to the unpruned outputs.")
+@click.option("--bias-tuning/--no-bias-tuning", default=RecoveryConfig.bias_tuning, show_default=True,
+              help="Tune the output biases with the gates.")
+@click.option("--epochs", type=int, default=RecoveryConfig.epochs, show_default=True,
+              help="At most this many tuning epochs (stops early on held-out data).")
+@click.option("--holdout", type=float, default=RecoveryConfig.holdout, show_default=True,
+              help="Fraction of the calibration examples held out to decide recovery (0: apply every step).")
 @click.option("--standalone", is_flag=True,
               help="Add a modeling file so from_pretrained(trust_remote_code=True) loads it without prune-heads.")
 @click.option("--output", "-o", required=True, help="Folder for the pruned model (must not exist, see --force).")
 @click.option("--force", is_flag=True, help="Overwrite the output folder.")
 @handle_errors
 def prune_command(model: str, sparsity: float | None, num_heads: int | None, keep_flops: float | None,
-                  plan_file: str | None, method: str,
-                  steps: int, scope: str, min_heads_per_layer: int, gqa: str, uniform: bool, standalone: bool,
-                  output: str, force: bool, **opts: Any) -> None:
+                  plan_file: str | None, method: str, steps: int, scope: str, min_heads_per_layer: int, gqa: str,
+                  granularity: str, rounding: str | None, uniform: bool, recovery: bool, rearrange: bool,
+                  bias_compensation: bool, gate_tuning: bool, bias_tuning: bool, epochs: int, holdout: float,
+                  standalone: bool, output: str, force: bool, **opts: Any) -> None:
     """Score, select and remove heads (or apply --plan); saves a model that ph.load_pruned loads.
 
-    Example: prune-heads prune ./model --data reviews.jsonl --sparsity 0.5 -o ./pruned
+    With no other flags this is the best measured path: fisher scores, then the plan and each recovery step
+    decided on held-out calibration data. Example: prune-heads prune ./model --data reviews.jsonl --sparsity 0.5 -o ./pruned
     """
     from .pipeline import run
 
     budgets = {"sparsity": sparsity, "num_heads": num_heads, "flops": keep_flops}
     if sum(v is not None for v in budgets.values()) + (plan_file is not None) != 1:
         raise click.UsageError("give exactly one of --sparsity, --num-heads, --keep-flops or --plan")
-    plan = json.loads(Path(plan_file).read_text()) if plan_file else None
+    plan = _plan_file(plan_file) if plan_file else None
     selection = {k: v for k, v in budgets.items() if v is not None} or {"sparsity": 0.0}
-    selection.update(scope=scope, min_heads_per_layer=min_heads_per_layer, gqa=gqa, uniform=uniform)
-    recipe = _recipe(model, opts, selection, {"method": method, "steps": steps}, standalone=standalone)
+    selection.update(scope=scope, min_heads_per_layer=min_heads_per_layer, gqa=gqa, uniform=uniform,
+                     granularity=granularity, round=rounding)
+    steps_on = dict(rearrange=rearrange, bias_compensation=bias_compensation, gate_tuning=gate_tuning,
+                    bias_tuning=bias_tuning)
+    recovery_section = {**vars(RecoveryConfig.off()), "holdout": holdout, "epochs": epochs} if not recovery else \
+        {**steps_on, "holdout": holdout, "epochs": epochs}
+    recipe = _recipe(model, opts, selection, {"method": method, "steps": steps}, standalone=standalone,
+                     recovery=recovery_section, needs_data=plan is None)
     report = run(recipe, output=output, force=force, plan=plan, evaluate=False)
     _emit(report.to_dict(), opts["as_json"], lambda: f"removed {report.summary()['heads']['removed']} heads; "
-          f"saved the pruned model to {output}")
+          f"saved the pruned model to {output}" + _asked(selection, report))
+
+
+def _asked(selection: dict, report) -> str:
+    """A note when --round took another count than the one asked for."""
+    if not selection.get("round") or report.meta.get("asked_heads") is None:
+        return ""
+    asked, removed = report.meta["asked_heads"], report.summary()["heads"]["removed"]
+    return "" if asked == removed else f" (asked for {asked}; --round {selection['round']} took {removed})"
 
 
 @main.command()
@@ -291,9 +352,11 @@ def evaluate_command(model: str, metrics: tuple[str, ...], speed: bool, **opts: 
 @click.option("--set", "overrides", multiple=True, help="Override a recipe key, e.g. --set selection.sparsity=0.25.")
 @click.option("--output", "-o", default=None, help="Output folder (default: the recipe's output).")
 @click.option("--force", is_flag=True, help="Overwrite the output folder.")
+@click.option("--gguf-file", default=None, help="GGUF file inside the recipe's model folder (sets model_kwargs.gguf_file).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
 @handle_errors
-def run_command(recipe: str, overrides: tuple[str, ...], output: str | None, force: bool, as_json: bool) -> None:
+def run_command(recipe: str, overrides: tuple[str, ...], output: str | None, force: bool, gguf_file: str | None,
+                as_json: bool) -> None:
     """Run a recipe end to end: evaluate, score, select, prune, evaluate, save model and report.
 
     RECIPE is a YAML file or the name of a shipped recipe (see `prune-heads recipes`).
@@ -301,7 +364,7 @@ def run_command(recipe: str, overrides: tuple[str, ...], output: str | None, for
     """
     from .pipeline import run
 
-    parsed = load_recipe(recipe, list(overrides))
+    parsed = load_recipe(recipe, [*overrides, *([f"model_kwargs.gguf_file={gguf_file}"] if gguf_file else [])])
     report = run(parsed, output=output, force=force)
     target = output or parsed.output or "pruned-model"
     _emit(report.to_dict(), as_json, lambda: report.markdown() + f"\nSaved the model and report to {target}/")

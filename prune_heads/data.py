@@ -115,14 +115,15 @@ def load_task_data(source: str, tokenizer: Any = None, task: str = "classificati
                    label_column: str | None = "label", image_column: str = "image", max_length: int = 128,
                    batch_size: int = 32, max_examples: int | None = None, name: str | None = None,
                    label2id: dict[str, int] | None = None, stride: int | None = None,
-                   image_processor: Any = None) -> TaskData:
+                   image_processor: Any = None, by_length: bool = True) -> TaskData:
     """Load a split and turn it into padded batches for `task`.
 
     Tasks: "classification" (single text or a pair, labels), "causal-lm" (the texts joined and cut into
     windows of `max_length` tokens; `stride` < max_length overlaps them and masks the overlap, as for
     sliding-window perplexity), "feature-extraction" (texts only), "image-classification" (images through
     `image_processor`, labels). String labels map through `label2id` (the model config's). Batches are
-    padded to their own longest example. Missing splits and columns are DataError with what exists.
+    padded to their own longest example; with `by_length` (default) text examples are batched in order of
+    their token count, so a batch holds examples of similar length and padding costs little. Missing splits and columns are DataError with what exists.
     """
     if task not in TASKS:
         raise DataError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
@@ -140,25 +141,27 @@ def load_task_data(source: str, tokenizer: Any = None, task: str = "classificati
             batches.append({"pixel_values": pixels, "labels": torch.tensor(labels[start:start + batch_size])})
         return TaskData(task, batches, len(dataset), names)
     _column(dataset, text_column, "text")
-    texts = dataset[text_column]
+    texts = list(dataset[text_column])
     if task == "causal-lm":
         return _lm_windows(texts, tokenizer, max_length, stride or max_length, batch_size)
     pairs = None
     if text_pair_column:
         _column(dataset, text_pair_column, "text pair")
-        pairs = dataset[text_pair_column]
+        pairs = list(dataset[text_pair_column])
     labels, names = None, None
     if task == "classification":
         _column(dataset, label_column, "label")
         labels, names = _labels(dataset, label_column, label2id)
+    encoded = tokenizer(texts, pairs, truncation=True, max_length=max_length)
+    # batches of similar lengths (stable order by token count): padding no longer doubles the work
+    order = sorted(range(len(texts)), key=lambda i: len(encoded["input_ids"][i])) if by_length else range(len(texts))
+    order = list(order)
     batches = []
-    for start in range(0, len(texts), batch_size):
-        end = start + batch_size
-        encoded = tokenizer(texts[start:end], pairs[start:end] if pairs else None, truncation=True,
-                            max_length=max_length, padding=True, return_tensors="pt")
-        batch = dict(encoded)
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        batch = dict(tokenizer.pad({k: [v[i] for i in rows] for k, v in encoded.items()}, return_tensors="pt"))
         if labels is not None:
-            batch["labels"] = torch.tensor(labels[start:end])
+            batch["labels"] = torch.tensor([labels[i] for i in rows])
         batches.append(batch)
     return TaskData(task, batches, len(texts), names)
 

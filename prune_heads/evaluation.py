@@ -12,7 +12,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .data import TaskData, input_device, to_device
-from .scoring import pooled
+from .objective import pooled
 
 _SHIPPED = Path(__file__).parent / "metrics"
 SHIPPED_METRICS = sorted(p.name for p in _SHIPPED.iterdir() if (p / f"{p.name}.py").exists())

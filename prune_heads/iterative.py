@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from .data import input_device, to_device
-from .scoring import HeadScores, Loss, Objective, batch_size, frozen, score_heads
+from .head_scores import HeadScores
+from .objective import Loss, Objective, batch_size, frozen
+from .scoring import score_heads
 from .selection import select_heads
 from .surgery import prune
 

@@ -8,12 +8,14 @@ config, re-applies the surgery, and only then loads the weights, through `from_p
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
 from torch import nn
 from transformers import AutoConfig
@@ -21,6 +23,9 @@ from transformers import AutoConfig
 from .layers import UnsupportedModelError, find_attention
 from .standalone import standalone_config, write_code
 from .surgery import RECORD_KEY, reapply_record
+
+
+logger = logging.getLogger("prune_heads")
 
 
 class OutputExistsError(FileExistsError):
@@ -48,11 +53,12 @@ def model_class(config) -> type:
 def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a model saved by `save_pruned` (or `model.save_pretrained` after `prune`).
 
-    Works for unpruned checkpoints too. Keyword arguments go to `from_pretrained` (dtype, device_map,
-    revision, ...). The model comes back as an instance of its ordinary transformers class.
+    Works for unpruned checkpoints too, and for a GGUF file in the folder (`gguf_file=`; transformers
+    dequantizes it). Keyword arguments go to `from_pretrained` (dtype, device_map, revision, gguf_file, ...).
+    The model comes back as an instance of its ordinary transformers class.
     """
     config = AutoConfig.from_pretrained(path, **{k: v for k, v in from_pretrained_kwargs.items()
-                                                 if k in ("revision", "token", "trust_remote_code")})
+                                                 if k in ("revision", "token", "trust_remote_code", "gguf_file")})
     base = model_class(config)
     model = _pruned_subclass(base).from_pretrained(path, **from_pretrained_kwargs)
     model.__class__ = base
@@ -95,7 +101,9 @@ _STOCK_FAMILIES = ("llama",)  # families whose config can state per-model head c
 def stock_config(model: nn.Module) -> Any | None:
     """A plain config for a pruned model whose every layer kept the same heads and KV heads, for families
     whose config says so natively (Llama, Mistral, Qwen2/3, Gemma...): num_attention_heads,
-    num_key_value_heads and head_dim set, the prune record moved to `pruned_from`. None otherwise."""
+    num_key_value_heads and head_dim set (and `attention_bias` when pruning added output biases and the
+    class reads it), the prune record moved to `pruned_from`. None otherwise, and None unless the class
+    built from it has exactly the model's weights (missing ones may only be biases, saved as zeros)."""
     config = getattr(model, "config", None)
     layers = find_attention(model)
     record = getattr(config, RECORD_KEY, None)
@@ -109,7 +117,25 @@ def stock_config(model: nn.Module) -> Any | None:
     stock.num_attention_heads, stock.num_key_value_heads, stock.head_dim = heads, kv_heads, head_dim
     delattr(stock, RECORD_KEY)
     stock.pruned_from = record
-    return stock
+    if stock_fill(model, stock) is None and hasattr(stock, "attention_bias") and not stock.attention_bias:
+        stock.attention_bias = True  # pruning added output biases: q/k/v get zero ones
+    return stock if stock_fill(model, stock) is not None else None
+
+
+def stock_fill(model: nn.Module, config: Any) -> dict[str, torch.Tensor] | None:
+    """The zero biases to save beside the model's weights so that its class, built from `config`, loads them
+    exactly; None when that class's weights differ from the model's in any other way."""
+    with torch.device("meta"):
+        shell = type(model)(config)
+    expected = {k: v.shape for k, v in shell.state_dict().items()}
+    own = model.state_dict()
+    if any(k not in expected or expected[k] != v.shape for k, v in own.items()):
+        return None
+    missing = {k: shape for k, shape in expected.items() if k not in own}
+    if not all(k.endswith(".bias") for k in missing):
+        return None
+    reference = next(iter(own.values()))
+    return {k: torch.zeros(shape, dtype=reference.dtype) for k, shape in missing.items()}
 
 
 def save_pruned(model: nn.Module, path: str | os.PathLike, tokenizer: Any = None, overwrite: bool = False,
@@ -127,18 +153,36 @@ def save_pruned(model: nn.Module, path: str | os.PathLike, tokenizer: Any = None
     return replace_folder(Path(path), overwrite, lambda tmp: write_model(model, tmp, tokenizer, standalone))
 
 
+def drop_gguf_quantizer(model: nn.Module) -> bool:
+    """Forget that `model` was loaded from a GGUF file (transformers already dequantized its weights, but
+    marks it quantized and refuses to save it): drop the quantizer and `quantization_config`, say so once.
+    Returns whether there was one. Other quantizers are left alone."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if quantizer is None or getattr(method, "value", method) != "gguf":
+        return False
+    quantizer.remove_quantization_config(model)
+    logger.warning("the model was loaded from a GGUF file: it is saved dequantized, as %s safetensors "
+                   "(its GGUF quantizer is dropped)", str(next(model.parameters()).dtype).replace("torch.", ""))
+    return True
+
+
 def write_model(model: nn.Module, folder: Path, tokenizer: Any = None, standalone: bool = False) -> None:
     """Write the model (with a stock config when `stock_config` gives one, else with remote code when
-    `standalone`) and its tokenizer into an existing folder; `save_pruned` and the pipeline write through here."""
+    `standalone`) and its tokenizer into an existing folder; `save_pruned` and the pipeline write through here.
+    A model loaded from GGUF is written dequantized (see `drop_gguf_quantizer`)."""
+    drop_gguf_quantizer(model)
     config = stock_config(model)
-    if config is None and standalone and getattr(model.config, RECORD_KEY, None):
+    standalone_code = config is None and standalone and getattr(model.config, RECORD_KEY, None)
+    if standalone_code:
         config = standalone_config(model)
         write_code(model, folder)
     original = model.config
+    fill = stock_fill(model, config) if config is not None and not standalone_code else None
     if config is not None:
         model.config = config
     try:
-        model.save_pretrained(folder)
+        model.save_pretrained(folder, state_dict={**model.state_dict(), **fill} if fill else None)
     finally:
         model.config = original
     if tokenizer is not None:

@@ -13,20 +13,28 @@ import torch
 import yaml
 from torch import nn
 
+from .config import PruneConfig
 from .data import TaskData, load_task_data
 from .evaluation import embed, evaluate_task
-from .iterative import prune_iteratively
 from .layers import find_attention
 from .persistence import ensure_free, load_pruned, replace_folder, write_model
+from .pruner import PruneResult, prune_model, selection_budget
 from .recipes import Recipe, recipe_to_dict
-from .recovery import plan_with_interactions, reconstruct, tune_gates
 from .report import Report, compare
-from .scoring import score_heads
-from .selection import select_heads
-from .speed import benchmark, heads_for_flops
+from .speed import benchmark
 from .surgery import PlanError, normalize_plan, prune
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def check_minimum(model: nn.Module, plan: dict, minimum: int) -> None:
+    """Refuse a given plan that leaves a layer with fewer than `minimum` heads (0 allows empty layers)."""
+    layers = find_attention(model)
+    for key, heads in normalize_plan(layers, plan).items():
+        left = next(l for l in layers if l.name == key).num_heads - len(heads)
+        if left < minimum:
+            raise PlanError(f"the plan leaves {key} with {left} heads, below min_heads_per_layer={minimum}; "
+                            f"set it to 0 (--min-heads-per-layer 0) to allow removing whole attention layers")
 
 
 def resolve_source(reference: str) -> str:
@@ -93,63 +101,6 @@ def measure_speed(models: list[nn.Module], recipe: Recipe) -> list[dict[str, Any
                      warmup=speed.warmup, threads=speed.threads, generate_tokens=speed.generate_tokens)
 
 
-def check_minimum(model: nn.Module, plan: dict, minimum: int) -> None:
-    """Refuse a given plan that leaves a layer with fewer than `minimum` heads (0 allows empty layers)."""
-    layers = find_attention(model)
-    for key, heads in normalize_plan(layers, plan).items():
-        left = next(l for l in layers if l.name == key).num_heads - len(heads)
-        if left < minimum:
-            raise PlanError(f"the plan leaves {key} with {left} heads, below min_heads_per_layer={minimum}; "
-                            f"set it to 0 (--min-heads-per-layer 0) to allow removing whole attention layers")
-
-
-def choose_heads(model: nn.Module, data: TaskData | None, recipe: Recipe, plan: dict | None = None,
-                 progress: bool = True, reference: nn.Module | None = None) -> dict[str, Any]:
-    """Score, select and prune in place (or apply a given plan), then run the recipe's recovery against the
-    unpruned `reference` (a copy of `model` is made when none is given); returns plan, scores, history,
-    recovery report and seconds."""
-    start = time.perf_counter()
-    s = recipe.scoring
-    batches = None if data is None else data.without_labels() if s.objective == "label-free" else data.batches
-    selection = {k: v for k, v in vars(recipe.selection).items() if v is not None and v != []}
-    if "flops" in selection and plan is None:
-        length = recipe.evaluation.speed.seq_len if recipe.evaluation.speed else recipe.data.max_length
-        selection["num_heads"] = heads_for_flops(model, selection.pop("flops"), seq_len=length)
-    found: dict[str, Any] = {"scores": None, "history": []}
-    r = recipe.recovery
-    if reference is None and r.needs_reference:
-        reference = copy.deepcopy(model)
-    if plan is not None:
-        check_minimum(model, plan, recipe.selection.min_heads_per_layer)
-        prune(model, plan)
-    elif s.steps > 1:
-        sparsity = selection.pop("sparsity", None)
-        if sparsity is None:
-            raise ValueError("iterative pruning (scoring.steps > 1) needs selection.sparsity")
-        result = prune_iteratively(model, batches, sparsity=sparsity, steps=s.steps, method=s.method,
-                                   seed=s.seed, progress=progress, **selection)
-        plan, found["scores"], found["history"] = result.plan, result.scores, result.history
-    else:
-        scores = score_heads(model, batches, method=s.method, normalize=s.normalize, seed=s.seed, progress=progress)
-        if r.rearrange:
-            plan = plan_with_interactions(scores, num_heads=selection.get("num_heads"),
-                                          sparsity=selection.get("sparsity"),
-                                          min_heads_per_layer=recipe.selection.min_heads_per_layer)
-        else:
-            plan = select_heads(scores, **selection)
-        prune(model, plan)
-        found["scores"] = scores
-    if (r.mask_tuning or r.bias_compensation) and data is not None:
-        found["recovery"] = reconstruct(model, reference, data.without_labels(), scales=r.mask_tuning,
-                                        bias=r.bias_compensation, ridge=r.ridge, sequential=r.sequential)
-    if r.gate_tuning and data is not None:
-        found["gate_scales"] = tune_gates(model, reference, data.without_labels(), epochs=r.gate_epochs,
-                                          lr=r.gate_lr, seed=s.seed, bias_lr=r.bias_lr if r.bias_tuning else None)
-    found["plan"] = plan
-    found["seconds"] = time.perf_counter() - start
-    return found
-
-
 def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, plan: dict | None = None,
         evaluate: bool = True, progress: bool = True) -> Report:
     """Run a recipe end to end and write the pruned model with its report to the output folder.
@@ -162,33 +113,44 @@ def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, p
     target = Path(output or recipe.output or "pruned-model")
     ensure_free(target, force)  # before any work
     model, processor = load_model(recipe)
+    config = PruneConfig.from_recipe(recipe)
+    length = recipe.evaluation.speed.seq_len if recipe.evaluation.speed else recipe.data.max_length
+    if plan is None:
+        selection_budget(model, config, seq_len=length)  # the structure decides it: before any data is read
+    else:
+        check_minimum(model, plan, recipe.selection.min_heads_per_layer)
     d = recipe.data
     eval_data = task_data(recipe, model, processor, d.eval_split, d.eval_examples) if evaluate and d.eval_split \
         else None
     reference = embed(model, eval_data, progress) if eval_data is not None and recipe.task == "feature-extraction" \
         else None
     before = measure(model, eval_data, recipe, reference, progress)  # heads only without eval data
-    score_data = task_data(recipe, model, processor, d.score_split, d.score_examples) if plan is None else None
     timed = evaluate and recipe.evaluation.speed is not None
-    # the unpruned model: timed beside the pruned one (in turns) and the target of recovery
-    original = copy.deepcopy(model) if timed or recipe.recovery.needs_reference else None
-    found = choose_heads(model, score_data, recipe, plan, progress, reference=original)
+    original = copy.deepcopy(model) if timed else None  # timed beside the pruned one, in turns
+    if plan is None:
+        score_data = task_data(recipe, model, processor, d.score_split, d.score_examples)
+        found = prune_model(model, score_data, config, progress=progress)
+        examples = score_data.num_examples
+    else:
+        tick = time.perf_counter()
+        prune(model, plan)
+        found, examples = PruneResult(plan=plan, seconds=time.perf_counter() - tick), 0
     after = measure(model, eval_data, recipe, reference, progress)
     if timed:
         before["speed"], after["speed"] = measure_speed([original, model], recipe)
     del original
     meta = {"model": recipe.model, "task": recipe.task, "method": recipe.scoring.method,
-            "steps": recipe.scoring.steps, "pruning_seconds": round(found["seconds"], 2),
-            "score_examples": score_data.num_examples if score_data is not None else 0,
-            "recovery": {k: v for k, v in vars(recipe.recovery).items() if v is True} or None}
-    report = compare(before, after, plan=found["plan"], scores=found["scores"], history=found["history"], meta=meta)
+            "steps": recipe.scoring.steps, "pruning_seconds": round(found.seconds, 2), "score_examples": examples,
+            "timings": found.timings, "heldout": found.heldout, "asked_heads": found.asked}
+    report = compare(before, after, plan=found.plan, scores=found.scores, history=found.history, meta=meta,
+                     recovery=found.recovery)
 
     def write(tmp: Path) -> None:
         write_model(model, tmp, processor, standalone=recipe.standalone)
         report.write(tmp)
-        (tmp / "plan.json").write_text(json.dumps(found["plan"], indent=1))
-        if found["scores"] is not None:
-            found["scores"].save(tmp / "scores.json")
+        (tmp / "plan.json").write_text(json.dumps(found.plan, indent=1))
+        if found.scores is not None:
+            found.scores.save(tmp / "scores.json")
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
 
     replace_folder(target, force, write)

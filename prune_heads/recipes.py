@@ -16,14 +16,13 @@ from typing import Any
 
 import yaml
 
-from .data import TASKS
-from .scoring import METHODS
+from .config import CHOICES, ConfigError, RecoveryConfig, ScoringConfig, SelectionConfig
 
 
 SHIPPED = Path(__file__).parent / "shipped_recipes"
 
 
-class RecipeError(ValueError):
+class RecipeError(ConfigError):
     """A recipe that cannot be used; the message names the key and what would be valid."""
 
 
@@ -44,57 +43,6 @@ class DataConfig:
     score_examples: int | None = None
     eval_examples: int | None = None
     stride: int | None = None
-
-
-@dataclass(frozen=True)
-class ScoringConfig:
-    """How heads are scored (`ph.score_heads` / `ph.prune_iteratively`); steps > 1 prunes iteratively."""
-
-    method: str = "gradient"
-    steps: int = 1
-    objective: str = "auto"
-    normalize: bool | None = None
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class SelectionConfig:
-    """Which heads go (`ph.select_heads`)."""
-
-    sparsity: float | None = None
-    num_heads: int | None = None
-    keep_per_layer: int | None = None
-    flops: float | None = None  # fraction of the forward FLOPs to keep (ph.heads_for_flops -> num_heads)
-    scope: str = "global"
-    min_heads_per_layer: int = 1
-    gqa: str = "groups"
-    uniform: bool = False
-    ignore: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class RecoveryConfig:
-    """Retraining-free recovery (`ph.plan_with_interactions`, `ph.reconstruct`, `ph.tune_gates`): `rearrange`
-    chooses the heads with the Fisher blocks (needs scoring.method fisher); `mask_tuning` rescales kept heads
-    and `bias_compensation` refits output biases to match the unpruned layers on the scoring data (least
-    squares); `gate_tuning` tunes the kept heads' scales to the unpruned model's outputs (KL), and with
-    `bias_tuning` the output projections' biases too (at `bias_lr`)."""
-
-    rearrange: bool = False
-    mask_tuning: bool = False
-    bias_compensation: bool = False
-    sequential: bool = False
-    ridge: float = 1e-3
-    gate_tuning: bool = False
-    gate_epochs: int = 2
-    gate_lr: float = 0.05
-    bias_tuning: bool = False
-    bias_lr: float = 0.01
-
-    @property
-    def needs_reference(self) -> bool:
-        """Whether recovery compares against a copy of the unpruned model."""
-        return self.mask_tuning or self.bias_compensation or self.gate_tuning
 
 
 @dataclass(frozen=True)
@@ -134,16 +82,6 @@ class Recipe:
     dtype: str | None = None
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     description: str = ""
-
-
-CHOICES: dict[str, tuple[str, ...]] = {
-    "task": TASKS,
-    "scoring.method": tuple(sorted(METHODS)),
-    "scoring.objective": ("auto", "label-free"),
-    "selection.scope": ("global", "layer"),
-    "selection.gqa": ("groups", "uniform"),
-    "dtype": ("float32", "float16", "bfloat16"),
-}
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
@@ -235,6 +173,8 @@ def parse_recipe(data: Any, overrides: list[str] = ()) -> Recipe:
     for assignment in overrides:
         if isinstance(data, dict):
             _set(data, assignment)
+    if isinstance(data, dict) and data.get("recovery") in (False, "off"):  # `recovery: off`: no recovery at all
+        data["recovery"] = vars(RecoveryConfig.off())
     recipe = _build(Recipe, data, "")
     budgets = ("sparsity", "num_heads", "keep_per_layer", "flops")
     chosen = [k for k in budgets if getattr(recipe.selection, k) is not None]
@@ -243,18 +183,8 @@ def parse_recipe(data: Any, overrides: list[str] = ()) -> Recipe:
                           f"(has {chosen or 'none'})")
     if recipe.selection.flops is not None and recipe.scoring.steps > 1:
         raise RecipeError("selection.flops needs scoring.steps 1; iterative pruning takes selection.sparsity")
-    if recipe.recovery.rearrange and (recipe.scoring.method != "fisher" or recipe.scoring.steps > 1
-                                      or recipe.selection.keep_per_layer is not None):
-        raise RecipeError("recovery.rearrange needs scoring.method fisher, scoring.steps 1 and selection.sparsity "
-                          "or selection.num_heads")
-    if recipe.recovery.bias_tuning and not recipe.recovery.gate_tuning:
-        raise RecipeError("recovery.bias_tuning tunes the biases during gate tuning; set recovery.gate_tuning: true")
-    if recipe.recovery.rearrange and recipe.selection.uniform:
-        raise RecipeError("recovery.rearrange lets layers keep different numbers of heads; set "
-                          "selection.uniform: false or recovery.rearrange: false")
-    if recipe.recovery.rearrange and recipe.selection.gqa == "uniform":
-        raise RecipeError("recovery.rearrange removes whole KV groups; set selection.gqa: groups or "
-                          "recovery.rearrange: false")
+    if recipe.scoring.steps > 1 and recipe.recovery.enabled:
+        raise RecipeError("scoring.steps > 1 prunes iteratively, which recovery cannot follow; set recovery: off")
     return recipe
 
 

@@ -1,106 +1,39 @@
-"""Retraining-free recovery after head removal.
+"""Retraining-free recovery after head removal, and the machinery to decide it on held-out data.
 
-- `plan_with_interactions`: Kwon et al. (2022)'s mask rearrangement, done exactly: per layer, the block of
-  the Fisher matrix (per-example gate gradients, g g^T) estimates the loss increase of removing a SET of
-  heads, 1_S^T F 1_S / 2, including their interactions; the best set per size is found by enumeration and the
-  sizes are shared out between layers by dynamic programming.
-- `reconstruct`: mask tuning (Kwon et al. 2022) and bias compensation (FLAP, An et al. 2024) as one least-squares
-  problem per layer: scales for the kept heads and/or a new output bias so that the pruned layer's output
-  projection matches the unpruned layer's on the calibration set. Layers are solved in order on the pruned
-  model's own inputs, so drift from earlier layers is corrected too. The scales are folded into the output
-  projection, so the saved model is a plain smaller model.
-- `tune_gates`: one scale per kept head, tuned by Adam so the pruned model's OUTPUTS match the unpruned
-  model's (KL on logits), then folded the same way. On the fixture this recovers more than the layer-wise
-  least squares, which match layer outputs the task does not fully depend on (see benchmarks/README.md).
+- `GatedModel`: the unpruned model with a gate per head and an added bias per output projection (hooks),
+  so candidate plans, bias compensation and tuning are tried without copying or changing a weight; gate 0
+  is exactly the head's removal, so what is measured here is what `prune` then produces.
+- `Recorder`: watches the unpruned model's forward passes while it is scored: per output-projection input
+  channel its mean and variance over the calibration tokens (FLAP's statistics, An et al. 2024) and the
+  compact reference outputs the tuning matches.
+- `tune`: Adam over head scales and output biases against the unpruned outputs (KL on logits, 1 - cosine of
+  pooled embeddings), stopping when a held-out check stops improving; `tune_gates` is its form for a pruned
+  model and a separate unpruned reference.
+- `reconstruct`: mask tuning (Kwon et al. 2022) and bias compensation as one least-squares problem per layer
+  against a separate unpruned reference, folded into the output projection.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from typing import Iterable
+import time
+from contextlib import ExitStack
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from .data import input_device, to_device
+from .gates import head_gates
+from .hooks import hooks
 from .layers import AttentionLayer, find_attention, resolve, weight_matrix
-from .scoring import HeadScores
-from .surgery import PlanError
-
-_MAX_ENUMERATED = 20_000  # subsets of one layer's units, beyond which the set is grown greedily
-
-
-def _best_sets(block: torch.Tensor, heads: tuple[int, ...], group: int) -> list[tuple[float, tuple[int, ...]]]:
-    """For k = 0..H removed units: the smallest estimated loss increase and the heads to remove.
-
-    Units are single heads, or whole KV groups in grouped-query layers. Enumerates every subset when that
-    is cheap, and grows the set greedily otherwise.
-    """
-    units: dict[int, list[int]] = {}
-    for position, h in enumerate(heads):
-        units.setdefault(h // group, []).append(position)
-    members = list(units.values())
-    best = [(0.0, ())]
-    chosen: list[int] = []
-    for k in range(1, len(members) + 1):
-        def cost(subset):
-            index = [p for u in subset for p in members[u]]
-            return float(block[index][:, index].sum()) / 2
-
-        if math.comb(len(members), k) <= _MAX_ENUMERATED:
-            value, subset = min((cost(s), s) for s in itertools.combinations(range(len(members)), k))
-        else:
-            value, extra = min((cost((*chosen, u)), u) for u in range(len(members)) if u not in chosen)
-            subset = (*chosen, extra)
-        chosen = list(subset)
-        best.append((value, tuple(sorted(heads[p] for u in subset for p in members[u]))))
-    return best
+from .objective import Objective, batch_size, frozen
+from .parallel import sum_across
+from .surgery import add_output_bias, head_features, prune
 
 
-def plan_with_interactions(scores: HeadScores, num_heads: int | None = None, sparsity: float | None = None,
-                           min_heads_per_layer: int = 1) -> dict[str, list[int]]:
-    """The removal plan that minimises the block-diagonal Fisher estimate of the loss increase.
-
-    Needs scores from the "fisher" method (they carry each layer's Fisher block). Give `num_heads` (how
-    many more to remove) or `sparsity` (fraction of all original heads gone afterwards). Grouped-query
-    layers lose whole KV groups. Raises PlanError when the request cannot be met.
-    """
-    blocks = scores.meta.get("fisher_blocks")
-    if blocks is None:
-        raise PlanError("mask rearrangement needs scores from method='fisher' (they carry the Fisher blocks)")
-    present = {n: len(scores.heads[n]) for n in scores.layers}
-    total = sum(scores.original_heads.values())
-    already = total - sum(present.values())
-    asked = f"{num_heads} heads" if num_heads is not None else None
-    if num_heads is None:
-        num_heads = round((sparsity or 0.0) * total) - already
-        asked = f"sparsity {sparsity} ({num_heads} more heads)"
-    options = {}
-    for name in scores.layers:
-        block = torch.as_tensor(blocks[name], dtype=torch.float64)
-        options[name] = [(c, s) for c, s in _best_sets(block, scores.heads[name], scores.group_sizes[name])
-                         if present[name] - len(s) >= min_heads_per_layer]
-    # dp[r] = (cost, choices) of removing exactly r heads from the layers seen so far
-    dp: dict[int, tuple[float, list[tuple[int, ...]]]] = {0: (0.0, [])}
-    for name in scores.layers:
-        nxt: dict[int, tuple[float, list[tuple[int, ...]]]] = {}
-        for removed, (so_far, picks) in dp.items():
-            for cost, subset in options[name]:
-                r = removed + len(subset)
-                if r <= num_heads and (r not in nxt or so_far + cost < nxt[r][0]):
-                    nxt[r] = (so_far + cost, picks + [subset])
-        dp = nxt
-    if num_heads not in dp:
-        possible = max(r for r in dp if r <= num_heads)
-        raise PlanError(f"cannot remove {asked}: with min_heads_per_layer={min_heads_per_layer} and whole KV groups "
-                        f"at most {possible} can go (sparsity {(already + possible) / total:.3f}); ask for less")
-    return {n: list(s) for n, s in zip(scores.layers, dp[num_heads][1]) if s}
-
-
-def _rows(x: torch.Tensor, batch: dict) -> torch.Tensor:
-    """Token rows of a [batch, seq, features] activation, padding dropped."""
-    mask = batch.get("attention_mask")
+def _rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Token rows [tokens, features] of a [batch, seq, features] activation, padding (mask 0) dropped."""
     if mask is not None and x.dim() == 3 and mask.shape == x.shape[:2]:
         return x[mask.bool()]
     return x.reshape(-1, x.shape[-1])
@@ -133,25 +66,20 @@ def _collect(model: nn.Module, reference: nn.Module, pairs: list[tuple[Attention
     stats = [_Statistics(l.num_heads * l.head_dim, weight_matrix(resolve(l.module, l.spec.o)).shape[0]) for l, _ in pairs]
     xs: dict[int, torch.Tensor] = {}
     ys: dict[int, torch.Tensor] = {}
-    handles = []
-    for i, (layer, ref_layer) in enumerate(pairs):
-        handles.append(resolve(layer.module, layer.spec.o).register_forward_pre_hook(
-            lambda m, a, i=i: xs.__setitem__(i, a[0].detach())))
-        handles.append(resolve(ref_layer.module, ref_layer.spec.o).register_forward_hook(
-            lambda m, a, out, i=i: ys.__setitem__(i, out.detach())))
-    try:
+    watch = [(resolve(l.module, l.spec.o), "forward_pre", lambda m, a, i=i: xs.__setitem__(i, a[0].detach()))
+             for i, (l, _) in enumerate(pairs)]
+    watch += [(resolve(r.module, r.spec.o), "forward", lambda m, a, out, i=i: ys.__setitem__(i, out.detach()))
+              for i, (_, r) in enumerate(pairs)]
+    with hooks(watch):
         for batch in batches:
             xs.clear()
             ys.clear()
             reference(**batch)
             model(**batch)
             for i, (layer, _) in enumerate(pairs):
-                y = _rows(ys[i], batch)
-                x = _rows(xs[i], batch) if layer.num_heads else y.new_zeros(y.shape[0], 0)  # no heads: bias only
+                y = _rows(ys[i], batch.get("attention_mask"))
+                x = _rows(xs[i], batch.get("attention_mask")) if layer.num_heads else y.new_zeros(y.shape[0], 0)
                 stats[i].add(x, y)
-    finally:
-        for handle in handles:
-            handle.remove()
     return stats
 
 
@@ -229,54 +157,250 @@ def reconstruct(model: nn.Module, reference: nn.Module, dataloader: Iterable[dic
     return report
 
 
+class Recorder:
+    """Hooks that watch forward passes of the unpruned model: per attention layer, the sum and squared sum
+    over tokens of every output-projection input channel (padding left out), and per pass the compact
+    reference outputs (`Objective.reference`, on the CPU). Use it around the scoring pass so the statistics
+    cost no extra forward; `calls` tells whether it saw one plain pass per batch."""
+
+    def __init__(self, model: nn.Module, layers: list[AttentionLayer], objective: Objective) -> None:
+        self.model, self.layers, self.objective = model, layers, objective
+        self.sums = [torch.zeros(l.num_heads * l.head_dim, dtype=torch.float64) for l in layers]
+        self.squares = [torch.zeros(l.num_heads * l.head_dim, dtype=torch.float64) for l in layers]
+        self.tokens = [0] * len(layers)
+        self.targets: list = []
+        self.calls = 0
+        self._mask: torch.Tensor | None = None
+        self._stack = ExitStack()
+
+    def __enter__(self) -> "Recorder":
+        watch = [(self.model, "forward_pre", self._inputs), (self.model, "forward", self._outputs)]
+        watch += [(resolve(l.module, l.spec.o), "forward_pre", self._channels(i)) for i, l in enumerate(self.layers)]
+        self._stack.enter_context(hooks(watch, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _inputs(self, module, args, kwargs) -> None:
+        self._mask = kwargs.get("attention_mask")
+
+    def _outputs(self, module, args, kwargs, outputs) -> None:
+        self.calls += 1
+        target = self.objective.reference(outputs, kwargs)
+        self.targets.append(tuple(t.cpu() for t in target) if isinstance(target, tuple) else target.cpu())
+
+    def _channels(self, i: int):
+        def hook(module, args, kwargs) -> None:
+            x = _rows(args[0].detach(), self._mask).double().cpu()  # [tokens, heads * head_dim]
+            self.sums[i] += x.sum(0)
+            self.squares[i] += (x * x).sum(0)
+            self.tokens[i] += x.shape[0]
+
+        return hook
+
+    def reduce(self) -> None:
+        """Sum the statistics over data-parallel processes (a no-op in a single process)."""
+        n = len(self.layers)
+        summed = sum_across([*self.sums, *self.squares, torch.tensor(self.tokens, dtype=torch.float64)])
+        self.sums, self.squares = summed[:n], summed[n:2 * n]
+        self.tokens = [int(t) for t in summed[-1].tolist()]
+
+    def means(self) -> list[torch.Tensor]:
+        """Per layer, each output-projection input channel's mean over the recorded tokens."""
+        return [s / max(n, 1) for s, n in zip(self.sums, self.tokens)]
+
+    def variances(self) -> list[torch.Tensor]:
+        """Per layer, each output-projection input channel's variance over the recorded tokens."""
+        return [(q / max(n, 1) - m * m).clamp(min=0) for q, n, m in zip(self.squares, self.tokens, self.means())]
+
+
+@torch.no_grad()
+def record(model: nn.Module, batches: list[dict], objective: Objective) -> Recorder:
+    """A `Recorder` filled by one plain no-grad pass over the batches."""
+    with frozen(model), Recorder(model, find_attention(model), objective) as recorder:
+        for batch in batches:
+            model(**batch)
+    return recorder
+
+
+class GatedModel:
+    """The model with a gate per head (`scales` x `masks`) and an added bias per output projection
+    (`biases`), all hooks: call it on a batch to run the gated model. Plans are tried by zeroing masks; gate
+    0 gives exactly the outputs of the model with that head removed, and `fold` makes it so."""
+
+    def __init__(self, model: nn.Module, layers: list[AttentionLayer]) -> None:
+        self.model, self.layers = model, layers
+        projections = [resolve(l.module, l.spec.o) for l in layers]
+        self.devices = [p.weight.device for p in projections]
+        self.widths = [weight_matrix(p).shape[0] for p in projections]
+        self.use({})
+        self._stack = ExitStack()
+
+    def use(self, plan: dict[str, list[int]], biases: dict[str, torch.Tensor] | None = None) -> None:
+        """Gates of 0 for the plan's heads and 1 for the others, and the given added biases (else none)."""
+        removed = [set(plan.get(l.name, ())) for l in self.layers]
+        self.masks = [torch.tensor([0.0 if h in r else 1.0 for h in l.heads], device=d)
+                      for l, r, d in zip(self.layers, removed, self.devices)]
+        self.scales = [torch.ones(l.num_heads, device=d) for l, d in zip(self.layers, self.devices)]
+        self.biases = [(biases or {}).get(l.name, torch.zeros(w)).float().to(d).clone()
+                       for l, w, d in zip(self.layers, self.widths, self.devices)]
+
+    def __enter__(self) -> "GatedModel":
+        self.gates = self._stack.enter_context(head_gates(self.model, requires_grad=False))
+        add = [(resolve(l.module, l.spec.o), "forward", self._add_bias(i)) for i, l in enumerate(self.layers)]
+        self._stack.enter_context(hooks(add))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _add_bias(self, i: int):
+        return lambda module, args, out: out + self.biases[i].to(out.dtype)
+
+    def __call__(self, batch: dict):
+        for i, (scale, mask) in enumerate(zip(self.scales, self.masks)):
+            self.gates[i] = scale * mask
+        return self.model(**batch)
+
+    @torch.no_grad()
+    def divergences(self, batches: list[dict], targets: list, objective: Objective) -> torch.Tensor:
+        """Per-example divergence of the gated model's outputs from the targets, [examples] float64."""
+        return torch.cat([objective.divergence(self(b), b, _to(t, b)).double().cpu() for b, t in zip(batches, targets)])
+
+    def compensation(self, plan: dict[str, list[int]], means: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """FLAP's bias compensation: per pruned layer, the removed heads' mean contribution to the output,
+        W_o[:, removed channels] @ mean[removed channels] (means over the unpruned calibration tokens)."""
+        biases = {}
+        for layer, mean in zip(self.layers, means):
+            removed = [layer.heads.index(h) for h in plan.get(layer.name, ())]
+            if removed:
+                cols = head_features(removed, layer.head_dim, torch.device("cpu"))
+                weight = weight_matrix(resolve(layer.module, layer.spec.o)).detach().double().cpu()  # [out, inner]
+                biases[layer.name] = (weight[:, cols] @ mean[cols]).float()
+        return biases
+
+    def fold(self, plan: dict[str, list[int]]) -> None:
+        """Make the gated state permanent: scales into the output projections, added biases into their biases
+        (created and recorded where missing), then the plan's heads removed."""
+        with torch.no_grad():
+            for layer, scale in zip(self.layers, self.scales):
+                if not torch.equal(scale, torch.ones_like(scale)):
+                    _fold_scales(layer, scale)
+        add_output_bias(self.model, {l.name: b.detach() for l, b in zip(self.layers, self.biases) if b.any()})
+        prune(self.model, plan)
+
+
+def _to(target, batch: dict):
+    """A target (tensor or tuple of tensors) on the device of the batch's tensors."""
+    device = next(v.device for v in batch.values() if torch.is_tensor(v))
+    return tuple(t.to(device) for t in target) if isinstance(target, tuple) else target.to(device)
+
+
+PATIENCE = 2  # epochs without a better held-out value before tuning stops
+
+
+def tune(forward: Callable[[dict], object], groups: list[dict], batches: list[dict], targets: list,
+         objective: Objective, epochs: int, seed: int = 0, check: Callable[[], float] | None = None,
+         seconds: float | None = None) -> tuple[list[float], int]:
+    """Adam over the parameter `groups` so `forward`'s outputs match the targets (the objective's divergence),
+    for `epochs` passes in a seeded order. With `check` (a held-out divergence), it runs after every epoch: an
+    epoch that does not improve it goes back to the best parameters and halves the learning rates, tuning
+    stops after PATIENCE such epochs, and the best parameters are kept. With `seconds`, no epoch starts that
+    would end past that many seconds (judged by the longest epoch so far; the first always runs).
+    Returns the checked values (starting with the one before tuning) and the number of epochs run."""
+    params = [p for group in groups for p in group["params"]]
+    optimizer = torch.optim.Adam(groups)
+    generator = torch.Generator().manual_seed(seed)
+    history = [check()] if check else []
+    best = [p.detach().clone() for p in params]
+    misses, start, longest, done = 0, time.perf_counter(), 0.0, 0
+    for done in range(1, epochs + 1):
+        if seconds is not None and longest and time.perf_counter() - start + longest > seconds:
+            done -= 1
+            break
+        began = time.perf_counter()
+        for i in torch.randperm(len(batches), generator=generator).tolist():
+            loss = objective.divergence(forward(batches[i]), batches[i], _to(targets[i], batches[i])).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        if check:
+            history.append(check())
+        longest = max(longest, time.perf_counter() - began)
+        if not check or history[-1] < min(history[:-1]):
+            best = [p.detach().clone() for p in params] if check else best
+            continue
+        misses += 1
+        if misses >= PATIENCE:
+            break
+        with torch.no_grad():  # back to the best point, with smaller steps
+            for p, value in zip(params, best):
+                p.copy_(value)
+        for group in optimizer.param_groups:
+            group["lr"] /= 2
+    if check:
+        with torch.no_grad():
+            for p, value in zip(params, best):
+                p.copy_(value)
+    optimizer.zero_grad(set_to_none=True)
+    return history, done
+
+
 def tune_gates(model: nn.Module, reference: nn.Module, dataloader: Iterable[dict], epochs: int = 2,
                lr: float = 0.05, seed: int = 0, bias_lr: float | None = None) -> dict[str, list[float]]:
-    """Tune one scale per kept head so the pruned model's outputs match the unpruned `reference` model's,
-    then fold the scales into the output projections (the model stays a plain smaller model).
+    """Tune one scale per kept head of a pruned `model` so its outputs match the unpruned `reference`
+    model's, then fold the scales into the output projections (the model stays a plain smaller model).
 
     The objective is the label-free divergence (KL on logits, 1 - cosine of pooled embeddings) over the
-    calibration batches, minimised with Adam over the head gates alone: no weight matrix is trained, and
-    there are as many free values as kept heads. With `bias_lr`, the output projections' biases (where they
-    have one) are tuned too, at that learning rate: the same objective then also corrects the mean shift the
-    removed heads leave in the residual stream (a learned bias compensation). Returns the scales per layer.
+    calibration batches, minimised with Adam over the head gates alone. With `bias_lr`, the output
+    projections' biases (where they have one) are tuned too, at that learning rate (a learned bias
+    compensation). `ph.prune_model` does the same on the gated unpruned model, with no second copy.
+    Returns the scales per layer.
     """
-    from .gates import head_gates
-    from .scoring import Objective, frozen
-
     device = input_device(model)
     batches = [to_device({k: v for k, v in b.items() if k != "labels"}, device) for b in dataloader]
     objective = Objective(model)
     reference.eval()
-    generator = torch.Generator().manual_seed(seed)
-    targets: dict[int, torch.Tensor] = {}
-
-    def target(i: int) -> torch.Tensor:
-        if i in targets:
-            return targets[i]
-        with torch.no_grad():
-            value = objective.reference(reference(**batches[i]), batches[i])
-        if value.dim() <= 2:  # one vector per example: kept; per-token log-probs are recomputed (too large)
-            targets[i] = value
-        return value
-
+    with torch.no_grad():
+        targets = [objective.reference(reference(**b), b) for b in batches]
     layers = find_attention(model)
-    biases = [resolve(l.module, l.spec.o).bias for l in layers] if bias_lr else []
-    biases = [b for b in biases if b is not None]
+    biases = [b for b in (resolve(l.module, l.spec.o).bias for l in layers) if b is not None] if bias_lr else []
     with frozen(model), head_gates(model) as gates:  # frozen restores every requires_grad flag on exit
         for b in biases:
             b.requires_grad_(True)
         groups = [{"params": list(gates), "lr": lr}] + ([{"params": biases, "lr": bias_lr}] if biases else [])
-        optimizer = torch.optim.Adam(groups)
-        for _ in range(epochs):
-            for i in torch.randperm(len(batches), generator=generator).tolist():
-                loss = objective.divergence(model(**batches[i]), batches[i], target(i)).mean()
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        tune(lambda b: model(**b), groups, batches, targets, objective, epochs, seed)
         scales = [g.detach().clone() for g in gates]
     with torch.no_grad():
         for layer, scale in zip(layers, scales):
             if layer.num_heads:
                 _fold_scales(layer, scale)
     return {layer.name: scale.tolist() for layer, scale in zip(layers, scales)}
+
+
+def split_holdout(batches: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
+    """(calibration, held-out) batches: every 1/fraction-th example across all batches is held out (a slice
+    of its own batch, so no padding changes), so the held-out part spans the data the way batches of
+    similar lengths do not. No hold-out for fraction 0 or fewer than two examples."""
+    total = sum(batch_size(b) for b in batches)
+    if fraction <= 0 or total < 2:
+        return batches, []
+    calib, held, seen = [], [], 0
+    for batch in batches:
+        rows = batch_size(batch)
+        out = [r for r in range(rows) if math.floor((seen + r + 1) * fraction) > math.floor((seen + r) * fraction)]
+        seen += rows
+        keep = [r for r in range(rows) if r not in set(out)]
+        for part, index in ((calib, keep), (held, out)):
+            if index:
+                part.append(_take_rows(batch, torch.tensor(index), rows))
+    if not held or not calib:
+        return batches, []
+    return calib, held
+
+
+def _take_rows(batch: dict, index: torch.Tensor, rows: int) -> dict:
+    """The batch restricted to the rows in `index` (tensors whose first dimension is the batch)."""
+    return {k: v.index_select(0, index.to(v.device)) if torch.is_tensor(v) and v.dim() and v.shape[0] == rows else v
+            for k, v in batch.items()}

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .scoring import HeadScores
+from .head_scores import HeadScores
 
 
 def _pyplot():
@@ -27,7 +26,7 @@ def _short(name: str) -> str:
     return f"{stack[:3]} {'.'.join(digits)} {parts[-1]}".strip() if digits else name[-24:]
 
 
-def heatmap(scores: "HeadScores", path: Path, removed: dict[str, list[int]], title: str | None = None) -> Path:
+def heatmap(scores: HeadScores, path: Path, removed: dict[str, list[int]], title: str | None = None) -> Path:
     """Layers x heads importance heatmap; removed heads crossed out, absent heads left blank."""
     plt = _pyplot()
     grid = scores.matrix().numpy()
@@ -62,9 +61,10 @@ class Report:
     before: dict
     after: dict
     plan: dict[str, list[int]] = field(default_factory=dict)
-    scores: "HeadScores | None" = None
+    scores: HeadScores | None = None
     history: list[dict] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
+    recovery: list[dict] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         """Derived numbers: metric deltas, speed-up, the FLOPs ceiling and how close to it the speed-up is."""
@@ -89,25 +89,24 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """Everything, JSON-ready."""
         return {"meta": self.meta, "summary": self.summary(), "before": self.before, "after": self.after,
-                "plan": self.plan, "history": self.history,
+                "plan": self.plan, "history": self.history, "recovery": self.recovery,
                 "scores": self.scores.to_dict() if self.scores is not None else None}
 
     @classmethod
     def load(cls, path: str | Path) -> "Report":
         """Read a report.json written by `write`."""
-        from .scoring import HeadScores
-
         data = json.loads(Path(path).read_text())
         scores = HeadScores.from_dict(data["scores"]) if data.get("scores") else None
         return cls(data["before"], data["after"], data.get("plan", {}), scores, data.get("history", []),
-                   data.get("meta", {}))
+                   data.get("meta", {}), data.get("recovery", []))
 
     def markdown(self) -> str:
         """A summary a person reads: metric, delta, speed-up, parameters, FLOPs, heads kept per layer."""
         s = self.summary()
         lines = [f"# Pruning report: {self.meta.get('model', '')}", ""]
         if self.meta:
-            lines += [", ".join(f"{k}: {v}" for k, v in self.meta.items() if k != "model"), ""]
+            lines += [", ".join(f"{k}: {v}" for k, v in self.meta.items() if k not in ("model", "heldout", "timings")),
+                      ""]
         lines += ["| | before | after | change |", "|---|---|---|---|"]
         for key, m in s["metrics"].items():
             lines.append(f"| {key} | {m['before']:.4f} | {m['after']:.4f} | {m['delta']:+.4f} |")
@@ -135,10 +134,31 @@ class Report:
             lines += ["", f"FLOPs ceiling: removing these heads can make the forward pass at most {ceiling:.2f}x "
                           f"faster; measured {sp['speedup']:.2f}x "
                           f"({self._ceiling_note(sp)}). Settings: {sb['settings']}."]
+        lines += self._recovery_lines()
         lines += ["", "| layer | heads kept |", "|---|---|"]
         for name, kept in self.after.get("heads", {}).items():
             lines.append(f"| {name} | {kept} / {self.before['heads'].get(name, kept)} |")
         return "\n".join(lines) + "\n"
+
+    def _recovery_lines(self) -> list[str]:
+        """What recovery tried and kept, with the held-out divergence from the unpruned model."""
+        if not self.recovery:
+            return []
+        held = self.meta.get("heldout") or {}
+        lines = ["", f"Recovery, decided on {held.get('examples', 0)} held-out calibration examples "
+                     f"(divergence from the unpruned model; lower is better):", "",
+                 "| step | tried | held-out divergence | kept |", "|---|---|---|---|"]
+        for entry in self.recovery:
+            if entry["step"] == "selection":
+                for name, value in entry["tried"].items():
+                    lines.append(f"| plan | {name} | {_number(value)} | {'yes' if name == entry['kept'] else ''} |")
+            elif entry["step"] == "notes":
+                lines += [f"| note | {note} | | |" for note in entry["notes"]]
+            else:
+                by_epoch = " -> ".join(_number(v) for v in entry.get("heldout_by_epoch", []))
+                lines.append(f"| {entry['step']} | {entry['epochs_run']} epochs, {entry['seconds']:.1f} s | "
+                             f"{by_epoch} | {'yes' if entry.get('kept', True) else 'no'} |")
+        return lines
 
     @staticmethod
     def _ceiling_note(sp: dict) -> str:
@@ -161,8 +181,13 @@ class Report:
         return paths
 
 
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.5g}"
+
+
 def compare(before: dict, after: dict, **extras: Any) -> Report:
-    """A Report from two `measure` results; `extras` are Report fields (plan, scores, history, meta)."""
+    """A Report from two `measure` results; `extras` are Report fields (plan, scores, history, meta,
+    recovery)."""
     return Report(before, after, **extras)
 
 

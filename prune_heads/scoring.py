@@ -9,10 +9,8 @@ variances. The gradient family (gradient, taylor, fisher) shares one pass with p
 from __future__ import annotations
 
 import itertools
-import json
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -21,75 +19,11 @@ from tqdm.auto import tqdm
 
 from .data import input_device, to_device
 from .gates import head_gates
+from .head_scores import HeadScores
 from .layers import AttentionLayer, find_attention, resolve, weight_matrix
+from .objective import Loss, Objective, batch_size, frozen
 from .parallel import distributed, rank_and_size, sum_across
-
-Loss = Callable[[object, dict], torch.Tensor]
-
-
-@dataclass
-class HeadScores:
-    """Importance of every present head, per attention layer (higher = more important).
-
-    `scores[name]` is a float32 tensor over the layer's present heads, whose ORIGINAL indices are
-    `heads[name]`; `group_sizes[name]` is the layer's original query heads per KV head (1 without GQA).
-    """
-
-    method: str
-    num_examples: int
-    scores: dict[str, torch.Tensor]
-    heads: dict[str, tuple[int, ...]]
-    group_sizes: dict[str, int]
-    original_heads: dict[str, int]
-    variance: dict[str, torch.Tensor] | None = None
-    meta: dict = field(default_factory=dict)
-
-    @property
-    def layers(self) -> list[str]:
-        """Layer names in forward order."""
-        return list(self.scores)
-
-    def to_dict(self) -> dict:
-        """A JSON-ready dict (scores as lists, keyed by layer name)."""
-        def lists(tensors):
-            return None if tensors is None else {k: [float(x) for x in v] for k, v in tensors.items()}
-
-        return {"method": self.method, "num_examples": self.num_examples, "scores": lists(self.scores),
-                "heads": {k: list(v) for k, v in self.heads.items()}, "group_sizes": self.group_sizes,
-                "original_heads": self.original_heads, "variance": lists(self.variance), "meta": self.meta}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "HeadScores":
-        """Inverse of `to_dict`."""
-        def tensors(lists):
-            return None if lists is None else {k: torch.tensor(v, dtype=torch.float32) for k, v in lists.items()}
-
-        return cls(data["method"], data["num_examples"], tensors(data["scores"]),
-                   {k: tuple(v) for k, v in data["heads"].items()}, data["group_sizes"], data["original_heads"],
-                   tensors(data.get("variance")), data.get("meta", {}))
-
-    def save(self, path: str | Path) -> None:
-        """Write the scores as JSON."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
-
-    @classmethod
-    def load(cls, path: str | Path) -> "HeadScores":
-        """Read scores written by `save`."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
-
-    def matrix(self) -> torch.Tensor:
-        """[layers, max original heads] with NaN where a head is absent (removed or beyond the layer)."""
-        width = max(self.original_heads.values())
-        grid = torch.full((len(self.scores), width), float("nan"))
-        for row, name in enumerate(self.scores):
-            grid[row, list(self.heads[name])] = self.scores[name]
-        return grid
-
-    def plot(self, path: str | Path, removed: dict[str, list[int]] | None = None, title: str | None = None) -> Path:
-        """Save a layers x heads heatmap PNG; heads in `removed` are crossed out, absent heads are blank."""
-        from .report import heatmap
-
-        return heatmap(self, Path(path), removed or {}, title)
+from .recovery import Recorder
 
 
 @dataclass
@@ -99,7 +33,7 @@ class ScoringRun:
     model: nn.Module
     layers: list[AttentionLayer]
     batches: Iterable[dict]
-    objective: "Objective"
+    objective: Objective
     device: torch.device
     autocast: torch.dtype | None
     generator: torch.Generator
@@ -138,125 +72,6 @@ def method(name: str):
         return fn
 
     return register
-
-
-def batch_size(batch: dict) -> int:
-    """Number of examples in a batch (the leading dimension of its first tensor)."""
-    return next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
-
-
-def pooled(outputs, batch: dict) -> torch.Tensor:
-    """Mean of the last hidden state over the attended tokens, [batch, hidden] in float32."""
-    hidden = outputs.last_hidden_state if getattr(outputs, "last_hidden_state", None) is not None \
-        else outputs.hidden_states[-1]
-    hidden = hidden.float()
-    mask = batch.get("attention_mask")
-    if mask is None or mask.shape != hidden.shape[:2]:
-        return hidden.mean(1)
-    mask = mask.to(hidden.dtype).unsqueeze(-1)
-    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
-
-
-class Objective:
-    """The per-example loss that importance is measured against.
-
-    With labels in the batch: the model's task loss per example (classification, regression, causal or
-    seq2seq LM). Without labels: the divergence of the gated model's outputs from the ungated model's (KL on
-    logits, 1 - cosine of mean-pooled hidden states for encoders without a head). That divergence has zero
-    gradient at gates = 1, so the gradient methods use sampled surrogates whose per-example squared
-    gradients equal its curvature in expectation: labels drawn from the model's own softmax (the Fisher of
-    the KL), or a random Gaussian projection of the normalised embedding (the Gauss-Newton diagonal of
-    1 - cosine). `reference` and `divergence` give the exact divergence, used by ablation.
-    A custom `loss(outputs, batch) -> scalar` replaces all of this; it is then not split per example.
-    """
-
-    def __init__(self, model: nn.Module, loss: Loss | None = None) -> None:
-        self.model, self.custom = model, loss
-        name = type(model).__name__
-        self.shift = name.endswith("ForCausalLM") or "LMHead" in name
-
-    def has_labels(self, batch: dict) -> bool:
-        return self.custom is None and "labels" in batch
-
-    def per_example(self, outputs, batch: dict, generator: torch.Generator) -> torch.Tensor:
-        """Per-example losses [batch] (a custom loss gives a single value)."""
-        if self.custom is not None:
-            return self.custom(outputs, batch).reshape(1)
-        logits = getattr(outputs, "logits", None)
-        if "labels" in batch:
-            return self._task_loss(logits, batch["labels"], batch)
-        if logits is not None:
-            with torch.no_grad():
-                probs = torch.softmax(logits.detach().float(), -1)
-                sampled = torch.multinomial(probs.reshape(-1, probs.shape[-1]).cpu(), 1, generator=generator)
-            sampled = sampled.reshape(probs.shape[:-1]).to(logits.device)
-            return self._token_mean(nn.functional.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), sampled.reshape(-1), reduction="none"
-            ).reshape(sampled.shape), batch)
-        unit = nn.functional.normalize(pooled(outputs, batch), dim=-1)
-        z = torch.randn(unit.shape, generator=generator).to(unit.device)
-        return (unit * z).sum(-1)
-
-    def _task_loss(self, logits: torch.Tensor, labels: torch.Tensor, batch: dict) -> torch.Tensor:
-        logits = logits.float()
-        if logits.dim() == 2 and logits.shape[-1] == 1 and labels.is_floating_point():
-            return (logits.squeeze(-1) - labels.float()) ** 2
-        if logits.dim() == 2 and labels.dim() == 2:  # multi-label
-            return nn.functional.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none").mean(-1)
-        if logits.dim() == 2:
-            return nn.functional.cross_entropy(logits, labels, reduction="none")
-        if self.shift:
-            logits, labels = logits[:, :-1], labels[:, 1:]
-        tokens = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                             reduction="none", ignore_index=-100).reshape(labels.shape)
-        valid = (labels != -100).float()
-        return (tokens * valid).sum(-1) / valid.sum(-1).clamp(min=1)
-
-    def _token_mean(self, tokens: torch.Tensor, batch: dict) -> torch.Tensor:
-        if tokens.dim() == 1:
-            return tokens
-        mask = batch.get("attention_mask")
-        if mask is None or mask.shape != tokens.shape:
-            return tokens.mean(-1)
-        mask = mask.float()
-        return (tokens * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-
-    def reference(self, outputs, batch: dict) -> torch.Tensor:
-        """What the ungated model produced: log-probabilities, or the normalised pooled embedding."""
-        logits = getattr(outputs, "logits", None)
-        if logits is not None:
-            return torch.log_softmax(logits.detach().float(), -1)
-        return nn.functional.normalize(pooled(outputs, batch).detach(), dim=-1)
-
-    def divergence(self, outputs, batch: dict, reference: torch.Tensor) -> torch.Tensor:
-        """Per-example KL(reference || gated) on logits, or 1 - cosine on pooled embeddings."""
-        logits = getattr(outputs, "logits", None)
-        if logits is not None:
-            logq = torch.log_softmax(logits.float(), -1)
-            return self._token_mean((reference.exp() * (reference - logq)).sum(-1), batch)
-        return 1 - (nn.functional.normalize(pooled(outputs, batch), dim=-1) * reference).sum(-1)
-
-    def value(self, outputs, batch: dict, reference: torch.Tensor | None) -> torch.Tensor:
-        """The exact per-example objective: task loss with labels, else the divergence from `reference`."""
-        if self.custom is not None:
-            return self.custom(outputs, batch).reshape(1)
-        if "labels" in batch:
-            return self._task_loss(outputs.logits, batch["labels"], batch)
-        return self.divergence(outputs, batch, reference)
-
-
-@contextmanager
-def frozen(model: nn.Module) -> Iterator[None]:
-    """Turn off parameter gradients (autograd then computes only what the gates need), restore on exit."""
-    flags = [p.requires_grad for p in model.parameters()]
-    was_training = model.training
-    model.requires_grad_(False).eval()
-    try:
-        yield
-    finally:
-        for p, flag in zip(model.parameters(), flags):
-            p.requires_grad_(flag)
-        model.train(was_training)
 
 
 def gate_gradients(run: ScoringRun) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], int]:
@@ -367,6 +182,36 @@ def magnitude_importance(run: ScoringRun):
     return scores, None
 
 
+def fluctuation(layers: list[AttentionLayer], variances: list[torch.Tensor], groups: bool = True) -> list[torch.Tensor]:
+    """FLAP (An et al. 2024): the fluctuation of a structure is the sum over its output-projection input
+    channels of the channel's variance over the calibration tokens times the squared norm of its column,
+    standardised within each layer (zero mean, unit variance) so that layers compare. With `groups`, the
+    structures of a grouped-query layer are its KV groups (what selection then removes; each head carries its
+    share of its group's value), else single heads."""
+    scores = []
+    for layer, variance in zip(layers, variances):
+        weight = weight_matrix(resolve(layer.module, layer.spec.o)).detach().double().cpu()  # [out, inner]
+        head = (variance.double() * (weight * weight).sum(0)).reshape(layer.num_heads, layer.head_dim).sum(-1)
+        owner = torch.tensor([h // layer.group_size if groups else h for h in layer.heads])
+        _, unit = torch.unique(owner, return_inverse=True)  # [heads] -> index of its structure
+        value = torch.zeros(int(unit.max()) + 1 if len(unit) else 0, dtype=torch.float64).index_add(0, unit, head)
+        spread = value.std() if len(value) > 1 else value.new_tensor(0.0)
+        standard = (value - value.mean()) / spread if spread > 0 else torch.zeros_like(value)
+        size = torch.bincount(unit).double()
+        scores.append((standard / size)[unit])
+    return scores
+
+
+@method("fluctuation")
+def fluctuation_importance(run: ScoringRun):
+    """Forward only: FLAP's fluctuation of each head's output channels (see `fluctuation`)."""
+    with Recorder(run.model, run.layers, run.objective) as recorder, torch.no_grad():
+        for batch in run.iterate("head fluctuation"):
+            run.forward(batch)
+    recorder.reduce()
+    return fluctuation(run.layers, recorder.variances()), None
+
+
 @method("ablation")
 def ablation_importance(run: ScoringRun):
     """Exact: the mean increase of the objective when the head alone is removed (gate 0)."""
@@ -427,14 +272,20 @@ def score_heads(model: nn.Module, dataloader: Iterable[dict], method: str = "gra
         norms = [s.norm() for s in scores]
         scores = [s / n if n > 0 else s for s, n in zip(scores, norms)]
         variances = None if variances is None else [v / n ** 2 if n > 0 else v for v, n in zip(variances, norms)]
+    meta = {"normalized": bool(normalize if normalize is not None else method == "gradient"), "seed": seed, **run.meta}
+    return head_scores(method, layers, scores, run.examples, variances, meta)
+
+
+def head_scores(method: str, layers: list[AttentionLayer], scores: list[torch.Tensor], num_examples: int,
+                variances: list[torch.Tensor] | None = None, meta: dict | None = None) -> HeadScores:
+    """`HeadScores` from per-layer values over the layers' present heads (float32, keyed by layer name)."""
     names = [l.name for l in layers]
     return HeadScores(
-        method=method, num_examples=run.examples,
+        method=method, num_examples=num_examples,
         scores={n: s.float() for n, s in zip(names, scores)},
         heads={l.name: l.heads for l in layers},
         group_sizes={l.name: l.group_size for l in layers},
         original_heads={l.name: l.original_num_heads for l in layers},
         variance=None if variances is None else {n: v.float() for n, v in zip(names, variances)},
-        meta={"normalized": bool(normalize if normalize is not None else method == "gradient"), "seed": seed,
-              **run.meta},
+        meta=meta or {},
     )

@@ -106,7 +106,8 @@ def _check_groups(layer: AttentionLayer, kept: list[int]) -> None:
         )
 
 
-def _feature_index(positions: list[int], head_dim: int, device: torch.device) -> torch.Tensor:
+def head_features(positions: list[int], head_dim: int, device: torch.device) -> torch.Tensor:
+    """Feature indices [len(positions) * head_dim] of the heads at these positions of a projection."""
     positions_t = torch.tensor(positions, dtype=torch.long, device=device)
     return (positions_t[:, None] * head_dim + torch.arange(head_dim, device=device)).reshape(-1)
 
@@ -153,8 +154,8 @@ def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
     kv_pos = [layer.kv_heads.index(g) for g in kept_kv]
     o_proj = resolve(module, spec.o)
     device = o_proj.weight.device
-    q_index = _feature_index(q_pos, dim, device)
-    kv_index = _feature_index(kv_pos, dim, device)
+    q_index = head_features(q_pos, dim, device)
+    kv_index = head_features(kv_pos, dim, device)
     if spec.fused_qkv:
         q_size, kv_size = layer.num_heads * dim, layer.num_kv_heads * dim
         fused_index = torch.cat([q_index, q_size + kv_index, q_size + kv_size + kv_index])
@@ -189,7 +190,8 @@ def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
         projects = spec.no_heads == "" or spec.o.startswith(spec.no_heads + ".")
         owner.forward = NoHeads(o_proj if projects else None, spec.no_heads_outputs, dim,
                                 getattr(module, "layer_idx", None), layer.kind == "cross")
-    module._ph_record = {"num_heads": layer.original_num_heads, "num_kv_heads": layer.original_num_kv_heads,
+    module._ph_record = {**getattr(module, "_ph_record", {}), "num_heads": layer.original_num_heads,
+                         "num_kv_heads": layer.original_num_kv_heads,
                          "removed": sorted(set(range(layer.original_num_heads)) - set(kept))}
     module._ph_present = kept
     return describe(module, spec, layer.name, layer.index)
@@ -205,6 +207,14 @@ def apply_plan(model: nn.Module, layers: list[AttentionLayer], plan: dict[str, l
         remove_heads(by_name[name], heads)
 
 
+def _write_record(model: nn.Module, layers: list[AttentionLayer]) -> None:
+    """Store every layer's record (original head counts, removed heads, added bias) in `model.config`."""
+    config = getattr(model, "config", None)
+    record = {layer.name: layer.module._ph_record for layer in layers if hasattr(layer.module, "_ph_record")}
+    if config is not None and record:
+        setattr(config, RECORD_KEY, {"format": 1, "layers": record})
+
+
 def prune(model: nn.Module, heads_to_prune: Plan) -> nn.Module:
     """Physically remove attention heads from `model`, in place, and return it.
 
@@ -216,11 +226,32 @@ def prune(model: nn.Module, heads_to_prune: Plan) -> nn.Module:
     layers = find_attention(model)
     plan = normalize_plan(layers, heads_to_prune)
     apply_plan(model, layers, plan)
-    config = getattr(model, "config", None)
-    if config is not None and plan:
-        record = {layer.name: layer.module._ph_record for layer in layers if hasattr(layer.module, "_ph_record")}
-        setattr(config, RECORD_KEY, {"format": 1, "layers": record})
+    if plan:
+        _write_record(model, layers)
     return model
+
+
+def _zero_bias(o_proj: nn.Module) -> None:
+    weight = o_proj.weight
+    o_proj.bias = nn.Parameter(weight.new_zeros(features(o_proj, "out")), requires_grad=weight.requires_grad)
+
+
+@torch.no_grad()
+def add_output_bias(model: nn.Module, biases: Mapping[str, torch.Tensor]) -> None:
+    """Add `biases[layer name]` to each layer's attention output projection, creating the bias (and recording
+    it, so `load_pruned` re-creates it) where the projection has none."""
+    layers = find_attention(model)
+    for layer in layers:
+        if layer.name not in biases:
+            continue
+        o_proj = resolve(layer.module, layer.spec.o)
+        if o_proj.bias is None:
+            _zero_bias(o_proj)
+            record = getattr(layer.module, "_ph_record", None) or {
+                "num_heads": layer.original_num_heads, "num_kv_heads": layer.original_num_kv_heads, "removed": []}
+            layer.module._ph_record = {**record, "bias": True}
+        o_proj.bias.add_(biases[layer.name].to(o_proj.bias.device, o_proj.bias.dtype))
+    _write_record(model, layers)
 
 
 def reapply_record(model: nn.Module, record: dict | None) -> None:
@@ -238,3 +269,10 @@ def reapply_record(model: nn.Module, record: dict | None) -> None:
                              f"which this model does not have; was the config edited by hand?")
     apply_plan(model, layers, {name: entry["removed"] for name, entry in record["layers"].items()
                                if entry["removed"]})
+    for name, entry in record["layers"].items():
+        if entry.get("bias"):
+            layer = by_name[name]
+            o_proj = resolve(layer.module, layer.spec.o)
+            if o_proj.bias is None:
+                _zero_bias(o_proj)
+            layer.module._ph_record = {**getattr(layer.module, "_ph_record", entry), "bias": True}

