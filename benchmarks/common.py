@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from transformers.utils import logging
 from prune_heads.data import TaskData, load_task_data
 from prune_heads.evaluation import evaluate_task
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(os.environ.get("PH_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
 MODEL = FIXTURES / "minilm-movie-sentiment"
 DATA = FIXTURES / "movie-snippets"
 FIXTURES_BY_NAME = {"movie": ("minilm-movie-sentiment", "movie-snippets"),
@@ -75,3 +77,27 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 def torch_threads() -> int:
     return torch.get_num_threads()
+
+
+class PeakRSS:
+    """The peak resident memory of this process inside the block, above what it held when the block began."""
+
+    def __enter__(self):
+        self.start = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.bytes = self.peak - self.start
+
+    def _watch(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    @staticmethod
+    def _rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096

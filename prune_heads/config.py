@@ -62,8 +62,9 @@ class RecoveryConfig:
     plan beside the plain one; `bias_compensation` adds the removed heads' mean output to the output bias
     (FLAP, An et al. 2024); `gate_tuning` tunes one scale per kept head to the unpruned model's outputs, and
     `bias_tuning` the output biases with them, for at most `epochs` epochs, stopping when the held-out
-    divergence stops falling, or before an epoch would take tuning past `tuning_budget` times the scoring
-    pass's time (never under a minute: small models tune fully; None: no limit). Everything is tuned on the
+    divergence stops falling, or before a step would take the recovery (trying candidates and tuning) past
+    `tuning_budget` times the scoring pass's time (tuning still gets at least a minute, so small models tune
+    fully; None: no limit; a cut epoch is checked like a whole one). Everything is tuned on the
     gated model (no copy of it) and folded into the weights. `holdout: 0` applies every enabled step without
     checking it."""
 

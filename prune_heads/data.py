@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import datasets
 import torch
+from tqdm.auto import tqdm
 
 TASKS = ("classification", "causal-lm", "feature-extraction", "image-classification")
 _BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
@@ -37,6 +39,12 @@ class TaskData:
     def without_labels(self) -> list[dict[str, torch.Tensor]]:
         """The same batches with the labels dropped (for label-free scoring)."""
         return [{k: v for k, v in b.items() if k != "labels"} for b in self.batches]
+
+
+def progress_bar(iterable: Iterable, desc: str, total: int | None = None, enabled: bool = True):
+    """A tqdm bar on stderr, shown only when `enabled`, TQDM_DISABLE is not set and stderr is a terminal."""
+    off = not enabled or os.environ.get("TQDM_DISABLE", "").lower() not in ("", "0", "false")
+    return tqdm(iterable, desc=desc, total=total, leave=False, disable=True if off else None)
 
 
 def to_device(batch: dict, device: torch.device | str) -> dict:
@@ -128,6 +136,8 @@ def load_task_data(source: str, tokenizer: Any = None, task: str = "classificati
     if task not in TASKS:
         raise DataError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     dataset = load_split(source, split, name)
+    if len(dataset) == 0:
+        raise DataError(f"split {split!r} of {source} has no examples; give a file or split with data")
     if max_examples is not None:
         dataset = dataset.select(range(min(max_examples, len(dataset))))
     if task == "image-classification":

@@ -9,9 +9,8 @@ from typing import Any, Iterable
 import evaluate
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from .data import TaskData, input_device, to_device
+from .data import TaskData, input_device, progress_bar, to_device
 from .objective import pooled
 
 _SHIPPED = Path(__file__).parent / "metrics"
@@ -36,7 +35,7 @@ def load_metric(name: str) -> evaluate.EvaluationModule:
 def _device_batches(model: nn.Module, batches: Iterable[dict], desc: str, progress: bool):
     device = input_device(model)
     total = len(batches) if hasattr(batches, "__len__") else None
-    for batch in tqdm(batches, desc=desc, total=total, disable=not progress, leave=False):
+    for batch in progress_bar(batches, desc, total, progress):
         yield to_device(batch, device)
 
 

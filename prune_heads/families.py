@@ -2,6 +2,8 @@
 
 A family is described by data (projection names, fused layouts, attributes to update, extra per-head
 parameters), not by code paths. Register a new one with `register_family(AttentionSpec(...))`.
+
+Copied as it is into standalone checkpoints (see standalone.py): it may import only torch and transformers.
 """
 
 from __future__ import annotations

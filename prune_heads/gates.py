@@ -8,6 +8,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from .hooks import hooks
 from .layers import AttentionLayer, find_attention, resolve
 
 
@@ -52,18 +53,12 @@ def head_gates(model: nn.Module, requires_grad: bool = True) -> Iterator[HeadGat
     head importance of Michel et al. (2019). The hooks are removed on exit.
     """
     layers = find_attention(model)
-    handles = []
     tensors = []
     for layer in layers:
         device = resolve(layer.module, layer.spec.o).weight.device
         device = torch.device("cpu") if device.type == "meta" else device  # offloaded weights (device_map)
         tensors.append(torch.ones(layer.num_heads, dtype=torch.float32, device=device, requires_grad=requires_grad))
     gates = HeadGates(layers, tensors)
-    try:
-        for i, layer in enumerate(layers):
-            o_proj = resolve(layer.module, layer.spec.o)
-            handles.append(o_proj.register_forward_pre_hook(_gate_hook(gates, i, layer.head_dim)))
+    with hooks((resolve(layer.module, layer.spec.o), "forward_pre", _gate_hook(gates, i, layer.head_dim))
+               for i, layer in enumerate(layers)):
         yield gates
-    finally:
-        for handle in handles:
-            handle.remove()

@@ -46,9 +46,10 @@ class HeadScores:
         def tensors(lists):
             return None if lists is None else {k: torch.tensor(v, dtype=torch.float32) for k, v in lists.items()}
 
-        return cls(data["method"], data["num_examples"], tensors(data["scores"]),
-                   {k: tuple(v) for k, v in data["heads"].items()}, data["group_sizes"], data["original_heads"],
-                   tensors(data.get("variance")), data.get("meta", {}))
+        return cls(method=data["method"], num_examples=data["num_examples"], scores=tensors(data["scores"]),
+                   heads={k: tuple(v) for k, v in data["heads"].items()}, group_sizes=data["group_sizes"],
+                   original_heads=data["original_heads"], variance=tensors(data.get("variance")),
+                   meta=data.get("meta", {}))
 
     def save(self, path: str | Path) -> None:
         """Write the scores as JSON."""

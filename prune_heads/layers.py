@@ -1,4 +1,8 @@
-"""Finding the attention layers of a model and describing their heads."""
+"""Finding the attention layers of a model and describing their heads.
+
+Copied as it is into standalone checkpoints (see standalone.py): it may import only torch, transformers and
+families (the module before it there).
+"""
 
 from __future__ import annotations
 
@@ -62,28 +66,61 @@ def _fits(module: nn.Module, spec: AttentionSpec) -> bool:
     return all(_has_path(module, p) for p in [*names, spec.o, spec.head_dim])
 
 
-def features(layer: nn.Module, side: str) -> int:
-    """Input or output features of an nn.Linear or a GPT-2 style Conv1D (weight stored [in, out])."""
-    if isinstance(layer, nn.Linear):
-        return layer.out_features if side == "out" else layer.in_features
-    weight = layer.weight
-    return weight.shape[1] if side == "out" else weight.shape[0]
+class Projection:
+    """An nn.Linear or a GPT-2 style Conv1D (which stores its weight [in, out]) behind one interface."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.transposed = not isinstance(module, nn.Linear)
+
+    def features(self, side: str) -> int:
+        """Input ("in") or output ("out") features."""
+        return self.matrix().shape[0 if side == "out" else 1]
+
+    def matrix(self) -> torch.Tensor:
+        """The weight as [out, in] (a view)."""
+        return self.module.weight.t() if self.transposed else self.module.weight
+
+    def keep(self, index: torch.Tensor, side: str) -> None:
+        """Keep only the `index` output ("out") or input ("in") features, in place (dtype, device and
+        requires_grad kept; the bias follows the outputs)."""
+        layer, weight = self.module, self.module.weight
+        dim = (0 if side == "out" else 1) ^ self.transposed
+        layer.weight = nn.Parameter(weight.index_select(dim, index.to(weight.device)), weight.requires_grad)
+        if side == "out" and layer.bias is not None:
+            layer.bias = nn.Parameter(layer.bias.index_select(0, index.to(layer.bias.device)), layer.bias.requires_grad)
+        if self.transposed:
+            if side == "out":
+                layer.nf = index.numel()
+        elif side == "out":
+            layer.out_features = index.numel()
+        else:
+            layer.in_features = index.numel()
+
+    @torch.no_grad()
+    def scale_inputs(self, factor: torch.Tensor) -> None:
+        """Multiply each input feature's weights by `factor` [in], in place."""
+        factor = factor.detach().to(self.module.weight.device, self.module.weight.dtype)
+        self.module.weight.mul_(factor[:, None] if self.transposed else factor[None, :])
 
 
-def weight_matrix(layer: nn.Module) -> torch.Tensor:
-    """The [out, in] weight of an nn.Linear or a GPT-2 style Conv1D (which stores [in, out])."""
-    return layer.weight if isinstance(layer, nn.Linear) else layer.weight.t()
+def qkv_parts(module: nn.Module, spec: AttentionSpec, num_heads: int, head_dim: int) -> tuple[dict, int]:
+    """Where the q, k and v features live, {"q"|"k"|"v": (Projection, first feature)}, and the number of KV
+    heads: three projections, or one fused projection holding [q | k | v]."""
+    if spec.fused_qkv:
+        fused = Projection(resolve(module, spec.fused_qkv))
+        kv_heads = (fused.features("out") // head_dim - num_heads) // 2
+        q, kv = num_heads * head_dim, kv_heads * head_dim
+        return {"q": (fused, 0), "k": (fused, q), "v": (fused, q + kv)}, kv_heads
+    parts = {name: (Projection(resolve(module, getattr(spec, name))), 0) for name in ("q", "k", "v")}
+    return parts, parts["k"][0].features("out") // head_dim
 
 
 def describe(module: nn.Module, spec: AttentionSpec, name: str, index: int) -> AttentionLayer:
     """Read head counts from the weights of one attention module (no config is trusted)."""
     head_dim = int(resolve(module, spec.head_dim))
-    num_heads = features(resolve(module, spec.o), "in") // head_dim
-    if spec.fused_qkv:
-        fused = features(resolve(module, spec.fused_qkv), "out") // head_dim
-        num_kv_heads = (fused - num_heads) // 2
-    else:
-        num_kv_heads = features(resolve(module, spec.k), "out") // head_dim
+    num_heads = Projection(resolve(module, spec.o)).features("in") // head_dim
+    _, num_kv_heads = qkv_parts(module, spec, num_heads, head_dim)
     record = getattr(module, "_ph_record", None)
     if record is None:
         original, original_kv = num_heads, num_kv_heads
@@ -101,8 +138,9 @@ def describe(module: nn.Module, spec: AttentionSpec, name: str, index: int) -> A
     kv_heads = tuple(sorted({h // group for h in heads}))
     kind = "cross" if getattr(module, "is_cross_attention", False) or any(p in name for p in _CROSS_NAME_PARTS) \
         else "self"
-    return AttentionLayer(name, index, kind, num_heads, num_kv_heads, head_dim, heads, kv_heads, original,
-                          original_kv, spec, module)
+    return AttentionLayer(name=name, index=index, kind=kind, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, heads=heads, kv_heads=kv_heads, original_num_heads=original,
+                          original_num_kv_heads=original_kv, spec=spec, module=module)
 
 
 def find_attention(model: nn.Module) -> list[AttentionLayer]:
@@ -139,3 +177,10 @@ def find_attention(model: nn.Module) -> list[AttentionLayer]:
             )
     return [describe(module, spec, name, i) for i, (name, module, spec) in enumerate(found)]
 
+
+def require_attention(model: nn.Module) -> list[AttentionLayer]:
+    """`find_attention(model)`, or UnsupportedModelError when the model has no attention layer at all."""
+    layers = find_attention(model)
+    if not layers:
+        raise UnsupportedModelError(f"no attention layers found in the model ({type(model).__name__})")
+    return layers

@@ -14,7 +14,7 @@ import yaml
 from torch import nn
 
 from .config import PruneConfig
-from .data import TaskData, load_task_data
+from .data import DataError, TaskData, load_task_data
 from .evaluation import embed, evaluate_task
 from .layers import find_attention
 from .persistence import ensure_free, load_pruned, replace_folder, write_model
@@ -49,22 +49,42 @@ def resolve_source(reference: str) -> str:
     return str(Path(list(spec.submodule_search_locations)[0]) / rest)
 
 
-def load_model(recipe: Recipe) -> tuple[nn.Module, Any]:
-    """The recipe's model (a pruned or plain checkpoint, local or on the hub) and its tokenizer or processor."""
-    from transformers import AutoImageProcessor, AutoTokenizer
-
-    path = resolve_source(recipe.model)
+def load_model(recipe: Recipe) -> nn.Module:
+    """The recipe's model (a pruned or plain checkpoint, local or on the hub, or a GGUF file in one)."""
     kwargs = dict(recipe.model_kwargs)
     if recipe.dtype:
         kwargs["dtype"] = _DTYPES[recipe.dtype]
-    model = load_pruned(path, **kwargs).eval()
+    model = load_pruned(resolve_source(recipe.model), **kwargs).eval()
     if recipe.device:
         model.to(recipe.device)
+    return model
+
+
+# the class-name endings of the models that can run each task (feature extraction takes any model)
+_TASK_HEADS = {"classification": ("ForSequenceClassification",), "image-classification": ("ForImageClassification",),
+               "causal-lm": ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")}
+
+
+def check_task(model: nn.Module, task: str, source: str) -> None:
+    """Refuse a task the model's head cannot do (a classifier asked for perplexity, say), naming the fit."""
+    name = type(model).__name__
+    heads = _TASK_HEADS.get(task)
+    if heads and not name.endswith(heads):
+        fits = [t for t, endings in _TASK_HEADS.items() if name.endswith(endings)] or ["feature-extraction"]
+        raise DataError(f"task {task} needs a model ending in {' or '.join(heads)}; {source} is {name}: use "
+                        f"--task {fits[0]} (task: {fits[0]} in a recipe)")
+
+
+def load_processor(recipe: Recipe) -> Any:
+    """The recipe's tokenizer (image processor for image classification), from the model's folder or GGUF."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
     loader = AutoImageProcessor if recipe.task == "image-classification" else AutoTokenizer
-    processor = loader.from_pretrained(path, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
+    processor = loader.from_pretrained(resolve_source(recipe.model),
+                                       **{k: v for k, v in recipe.model_kwargs.items() if k == "gguf_file"})
     if recipe.task == "causal-lm" and getattr(processor, "pad_token", True) is None:
         processor.pad_token = processor.eos_token
-    return model, processor
+    return processor
 
 
 def task_data(recipe: Recipe, model: nn.Module, processor: Any, split: str, examples: int | None) -> TaskData:
@@ -98,7 +118,8 @@ def measure_speed(models: list[nn.Module], recipe: Recipe) -> list[dict[str, Any
     """Speed of the models in one interleaved run, as the recipe's evaluation.speed asks."""
     speed = recipe.evaluation.speed
     return benchmark(models, batch_size=speed.batch_size, seq_len=speed.seq_len, repeats=speed.repeats,
-                     warmup=speed.warmup, threads=speed.threads, generate_tokens=speed.generate_tokens)
+                     warmup=speed.warmup, threads=speed.threads, generate_tokens=speed.generate_tokens,
+                     generate_batch_sizes=speed.generate_batch_sizes or None)
 
 
 def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, plan: dict | None = None,
@@ -112,13 +133,15 @@ def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, p
     """
     target = Path(output or recipe.output or "pruned-model")
     ensure_free(target, force)  # before any work
-    model, processor = load_model(recipe)
+    model = load_model(recipe)
+    check_task(model, recipe.task, recipe.model)
     config = PruneConfig.from_recipe(recipe)
     length = recipe.evaluation.speed.seq_len if recipe.evaluation.speed else recipe.data.max_length
     if plan is None:
         selection_budget(model, config, seq_len=length)  # the structure decides it: before any data is read
     else:
         check_minimum(model, plan, recipe.selection.min_heads_per_layer)
+    processor = load_processor(recipe)
     d = recipe.data
     eval_data = task_data(recipe, model, processor, d.eval_split, d.eval_examples) if evaluate and d.eval_split \
         else None

@@ -200,13 +200,14 @@ def _decide(gated: GatedModel, plans: dict, recorder: Recorder, calib: list[dict
         groups = ([{"params": gated.scales, "lr": r.gate_lr}] if r.gate_tuning else []) + \
             ([{"params": gated.biases, "lr": r.bias_lr}] if r.bias_tuning else [])
         check = (lambda: float(gated.divergences(heldout, targets, objective).mean())) if heldout else None
-        budget = None if r.tuning_budget is None else max(MIN_TUNING_SECONDS, r.tuning_budget * timings["scoring"])
-        history, epochs = tune(gated, groups, calib, recorder.targets, objective, r.epochs, seed, check, budget)
+        budget = None if r.tuning_budget is None else \
+            max(MIN_TUNING_SECONDS, r.tuning_budget * timings["scoring"] - timings["selection"])
+        history, steps = tune(gated, groups, calib, recorder.targets, objective, r.epochs, seed, check, budget)
         gated.scales = [s.detach() for s in gated.scales]
         gated.biases = [b.detach() for b in gated.biases]
         step = "gate and bias tuning" if r.gate_tuning and r.bias_tuning else \
             "gate tuning" if r.gate_tuning else "bias tuning"
-        entry = {"step": step, "epochs_run": epochs,
+        entry = {"step": step, "epochs_run": round(steps / len(calib), 2),
                  "heldout_by_epoch": history, "seconds": round(time.perf_counter() - tick, 3),
                  "budget_seconds": None if budget is None else round(budget, 1)}
         if history:

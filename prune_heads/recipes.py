@@ -55,6 +55,7 @@ class SpeedConfig:
     warmup: int = 2
     threads: int | None = None
     generate_tokens: int = 0
+    generate_batch_sizes: list[int] = field(default_factory=list)  # default: batch_size
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from torch import nn
 from .data import input_device, to_device
 from .gates import head_gates
 from .hooks import hooks
-from .layers import AttentionLayer, find_attention, resolve, weight_matrix
+from .layers import AttentionLayer, Projection, find_attention, resolve
 from .objective import Objective, batch_size, frozen
 from .parallel import sum_across
 from .surgery import add_output_bias, head_features, prune
@@ -63,7 +63,7 @@ class _Statistics:
 def _collect(model: nn.Module, reference: nn.Module, pairs: list[tuple[AttentionLayer, AttentionLayer]],
              batches: list[dict]) -> list[_Statistics]:
     """One forward of each model per batch, with hooks on the output projections of every layer in `pairs`."""
-    stats = [_Statistics(l.num_heads * l.head_dim, weight_matrix(resolve(l.module, l.spec.o)).shape[0]) for l, _ in pairs]
+    stats = [_Statistics(l.num_heads * l.head_dim, _output(l).features("out")) for l, _ in pairs]
     xs: dict[int, torch.Tensor] = {}
     ys: dict[int, torch.Tensor] = {}
     watch = [(resolve(l.module, l.spec.o), "forward_pre", lambda m, a, i=i: xs.__setitem__(i, a[0].detach()))
@@ -83,22 +83,25 @@ def _collect(model: nn.Module, reference: nn.Module, pairs: list[tuple[Attention
     return stats
 
 
+def _output(layer: AttentionLayer) -> Projection:
+    """The layer's output projection (the one that consumes the concatenated heads)."""
+    return Projection(resolve(layer.module, layer.spec.o))
+
+
 def _fold_scales(layer: AttentionLayer, scales: torch.Tensor) -> None:
     """Multiply each kept head's output-projection columns by its scale (exact: gates are linear there)."""
-    o_proj = resolve(layer.module, layer.spec.o)
-    factor = scales.detach().repeat_interleave(layer.head_dim).to(o_proj.weight.dtype).to(o_proj.weight.device)
-    o_proj.weight.mul_(factor[None, :] if isinstance(o_proj, nn.Linear) else factor[:, None])
+    _output(layer).scale_inputs(scales.repeat_interleave(layer.head_dim))
 
 
 @torch.no_grad()
 def _solve(layer: AttentionLayer, s: _Statistics, scales: bool, bias: bool, ridge: float) -> dict[str, float]:
     """Fit the kept heads' scales and/or the output bias to the statistics, and fold them into the layer."""
     o_proj = resolve(layer.module, layer.spec.o)
-    width, dim, heads = weight_matrix(o_proj).shape[0], layer.head_dim, layer.num_heads
+    W = _output(layer).matrix().detach().double().cpu()  # [width, inner]
+    width, dim, heads = W.shape[0], layer.head_dim, layer.num_heads
     inner, n = heads * dim, max(s.n, 1)
-    W = weight_matrix(o_proj).detach().double().cpu()  # [width, inner]
     b_old = o_proj.bias.detach().double().cpu() if o_proj.bias is not None else torch.zeros(width, dtype=torch.float64)
-    Wh = W.reshape(width, heads, dim)
+    Wh = W.reshape(width, heads, dim)  # [width, heads, dim]: head h's columns are Wh[:, h]
 
     def error(m: torch.Tensor, b: torch.Tensor) -> float:
         """Mean over tokens of ||sum_h m_h A_h + b - y||^2, from the statistics."""
@@ -111,10 +114,12 @@ def _solve(layer: AttentionLayer, s: _Statistics, scales: bool, bias: bool, ridg
     can_bias = bias and o_proj.bias is not None
     m = ones
     if scales and heads:
+        # with a free bias the statistics are centred (the bias absorbs the means); else the old bias is fixed
         Cc, Pc = (s.C - torch.outer(s.sx, s.sx) / n, s.P - torch.outer(s.sx, s.sy) / n) if can_bias else \
-            (s.C, s.P - torch.outer(s.sx, b_old))
-        G = torch.einsum("idje,aid,aje->ij", Cc.reshape(heads, dim, heads, dim), Wh, Wh)
-        r = torch.einsum("ida,aid->i", Pc.reshape(heads, dim, width), Wh)
+            (s.C, s.P - torch.outer(s.sx, b_old))  # Cc: [inner, inner], Pc: [inner, width]
+        # normal equations in the scales m: G m = r, G[i, j] = <W_i x_i, W_j x_j>, r[i] = <W_i x_i, y>
+        G = torch.einsum("idje,aid,aje->ij", Cc.reshape(heads, dim, heads, dim), Wh, Wh)  # [heads, heads]
+        r = torch.einsum("ida,aid->i", Pc.reshape(heads, dim, width), Wh)  # [heads]
         lam = ridge * float(G.diagonal().mean()) + 1e-12
         m = torch.linalg.solve(G + lam * torch.eye(heads, dtype=torch.float64), r + lam * ones)
     b = b_old
@@ -231,9 +236,9 @@ class GatedModel:
 
     def __init__(self, model: nn.Module, layers: list[AttentionLayer]) -> None:
         self.model, self.layers = model, layers
-        projections = [resolve(l.module, l.spec.o) for l in layers]
-        self.devices = [p.weight.device for p in projections]
-        self.widths = [weight_matrix(p).shape[0] for p in projections]
+        projections = [_output(l) for l in layers]
+        self.devices = [p.module.weight.device for p in projections]
+        self.widths = [p.features("out") for p in projections]
         self.use({})
         self._stack = ExitStack()
 
@@ -276,7 +281,7 @@ class GatedModel:
             removed = [layer.heads.index(h) for h in plan.get(layer.name, ())]
             if removed:
                 cols = head_features(removed, layer.head_dim, torch.device("cpu"))
-                weight = weight_matrix(resolve(layer.module, layer.spec.o)).detach().double().cpu()  # [out, inner]
+                weight = _output(layer).matrix().detach().double().cpu()  # [out, inner]
                 biases[layer.name] = (weight[:, cols] @ mean[cols]).float()
         return biases
 
@@ -306,28 +311,36 @@ def tune(forward: Callable[[dict], object], groups: list[dict], batches: list[di
     """Adam over the parameter `groups` so `forward`'s outputs match the targets (the objective's divergence),
     for `epochs` passes in a seeded order. With `check` (a held-out divergence), it runs after every epoch: an
     epoch that does not improve it goes back to the best parameters and halves the learning rates, tuning
-    stops after PATIENCE such epochs, and the best parameters are kept. With `seconds`, no epoch starts that
-    would end past that many seconds (judged by the longest epoch so far; the first always runs).
-    Returns the checked values (starting with the one before tuning) and the number of epochs run."""
+    stops after PATIENCE such epochs, and the best parameters are kept. With `seconds`, no step starts that
+    would end (with the final check) past that many seconds; a cut epoch is checked like a whole one.
+    Returns the checked values (starting with the one before tuning) and the number of steps taken."""
     params = [p for group in groups for p in group["params"]]
     optimizer = torch.optim.Adam(groups)
     generator = torch.Generator().manual_seed(seed)
+    start = time.perf_counter()
     history = [check()] if check else []
+    check_cost = time.perf_counter() - start
     best = [p.detach().clone() for p in params]
-    misses, start, longest, done = 0, time.perf_counter(), 0.0, 0
-    for done in range(1, epochs + 1):
-        if seconds is not None and longest and time.perf_counter() - start + longest > seconds:
-            done -= 1
-            break
-        began = time.perf_counter()
+    misses, steps, out_of_time = 0, 0, False
+    for _ in range(epochs):
+        begun = steps
         for i in torch.randperm(len(batches), generator=generator).tolist():
+            elapsed = time.perf_counter() - start
+            if seconds is not None and steps and elapsed + (elapsed - check_cost) / steps + check_cost > seconds:
+                out_of_time = True
+                break
             loss = objective.divergence(forward(batches[i]), batches[i], _to(targets[i], batches[i])).mean()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            steps += 1
+        if out_of_time and steps == begun:  # nothing new to check
+            break
         if check:
             history.append(check())
-        longest = max(longest, time.perf_counter() - began)
+        if out_of_time:
+            best = [p.detach().clone() for p in params] if check and history[-1] < min(history[:-1]) else best
+            break
         if not check or history[-1] < min(history[:-1]):
             best = [p.detach().clone() for p in params] if check else best
             continue
@@ -344,7 +357,7 @@ def tune(forward: Callable[[dict], object], groups: list[dict], batches: list[di
             for p, value in zip(params, best):
                 p.copy_(value)
     optimizer.zero_grad(set_to_none=True)
-    return history, done
+    return history, steps
 
 
 def tune_gates(model: nn.Module, reference: nn.Module, dataloader: Iterable[dict], epochs: int = 2,

@@ -97,8 +97,8 @@ class Report:
         """Read a report.json written by `write`."""
         data = json.loads(Path(path).read_text())
         scores = HeadScores.from_dict(data["scores"]) if data.get("scores") else None
-        return cls(data["before"], data["after"], data.get("plan", {}), scores, data.get("history", []),
-                   data.get("meta", {}), data.get("recovery", []))
+        return cls(before=data["before"], after=data["after"], plan=data.get("plan", {}), scores=scores,
+                   history=data.get("history", []), meta=data.get("meta", {}), recovery=data.get("recovery", []))
 
     def markdown(self) -> str:
         """A summary a person reads: metric, delta, speed-up, parameters, FLOPs, heads kept per layer."""
@@ -126,10 +126,12 @@ class Report:
                 f"| peak memory (MB) | {sb['peak_memory_bytes'] / 2**20:.1f} | "
                 f"{sa['peak_memory_bytes'] / 2**20:.1f} | |",
             ]
-            for key, label in (("generate_tokens_per_s", "generated tokens/s"), ("kv_cache_bytes", "KV cache (KB)")):
-                if key in sb and key in sa:
-                    scale = 1 / 1024 if key == "kv_cache_bytes" else 1
-                    lines.append(f"| {label} | {sb[key] * scale:.1f} | {sa[key] * scale:.1f} | |")
+            for gb, ga in zip(sb.get("generation", []), sa.get("generation", [])):
+                where = f"batch {gb['batch_size']}, {gb['new_tokens']} new tokens"
+                lines += [f"| generated tokens/s ({where}) | {gb['generate_tokens_per_s']:.1f} | "
+                          f"{ga['generate_tokens_per_s']:.1f} | x{ga['generate_tokens_per_s'] / gb['generate_tokens_per_s']:.2f} |",
+                          f"| KV cache KB ({where}) | {gb['kv_cache_bytes'] / 1024:.1f} | {ga['kv_cache_bytes'] / 1024:.1f} | "
+                          f"x{ga['kv_cache_bytes'] / max(gb['kv_cache_bytes'], 1):.3f} |"]
             ceiling = sp["flops_ceiling"]
             lines += ["", f"FLOPs ceiling: removing these heads can make the forward pass at most {ceiling:.2f}x "
                           f"faster; measured {sp['speedup']:.2f}x "

@@ -15,12 +15,12 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from .data import input_device, to_device
+from .data import input_device, progress_bar, to_device
 from .gates import head_gates
 from .head_scores import HeadScores
-from .layers import AttentionLayer, find_attention, resolve, weight_matrix
+from .layers import AttentionLayer, Projection, qkv_parts, require_attention, resolve
+from .hooks import hooks
 from .objective import Loss, Objective, batch_size, frozen
 from .parallel import distributed, rank_and_size, sum_across
 from .recovery import Recorder
@@ -50,7 +50,7 @@ class ScoringRun:
         total = -(-(len(self.batches) - rank) // size) if hasattr(self.batches, "__len__") else None
         self.examples = 0
         mine = itertools.islice(enumerate(self.batches), rank, None, size)
-        for index, batch in tqdm(mine, desc=desc, total=total, disable=not self.progress or rank > 0, leave=False):
+        for index, batch in progress_bar(mine, desc, total, self.progress and rank == 0):
             self.generator.manual_seed(self.seed * 1_000_003 + index)
             self.examples += batch_size(batch)
             yield to_device(batch, self.device)
@@ -134,30 +134,23 @@ def activation_importance(run: ScoringRun):
     """Mean L2 norm of each head's contribution to the layer output (its slice through the output projection)."""
     totals = [torch.zeros(l.num_heads, dtype=torch.float64) for l in run.layers]
     counts = [0] * len(run.layers)
-    handles = []
 
     def hook_for(i: int, layer: AttentionLayer):
         o_proj = resolve(layer.module, layer.spec.o)
 
         def hook(module, args):
-            x = args[0].detach().float()
-            heads = x.reshape(-1, layer.num_heads, layer.head_dim)
-            weight = weight_matrix(o_proj).detach().float()
-            per_head = weight.reshape(weight.shape[0], layer.num_heads, layer.head_dim)
-            contribution = torch.einsum("thd,ohd->tho", heads, per_head).norm(dim=-1)
+            heads = args[0].detach().float().reshape(-1, layer.num_heads, layer.head_dim)  # [tokens, heads, dim]
+            weight = Projection(o_proj).matrix().detach().float()
+            per_head = weight.reshape(weight.shape[0], layer.num_heads, layer.head_dim)  # [out, heads, dim]
+            contribution = torch.einsum("thd,ohd->tho", heads, per_head).norm(dim=-1)  # [tokens, heads]
             totals[i] += contribution.sum(0).double().cpu()
             counts[i] += contribution.shape[0]
 
-        return o_proj.register_forward_pre_hook(hook)
+        return o_proj, "forward_pre", hook
 
-    try:
-        handles = [hook_for(i, layer) for i, layer in enumerate(run.layers) if layer.num_heads]
-        with torch.no_grad():
-            for batch in run.iterate("head activations"):
-                run.forward(batch)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with hooks(hook_for(i, layer) for i, layer in enumerate(run.layers) if layer.num_heads), torch.no_grad():
+        for batch in run.iterate("head activations"):
+            run.forward(batch)
     summed = sum_across([*totals, torch.tensor(counts, dtype=torch.float64)])
     return [t / max(float(c), 1) for t, c in zip(summed[:-1], summed[-1])], None
 
@@ -168,15 +161,11 @@ def magnitude_importance(run: ScoringRun):
     scores = []
     for layer in run.layers:
         spec, module, dim = layer.spec, layer.module, layer.head_dim
-        o_in = weight_matrix(resolve(module, spec.o)).detach().float().t()  # [in, out]
+        o_in = Projection(resolve(module, spec.o)).matrix().detach().float().t()  # [in, out]
         o_norm = o_in.reshape(layer.num_heads, dim, -1).flatten(1).norm(dim=1)
-        if spec.fused_qkv:
-            w = weight_matrix(resolve(module, spec.fused_qkv)).detach().float().t()  # [in, out]
-            start = (layer.num_heads + layer.num_kv_heads) * dim
-            v = w[:, start:start + layer.num_kv_heads * dim]
-        else:
-            v = weight_matrix(resolve(module, spec.v)).detach().float().t()  # [in, out]
-        v_norm = v.reshape(v.shape[0], layer.num_kv_heads, dim).permute(1, 0, 2).flatten(1).norm(dim=1)
+        projection, first = qkv_parts(module, spec, layer.num_heads, dim)[0]["v"]
+        v = projection.matrix().detach().float()[first:first + layer.num_kv_heads * dim]  # [kv * dim, in]
+        v_norm = v.reshape(layer.num_kv_heads, -1).norm(dim=1)
         group_of = [layer.kv_heads.index(h // layer.group_size) for h in layer.heads]
         scores.append((o_norm * v_norm[group_of]).double().cpu())
     return scores, None
@@ -190,7 +179,7 @@ def fluctuation(layers: list[AttentionLayer], variances: list[torch.Tensor], gro
     share of its group's value), else single heads."""
     scores = []
     for layer, variance in zip(layers, variances):
-        weight = weight_matrix(resolve(layer.module, layer.spec.o)).detach().double().cpu()  # [out, inner]
+        weight = Projection(resolve(layer.module, layer.spec.o)).matrix().detach().double().cpu()  # [out, inner]
         head = (variance.double() * (weight * weight).sum(0)).reshape(layer.num_heads, layer.head_dim).sum(-1)
         owner = torch.tensor([h // layer.group_size if groups else h for h in layer.heads])
         _, unit = torch.unique(owner, return_inverse=True)  # [heads] -> index of its structure
@@ -262,9 +251,10 @@ def score_heads(model: nn.Module, dataloader: Iterable[dict], method: str = "gra
     if device is not None:
         model.to(device)
     target = torch.device(device) if device is not None else input_device(model)
-    layers = find_attention(model)
+    layers = require_attention(model)
     generator = torch.Generator().manual_seed(seed)
-    run = ScoringRun(model, layers, dataloader, Objective(model, loss), target, autocast, generator, progress, seed)
+    run = ScoringRun(model=model, layers=layers, batches=dataloader, objective=Objective(model, loss), device=target,
+                     autocast=autocast, generator=generator, progress=progress, seed=seed)
     torch.manual_seed(seed)
     with frozen(model):
         scores, variances = METHODS[method](run)

@@ -20,7 +20,7 @@ from torch import nn
 
 from .config import GQA_MODES, GRANULARITIES, ROUNDING
 from .head_scores import HeadScores
-from .layers import find_attention
+from .layers import require_attention
 from .surgery import PlanError
 
 STRATEGIES = ("ranked", "interactions")
@@ -55,7 +55,7 @@ def _layers_of_scores(scores: HeadScores) -> list[_Layer]:
 
 
 def _layers_of_model(model: nn.Module) -> list[_Layer]:
-    return [_Layer(l.name, l.heads, l.group_size, l.original_num_heads) for l in find_attention(model)]
+    return [_Layer(l.name, l.heads, l.group_size, l.original_num_heads) for l in require_attention(model)]
 
 
 def _validate(sparsity, num_heads, keep_per_layer, scope, gqa, granularity, strategy, round, uniform) -> str:
@@ -190,8 +190,6 @@ def check_budget(model: nn.Module, sparsity: float | None = None, num_heads: int
     """Check a `select_heads` budget against the model's structure alone (no scores, no data): returns the
     number of heads the plan will remove, or raises PlanError naming the nearest reachable counts."""
     layers = _layers_of_model(model)
-    if not layers:
-        raise PlanError(f"no attention layers found in the model ({type(model).__name__})")
     gqa = _validate(sparsity, num_heads, keep_per_layer, scope, gqa, granularity, strategy, round, uniform)
     names = _kept_names(layers, ignore)
     _, wanted = _budgets(layers, names, sparsity, num_heads, keep_per_layer, scope, min_heads_per_layer, gqa,

@@ -141,13 +141,14 @@ def benchmark_pair(before: nn.Module, after: nn.Module, **kwargs: Any) -> tuple[
 
 def benchmark(model: nn.Module | list[nn.Module], batch_size: int = 8, seq_len: int = 128, repeats: int = 10,
               warmup: int = 2, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-              threads: int | None = None, generate_tokens: int = 0,
+              threads: int | None = None, generate_tokens: int = 0, generate_batch_sizes: list[int] | None = None,
               inputs: dict[str, torch.Tensor] | None = None) -> dict[str, Any] | list[dict[str, Any]]:
     """Time the model's forward pass and report what users compare before and after pruning.
 
     Returns latency (median and p90 over `repeats` after `warmup` runs, CUDA synchronised), throughput
     (examples/s, tokens/s), parameters, FLOPs per forward, peak memory, and with `generate_tokens` > 0 for
-    models that generate, greedy generation tokens/s and the KV-cache bytes after it. The settings
+    models that generate, greedy generation tokens/s and the KV-cache bytes after it (under "generation",
+    one entry per batch size of `generate_batch_sizes`, default the timing batch). The settings
     (batch size, sequence length, device, dtype, threads) are recorded in the result. `inputs` replaces the
     random ones. Given a list of models, times them in turns and returns one result per model.
     """
@@ -173,7 +174,10 @@ def benchmark(model: nn.Module | list[nn.Module], batch_size: int = 8, seq_len: 
                          "threads": torch.get_num_threads(), "repeats": repeats, "warmup": warmup},
         }
         if generate_tokens and getattr(m, "can_generate", lambda: False)():
-            result.update(_generation(m, x, generate_tokens, d))
+            result["generation"] = [
+                _generation(m, x if size == examples else to_device(dummy_inputs(m, size, seq_len), d), generate_tokens, d)
+                for size in generate_batch_sizes or [examples]]
+            result.update(result["generation"][0])
         results.append(result)
     return results if isinstance(model, list) else results[0]
 
@@ -190,5 +194,5 @@ def _generation(model: nn.Module, inputs: dict, new_tokens: int, device: torch.d
         _sync(device)
     elapsed = time.perf_counter() - start
     batch = next(iter(prompt.values())).shape[0]
-    return {"generate_tokens_per_s": batch * new_tokens / elapsed,
+    return {"batch_size": batch, "new_tokens": new_tokens, "generate_tokens_per_s": batch * new_tokens / elapsed,
             "kv_cache_bytes": kv_cache_bytes(out.past_key_values)}

@@ -1,4 +1,8 @@
-"""Physical head removal: slice the projections, update the attributes, record what was removed."""
+"""Physical head removal: slice the projections, update the attributes, record what was removed.
+
+Copied as it is into standalone checkpoints (see standalone.py): it may import only torch, transformers,
+families and layers (the modules before it there).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.cache_utils import EncoderDecoderCache
 
-from .layers import AttentionLayer, features, describe, find_attention, resolve
+from .layers import AttentionLayer, Projection, describe, find_attention, qkv_parts, resolve
 
 Plan = Mapping[int | str, Iterable[int]]
 RECORD_KEY = "prune_heads"
@@ -53,7 +57,7 @@ class NoHeads:
             cache.update(empty, empty, self.layer_idx)
         if self.project is None:
             return (context,) + (None,) * (self.outputs - 1)
-        width = features(self.project, "out")
+        width = Projection(self.project).features("out")
         output = hidden_states.new_zeros(*hidden_states.shape[:-1], width)
         if self.project.bias is not None:
             output = output + self.project.bias
@@ -112,24 +116,6 @@ def head_features(positions: list[int], head_dim: int, device: torch.device) -> 
     return (positions_t[:, None] * head_dim + torch.arange(head_dim, device=device)).reshape(-1)
 
 
-def _slice(layer: nn.Module, index: torch.Tensor, side: str) -> None:
-    """Keep `index` of the output ("out") or input ("in") features of a Linear or Conv1D, in place."""
-    conv1d = not isinstance(layer, nn.Linear)
-    dim = (1 if conv1d else 0) if side == "out" else (0 if conv1d else 1)
-    weight = layer.weight
-    layer.weight = nn.Parameter(weight.index_select(dim, index.to(weight.device)), weight.requires_grad)
-    if side == "out" and layer.bias is not None:
-        layer.bias = nn.Parameter(layer.bias.index_select(0, index.to(layer.bias.device)), layer.bias.requires_grad)
-    size = index.numel()
-    if conv1d:
-        if side == "out":
-            layer.nf = size
-    elif side == "out":
-        layer.out_features = size
-    else:
-        layer.in_features = size
-
-
 def _set_attribute(module: nn.Module, path: str, attribute: str, value: int) -> None:
     target = resolve(module, path)
     if isinstance(target, PretrainedConfig):
@@ -152,21 +138,20 @@ def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
     kept_kv = sorted({h // layer.group_size for h in kept})
     q_pos = [layer.heads.index(h) for h in kept]
     kv_pos = [layer.kv_heads.index(g) for g in kept_kv]
-    o_proj = resolve(module, spec.o)
-    device = o_proj.weight.device
+    o_proj = Projection(resolve(module, spec.o))
+    device = o_proj.module.weight.device
     q_index = head_features(q_pos, dim, device)
     kv_index = head_features(kv_pos, dim, device)
-    if spec.fused_qkv:
-        q_size, kv_size = layer.num_heads * dim, layer.num_kv_heads * dim
-        fused_index = torch.cat([q_index, q_size + kv_index, q_size + kv_size + kv_index])
-        _slice(resolve(module, spec.fused_qkv), fused_index, "out")
-    else:
-        _slice(resolve(module, spec.q), q_index, "out")
-        _slice(resolve(module, spec.k), kv_index, "out")
-        _slice(resolve(module, spec.v), kv_index, "out")
+    parts, _ = qkv_parts(module, spec, layer.num_heads, dim)
+    slices: dict[int, tuple[Projection, list[torch.Tensor]]] = {}  # one index per projection (fused: q, k, v)
+    for name, (projection, first) in parts.items():
+        index = (q_index if name == "q" else kv_index) + first
+        slices.setdefault(id(projection.module), (projection, []))[1].append(index)
+    for projection, indices in slices.values():
+        projection.keep(torch.cat(indices), "out")
     for path in spec.per_head_out:
         try:
-            _slice(resolve(module, path), q_index, "out")
+            Projection(resolve(module, path)).keep(q_index, "out")
         except AttributeError:
             pass
     for path in spec.per_head_columns:
@@ -180,7 +165,7 @@ def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
                                            table.requires_grad))
         if hasattr(parent, "embedding_dim"):
             parent.embedding_dim = len(q_pos)
-    _slice(o_proj, q_index, "in")
+    o_proj.keep(q_index, "in")
     quantities = {"heads": len(kept), "kv_heads": len(kept_kv), "inner": len(kept) * dim,
                   "kv_groups": len(kept) // len(kept_kv) if kept_kv else 1}
     for path, attribute, quantity in spec.updates:
@@ -188,7 +173,7 @@ def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
     if not kept and spec.no_heads is not None:
         owner = resolve(module, spec.no_heads)
         projects = spec.no_heads == "" or spec.o.startswith(spec.no_heads + ".")
-        owner.forward = NoHeads(o_proj if projects else None, spec.no_heads_outputs, dim,
+        owner.forward = NoHeads(o_proj.module if projects else None, spec.no_heads_outputs, dim,
                                 getattr(module, "layer_idx", None), layer.kind == "cross")
     module._ph_record = {**getattr(module, "_ph_record", {}), "num_heads": layer.original_num_heads,
                          "num_kv_heads": layer.original_num_kv_heads,
@@ -233,7 +218,7 @@ def prune(model: nn.Module, heads_to_prune: Plan) -> nn.Module:
 
 def _zero_bias(o_proj: nn.Module) -> None:
     weight = o_proj.weight
-    o_proj.bias = nn.Parameter(weight.new_zeros(features(o_proj, "out")), requires_grad=weight.requires_grad)
+    o_proj.bias = nn.Parameter(weight.new_zeros(Projection(o_proj).features("out")), requires_grad=weight.requires_grad)
 
 
 @torch.no_grad()

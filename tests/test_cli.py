@@ -16,6 +16,7 @@ from conftest import FAST
 def test_run_writes_a_loadable_model_and_a_true_report(fixture_run, fixture_model_path, fixture_data_path):
     out, proc = fixture_run
     assert "| accuracy |" in proc.stdout and "Saved the model and report to" in proc.stdout
+    assert "scoring heads" not in proc.stderr  # stderr is not a terminal: no progress bars
     for name in ("report.json", "report.md", "heatmap.png", "heads_per_layer.png", "plan.json", "scores.json",
                  "recipe.yaml"):
         assert (out / name).exists(), name
@@ -55,7 +56,7 @@ def test_recipe_typo_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--set", "selection.sparsity=1.0"], "cannot remove sparsity 1.0 (72 more heads)"),
+    (["--set", "selection.sparsity=1.0"], "cannot remove exactly sparsity 1.0 (72 more heads)"),
     (["--set", "data.text_column=review"], "no text column 'review'; the data has columns idx, sentence, label"),
 ])
 def test_impossible_requests_leave_nothing_behind(tmp_path, extra, message):
@@ -64,10 +65,9 @@ def test_impossible_requests_leave_nothing_behind(tmp_path, extra, message):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_plan_that_empties_a_layer_needs_min_heads_zero(tmp_path, fixture_model_path, fixture_data_path):
+def test_plan_that_empties_a_layer_needs_min_heads_zero(tmp_path, fixture_model_path):
     (tmp_path / "plan.json").write_text(json.dumps({"0": list(range(12))}))
-    args = ["prune", str(fixture_model_path), "--data", str(fixture_data_path), "--plan", str(tmp_path / "plan.json"),
-            "-o", str(tmp_path / "out")]
+    args = ["prune", str(fixture_model_path), "--plan", str(tmp_path / "plan.json"), "-o", str(tmp_path / "out")]
     result = _invoke(args)
     assert result.exit_code == 2 and "leaves bert.encoder.layer.0.attention with 0 heads" in result.output
     assert not (tmp_path / "out").exists()
@@ -77,6 +77,91 @@ def test_plan_that_empties_a_layer_needs_min_heads_zero(tmp_path, fixture_model_
     remote = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out", trust_remote_code=True)
     assert type(remote).__name__ == "PrunedBertForSequenceClassification"
     assert ph.find_attention(remote)[0].num_heads == 0
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[[0, 1]]", "must hold a JSON object"),
+    ('{"0": [0, 1', "is not valid JSON"),
+])
+def test_bad_plan_files_name_the_file(tmp_path, fixture_model_path, content, message):
+    (tmp_path / "plan.json").write_text(content)
+    result = _invoke(["prune", str(fixture_model_path), "--plan", str(tmp_path / "plan.json"), "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2 and message in result.output and "plan.json" in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_prune_without_flags_is_the_default_path(tmp_path, fixture_model_path, fixture_data_path):
+    result = _invoke(["prune", str(fixture_model_path), "--data", str(fixture_data_path), "--examples", "128",
+                      "--sparsity", "0.5", "-o", str(tmp_path / "out"), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["meta"]["method"] == "fisher" and report["summary"]["heads"]["after"] == 36
+    steps = [e["step"] for e in report["recovery"]]
+    assert steps == ["selection", "gate and bias tuning"]
+    assert {"ranked", "interactions", "fluctuation + bias compensation"} <= set(report["recovery"][0]["tried"])
+    assert report["meta"]["heldout"]["final"] <= report["meta"]["heldout"]["plain"]
+    assert "Recovery, decided on" in (tmp_path / "out" / "report.md").read_text()
+    off = _invoke(["prune", str(fixture_model_path), "--data", str(fixture_data_path), "--examples", "128",
+                   "--sparsity", "0.5", "--no-recovery", "-o", str(tmp_path / "off"), "--json"])
+    assert off.exit_code == 0 and [e["step"] for e in json.loads(off.stdout)["recovery"]] == ["selection"]
+    assert list(json.loads(off.stdout)["recovery"][0]["tried"]) == ["ranked"]
+
+
+def test_a_budget_the_structure_cannot_meet_is_refused_before_data(tmp_path):
+    import tiny_models as tm
+
+    tm.build("llama").save_pretrained(tmp_path / "llama")  # no tokenizer, and the data does not exist
+    args = ["prune", str(tmp_path / "llama"), "--data", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o")]
+    result = _invoke([*args, "--num-heads", "3"])
+    assert result.exit_code == 2 and "cannot remove exactly 3 heads" in result.output
+    assert "2 heads (sparsity 0.1667) or 4 heads (sparsity 0.3333)" in result.output and "--round" in result.output
+    result = _invoke([*args, "--sparsity", "0.1"])  # never silently an unpruned model
+    assert result.exit_code == 2 and "0 heads (sparsity 0.0000) or 2 heads" in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_smollm2_gguf_recipe_end_to_end(tmp_path):
+    """The shipped GGUF recipe, shortened: GGUF in, pruned by whole KV groups, safetensors out, reloaded."""
+    out = tmp_path / "smol"
+    result = _invoke(["run", "smollm2-135m-gguf", "-o", str(out), "--set", "data.score_split=train[:24]",
+                      "--set", "data.eval_split=train[24:32]", "--set", "data.max_length=64",
+                      "--set", "selection.num_heads=9", "--set", "recovery.epochs=1",
+                      "--set", "evaluation.speed.seq_len=8", "--set", "evaluation.speed.generate_tokens=4",
+                      "--set", "evaluation.speed.repeats=1", "--set", "evaluation.speed.warmup=0"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and (out / "model.safetensors").exists()
+    report = json.loads((out / "report.json").read_text())
+    assert report["summary"]["heads"] == {"before": 270, "after": 261, "removed": 9}
+    before, after = report["before"]["speed"]["generation"], report["after"]["speed"]["generation"]
+    assert [g["batch_size"] for g in after] == [1, 8]
+    assert all(a["kv_cache_bytes"] < b["kv_cache_bytes"] for a, b in zip(after, before))  # 3 of 90 KV heads gone
+    model = ph.load_pruned(out)
+    assert sum(l.num_kv_heads for l in ph.find_attention(model)) == 87
+    assert "| generated tokens/s (batch 8, 4 new tokens)" in (out / "report.md").read_text()
+    result = _invoke(["inspect", str(out), "--json"])
+    assert json.loads(result.stdout)["heads"] == 261
+
+
+def test_bad_input_is_one_line_and_exit_two(tmp_path, fixture_model_path, fixture_data_path):
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    common = ["--data", str(fixture_data_path), "-o", str(tmp_path / "o")]
+    for flag in ("--examples", "--batch-size"):
+        result = _invoke(["prune", str(fixture_model_path), *common, "--sparsity", "0.5", flag, "0"])
+        assert result.exit_code == 2 and "0 is not in the range x>=1" in result.output, flag
+    (tmp_path / "empty.jsonl").write_text("")
+    result = _invoke(["evaluate", str(fixture_model_path), "--data", str(tmp_path / "empty.jsonl"), "--no-speed"])
+    assert result.exit_code == 2 and "has no examples" in result.output
+    result = _invoke(["evaluate", str(fixture_model_path), "--data", str(fixture_data_path), "--task", "causal-lm"])
+    assert result.exit_code == 2
+    assert "is BertForSequenceClassification: use --task classification" in result.output.splitlines()[-1]
+    resnet = ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1]))
+    resnet.save_pretrained(tmp_path / "resnet")
+    result = _invoke(["inspect", str(tmp_path / "resnet")])
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: no attention layers found in the model (ResNetForImageClassification)"
+    assert not (tmp_path / "o").exists()
 
 
 def test_unknown_architecture_is_a_clear_error(tmp_path):
@@ -105,3 +190,4 @@ def test_every_command_has_help_with_an_example():
         result = _invoke([command, "--help"])
         assert result.exit_code == 0 and "Example:" in result.output, command
     assert _invoke(["prune", "m", "--data", "d", "-o", "x"]).exit_code == 2  # no --sparsity/--plan: bad usage
+    assert "fisher, fluctuation, gradient" in _invoke(["prune", "--help"]).output  # the methods are listed

@@ -173,10 +173,12 @@ def test_tuning_stops_when_the_held_out_check_stops_improving():
     objective = Objective(torch.nn.Linear(1, 1))
     data = [{"x": torch.tensor([0.0, 1.0])}]
     target = [torch.log_softmax(torch.tensor([[0.0, 2.0]]), -1)]
-    history, epochs = tune(forward, [{"params": [scale], "lr": 0.1}], data, target, objective, epochs=10,
-                           check=lambda: next(checks))
-    assert history == [1.0, 0.5, 0.7, 0.8] and epochs == 3
-    assert tune(forward, [{"params": [scale], "lr": 0.1}], data, target, objective, epochs=10, seconds=0.0)[1] == 1
+    history, steps = tune(forward, [{"params": [scale], "lr": 0.1}], data, target, objective, epochs=10,
+                          check=lambda: next(checks))
+    assert history == [1.0, 0.5, 0.7, 0.8] and steps == 3
+    # out of time: the first step always runs, none after it
+    assert tune(forward, [{"params": [scale], "lr": 0.1}], data * 4, target * 4, objective, epochs=10,
+                seconds=0.0)[1] == 1
 
 
 def test_split_holdout_takes_every_fifth_example_across_batches():

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 import prune_heads as ph
+from prune_heads.report import heatmap
 import tiny_models as tm
 
 DATA_METHODS = ["gradient", "taylor", "fisher", "activation", "ablation"]
@@ -112,9 +113,22 @@ def test_scores_of_a_pruned_model_skip_removed_heads(tmp_path):
     scores.save(tmp_path / "s.json")
     loaded = ph.HeadScores.load(tmp_path / "s.json")
     assert loaded.to_dict() == scores.to_dict()
-    png = loaded.plot(tmp_path / "heat.png", removed={scores.layers[1]: [0]})
+    png = heatmap(loaded, tmp_path / "heat.png", removed={scores.layers[1]: [0]})
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert torch.isnan(loaded.matrix()[0, 1])
+
+
+def test_fluctuation_is_flap_standardised_per_layer():
+    model, batches = tm.build("llama"), [tm.make_inputs("llama", batch=4, seq=9, seed=s) for s in range(2)]
+    scores = ph.score_heads(model, batches, method="fluctuation", progress=False)
+    for name in scores.layers:  # a KV group's heads share its standardised value: zero mean over the groups
+        values = scores.scores[name].reshape(2, 2)
+        assert torch.allclose(values[:, 0], values[:, 1])
+        assert abs(float(values.sum())) < 1e-5
+    pruned = tm.build("llama")
+    ph.prune(pruned, {0: [0, 1]})
+    assert ph.score_heads(pruned, batches, method="fluctuation", progress=False).scores[scores.layers[0]].tolist() \
+        == [0.0, 0.0]  # one group left: nothing to compare it with
 
 
 def test_unknown_method_is_a_clear_error():

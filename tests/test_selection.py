@@ -139,5 +139,5 @@ def test_check_budget_reads_the_structure_alone():
     with pytest.raises(ph.PlanError, match=r"exactly 1 heads.* 0 heads \(sparsity 0.0000\) or 2 heads"):
         ph.check_budget(llama, num_heads=1)
     assert ph.check_budget(llama, num_heads=1, round="up") == 2
-    with pytest.raises(ph.PlanError, match="no attention layers found"):
+    with pytest.raises(ph.UnsupportedModelError, match=r"no attention layers found in the model \(Linear\)"):
         ph.check_budget(torch.nn.Linear(2, 2), sparsity=0.5)

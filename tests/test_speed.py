@@ -36,8 +36,12 @@ def test_pair_benchmark_shows_smaller_kv_cache_after_removing_groups():
     pruned = tm.build("llama")
     ph.prune(pruned, {i: [0, 1] for i in range(3)})  # one of two KV groups in every layer
     before, after = benchmark_pair(original, pruned, batch_size=2, seq_len=8, repeats=2, warmup=1,
-                                   generate_tokens=3)
+                                   generate_tokens=3, generate_batch_sizes=[1, 4])
     assert after["kv_cache_bytes"] * 2 == before["kv_cache_bytes"]
+    assert [g["batch_size"] for g in after["generation"]] == [1, 4]
+    for b, a in zip(before["generation"], after["generation"]):  # the cache shrinks in proportion at every batch
+        assert a["kv_cache_bytes"] * 2 == b["kv_cache_bytes"] and a["generate_tokens_per_s"] > 0
+    assert before["generation"][1]["kv_cache_bytes"] == 4 * before["generation"][0]["kv_cache_bytes"]
     assert after["flops"] < before["flops"] and after["parameters"] < before["parameters"]
 
 
