@@ -83,6 +83,8 @@ def load_split(source: str, split: str = "validation", name: str | None = None) 
         return datasets.load_dataset(source, name, split=split)
     except DataError:
         raise
+    except StopIteration:  # datasets' readers on an empty file
+        raise DataError(f"split {split!r} of {source} has no examples; give a file or split with data") from None
     except ValueError as error:  # unknown split, bad slice, unreadable rows
         raise DataError(f"split {split!r} of {source}: {str(error).splitlines()[0]}") from None
     except (FileNotFoundError, ConnectionError, OSError) as error:
