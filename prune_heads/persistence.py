@@ -19,6 +19,7 @@ import torch
 import transformers
 from torch import nn
 from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .layers import UnsupportedModelError, find_attention
 from .standalone import standalone_config, write_code
@@ -41,9 +42,12 @@ def _pruned_subclass(base: type) -> type:
                                          "__qualname__": base.__qualname__})
 
 
-def model_class(config) -> type:
-    """The transformers class named by `config.architectures[0]`."""
+def model_class(config, gguf: bool = False) -> type:
+    """The transformers class named by `config.architectures[0]`; for a GGUF file, whose config names none,
+    the causal language model of the config's type."""
     architectures = getattr(config, "architectures", None) or []
+    if not architectures and gguf and type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     if not architectures or not hasattr(transformers, architectures[0]):
         raise UnsupportedModelError(f"unknown architecture {architectures!r} in the model's config.json: name a "
                                     f"transformers model class there (as save_pretrained records it)")
@@ -59,7 +63,7 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     """
     config = AutoConfig.from_pretrained(path, **{k: v for k, v in from_pretrained_kwargs.items()
                                                  if k in ("revision", "token", "trust_remote_code", "gguf_file")})
-    base = model_class(config)
+    base = model_class(config, gguf="gguf_file" in from_pretrained_kwargs)
     model = _pruned_subclass(base).from_pretrained(path, **from_pretrained_kwargs)
     model.__class__ = base
     return model

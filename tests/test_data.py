@@ -19,7 +19,12 @@ def test_folder_of_split_files_with_slicing(fixture_data_path, tokenizer):
     assert set(first) == {"input_ids", "token_type_ids", "attention_mask", "labels"}
     assert first["input_ids"].shape[0] == 16 and first["input_ids"].shape[1] <= 32
     expected = [json.loads(l)["label"] for l in (fixture_data_path / "test.jsonl").read_text().splitlines()[:50]]
-    assert torch.cat([b["labels"] for b in data]).tolist() == expected
+    assert sorted(torch.cat([b["labels"] for b in data]).tolist()) == sorted(expected)
+    lengths = [int(n) for b in data for n in b["attention_mask"].sum(-1)]
+    assert lengths == sorted(lengths)  # batched by length: little padding
+    in_order = load_task_data(str(fixture_data_path), tokenizer, split="test[:50]", batch_size=16, max_length=32,
+                              by_length=False)
+    assert torch.cat([b["labels"] for b in in_order]).tolist() == expected
     assert data.without_labels()[0].keys() == {"input_ids", "token_type_ids", "attention_mask"}
 
 
