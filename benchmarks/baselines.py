@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import prune_heads as ph
-from prune_heads.data import input_device, to_device
+from prune_heads.data import input_device, to_device, without_labels
 from prune_heads.hooks import hooks
 from prune_heads.objective import Objective
 from prune_heads.recovery import GatedModel, record
@@ -19,7 +19,7 @@ def flap(model, batches: list[dict], num_heads: int, gqa: str = "groups") -> dic
     globally; then bias compensation: the removed channels' mean contribution added to the output bias (a
     bias is added where the model has none). One forward pass, no gradients."""
     device = input_device(model)
-    batches = [to_device({k: v for k, v in b.items() if k != "labels"}, device) for b in batches]
+    batches = [to_device(without_labels(b), device) for b in batches]
     layers = ph.find_attention(model)
     recorder = record(model, batches, Objective(model))
     scores = head_scores("fluctuation", layers, fluctuation(layers, recorder.variances(), gqa == "groups"),
@@ -63,7 +63,7 @@ def layer_drop(model, batches: list[dict], num_heads: int) -> dict:
         watch += [(block, "forward_pre", before(i)), (layer.module, "forward", after(i, lambda: current.get("mask")))]
     with hooks(watch, with_kwargs=True):
         for batch in batches:
-            batch = to_device({k: v for k, v in batch.items() if k != "labels"}, input_device(model))
+            batch = to_device(without_labels(batch), input_device(model))
             current["mask"] = batch.get("attention_mask")
             model(**batch)
     mean = (similarity / tokens.clamp(min=1)).float()

@@ -38,7 +38,12 @@ class TaskData:
 
     def without_labels(self) -> list[dict[str, torch.Tensor]]:
         """The same batches with the labels dropped (for label-free scoring)."""
-        return [{k: v for k, v in b.items() if k != "labels"} for b in self.batches]
+        return [without_labels(b) for b in self.batches]
+
+
+def without_labels(batch: dict) -> dict:
+    """The batch without its `labels` (for the label-free objective)."""
+    return {k: v for k, v in batch.items() if k != "labels"}
 
 
 def progress_bar(iterable: Iterable, desc: str, total: int | None = None, enabled: bool = True):

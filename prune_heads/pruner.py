@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, PruneConfig
-from .data import DataError, TaskData, input_device, to_device
+from .data import DataError, TaskData, input_device, to_device, without_labels
 from .head_scores import HeadScores
 from .iterative import prune_iteratively
 from .layers import find_attention
@@ -126,7 +126,7 @@ def prune_model(model: nn.Module, data: TaskData | Iterable[dict], config: Prune
     kwargs = selection_budget(model, config, seq_len)
     asked = requested_heads(model, **kwargs)
     if s.objective == "label-free":
-        batches = [{k: v for k, v in b.items() if k != "labels"} for b in batches]
+        batches = [without_labels(b) for b in batches]
     if s.steps > 1:
         found = prune_iteratively(model, batches, steps=s.steps, method=s.method, seed=s.seed, progress=progress,
                                   **kwargs)
@@ -139,7 +139,7 @@ def prune_model(model: nn.Module, data: TaskData | Iterable[dict], config: Prune
     with Recorder(model, layers, objective) as recorder:
         scores = score_heads(model, calib, method=s.method, normalize=s.normalize, seed=s.seed, progress=progress)
     device = input_device(model)
-    calib = [to_device({k: v for k, v in b.items() if k != "labels"}, device) for b in calib]
+    calib = [to_device(without_labels(b), device) for b in calib]
     if recorder.calls != len(calib):  # the method ran no plain pass per batch (ablation, magnitude, random...)
         recorder = record(model, calib, objective)
     timings["scoring"] = time.perf_counter() - tick
@@ -164,7 +164,7 @@ def _decide(gated: GatedModel, plans: dict, recorder: Recorder, calib: list[dict
     state and return the plan."""
     r, seed = config.recovery, config.scoring.seed
     tick = time.perf_counter()
-    heldout = [to_device({k: v for k, v in b.items() if k != "labels"}, device) for b in heldout]
+    heldout = [to_device(without_labels(b), device) for b in heldout]
     with torch.no_grad():
         gated.use({})
         targets = [objective.reference(gated(b), b) for b in heldout]

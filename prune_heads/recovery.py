@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from .data import input_device, to_device
+from .data import input_device, to_device, without_labels
 from .gates import head_gates
 from .hooks import hooks
 from .layers import AttentionLayer, Projection, find_attention, resolve
@@ -145,7 +145,7 @@ def reconstruct(model: nn.Module, reference: nn.Module, dataloader: Iterable[dic
     one get scales only. `model` is the pruned copy of `reference`.
     """
     device = input_device(model)
-    batches = [to_device({k: v for k, v in b.items() if k != "labels"}, device) for b in dataloader]
+    batches = [to_device(without_labels(b), device) for b in dataloader]
     layers, ref_layers = find_attention(model), {l.name: l for l in find_attention(reference)}
     was_training = (model.training, reference.training)
     model.eval()
@@ -372,7 +372,7 @@ def tune_gates(model: nn.Module, reference: nn.Module, dataloader: Iterable[dict
     Returns the scales per layer.
     """
     device = input_device(model)
-    batches = [to_device({k: v for k, v in b.items() if k != "labels"}, device) for b in dataloader]
+    batches = [to_device(without_labels(b), device) for b in dataloader]
     objective = Objective(model)
     reference.eval()
     with torch.no_grad():
