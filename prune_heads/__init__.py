@@ -9,20 +9,22 @@ from .head_scores import HeadScores
 from .hub import model_card, push_pruned
 from .iterative import IterativeResult, prune_iteratively
 from .layers import AttentionLayer, UnsupportedModelError, find_attention
-from .persistence import OutputExistsError, load_pruned, save_pruned
+from .persistence import ModelNotFoundError, OutputExistsError, load_pruned, save_pruned
+from .probe import probe_plan, prune
 from .pruner import PruneResult, prune_model
 from .recovery import reconstruct, tune_gates
 from .report import Report, compare
 from .scoring import METHODS, score_heads
 from .selection import check_budget, plan_with_interactions, select_heads
 from .speed import benchmark, benchmark_pair, heads_for_flops
-from .surgery import PlanError, prune
+from .surgery import PlanError, RecordError
 
 __all__ = [
     "FAMILIES", "METHODS", "AttentionLayer", "AttentionSpec", "HeadGates", "HeadScores", "IterativeResult",
-    "OutputExistsError", "PlanError", "PruneConfig", "PruneResult", "RecoveryConfig", "Report", "ScoringConfig",
+    "ModelNotFoundError", "OutputExistsError", "PlanError", "PruneConfig", "PruneResult", "RecordError",
+    "RecoveryConfig", "Report", "ScoringConfig",
     "SelectionConfig", "TaskData", "UnsupportedModelError", "benchmark", "benchmark_pair", "check_budget",
     "compare", "evaluate_task", "find_attention", "head_gates", "heads_for_flops", "load_pruned", "load_task_data",
-    "model_card", "plan_with_interactions", "prune", "prune_iteratively", "prune_model", "push_pruned",
+    "model_card", "plan_with_interactions", "probe_plan", "prune", "prune_iteratively", "prune_model", "push_pruned",
     "reconstruct", "register_family", "save_pruned", "score_heads", "select_heads", "tune_gates",
 ]

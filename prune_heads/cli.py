@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -13,13 +16,14 @@ import click
 from .config import CHOICES, ConfigError, RecoveryConfig, ScoringConfig, SelectionConfig
 from .data import DataError
 from .evaluation import MetricError
-from .layers import UnsupportedModelError, require_attention
-from .persistence import OutputExistsError, load_pruned
+from .layers import UnsupportedModelError, require_attention, scan_attention
+from .persistence import ModelNotFoundError, OutputExistsError, load_pruned
 from .recipes import load_recipe, parse_recipe, recipe_path, shipped_recipes
 from .scoring import METHODS
-from .surgery import PlanError
+from .surgery import PlanError, RecordError
 
-BAD_INPUT = (ConfigError, PlanError, DataError, MetricError, OutputExistsError, UnsupportedModelError)
+BAD_INPUT = (ConfigError, PlanError, DataError, MetricError, OutputExistsError, UnsupportedModelError, RecordError,
+             ModelNotFoundError)
 METHOD_HELP = f"Scoring method: {', '.join(sorted(METHODS))}."
 
 
@@ -63,19 +67,25 @@ def _emit(data: Any, as_json: bool, text: Callable[[], str]) -> None:
 
 
 def _quiet_transformers() -> None:
-    from transformers.utils import logging
+    from transformers.utils import logging as hf_logging
 
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-def main() -> None:
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars or warnings on stderr, only errors (bars are "
+              "also off when TQDM_DISABLE=1 or stderr is not a terminal).")
+def main(quiet: bool) -> None:
     """Find and physically remove redundant attention heads from transformers models.
 
     Example: prune-heads run fixture-minilm-sentiment --set selection.sparsity=0.5
     """
     _quiet_transformers()
+    if quiet:
+        os.environ["TQDM_DISABLE"] = "1"
+        logging.getLogger("prune_heads").setLevel(logging.ERROR)
+        warnings.simplefilter("ignore")
 
 
 def data_options(command: Callable) -> Callable:
@@ -137,13 +147,14 @@ def inspect(model_path: str, gguf_file: str | None, as_json: bool) -> None:
     """
     model = load_pruned(model_path, **({"gguf_file": gguf_file} if gguf_file else {}))
     layers = require_attention(model)
+    unsupported = [{"name": u.name, "class": u.class_name, "why": u.why} for u in scan_attention(model)[1]]
     rows = [{"index": l.index, "name": l.name, "kind": l.kind, "family": l.spec.name, "heads": l.num_heads,
              "kv_heads": l.num_kv_heads, "head_dim": l.head_dim, "original_heads": l.original_num_heads,
              "kept": list(l.heads)} for l in layers]
     summary = {"model": model_path, "architecture": type(model).__name__,
                "parameters": sum(p.numel() for p in model.parameters()),
                "heads": sum(r["heads"] for r in rows), "original_heads": sum(r["original_heads"] for r in rows),
-               "layers": rows}
+               "layers": rows, "unsupported": unsupported}
 
     def text() -> str:
         lines = [f"{model_path}: {summary['architecture']}, {summary['parameters']:,} parameters, "
@@ -153,6 +164,7 @@ def inspect(model_path: str, gguf_file: str | None, as_json: bool) -> None:
             kept = ",".join(map(str, r["kept"])) if r["heads"] < r["original_heads"] else "all"
             lines.append(f"{r['index']:>3}  {r['name'][-48:]:48} {r['kind']:5} {r['family']:10} "
                          f"{r['heads']:>3}/{r['original_heads']:<3} {r['kv_heads']:>4} {r['head_dim']:>4}  {kept}")
+        lines += [f"  -  {u['name'][-48:]:48} left as it is ({u['class']}): {u['why']}" for u in unsupported]
         return "\n".join(lines)
 
     _emit(summary, as_json, text)
@@ -176,7 +188,7 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
     """
     from .parallel import distributed, relaunch
     from .persistence import ensure_free, replace_folder
-    from .pipeline import check_task, load_model, load_processor, task_data
+    from .pipeline import load_model, load_processor, task_data
     from .report import heatmap
     from .scoring import score_heads
 
@@ -187,7 +199,6 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
     if processes > 1 and state is None:
         sys.exit(relaunch(processes, _without_option(sys.argv[1:], "--processes")))
     loaded = load_model(recipe)
-    check_task(loaded, recipe.task, model)
     processor = load_processor(recipe)
     data = task_data(recipe, loaded, processor, opts["split"], opts["examples"])
     batches = data.without_labels() if label_free else data.batches
@@ -327,11 +338,10 @@ def evaluate_command(model: str, metrics: tuple[str, ...], speed: bool, **opts: 
 
     Example: prune-heads evaluate ./pruned --data reviews.jsonl --split test --metric accuracy --metric f1
     """
-    from .pipeline import check_task, load_model, load_processor, measure, measure_speed, task_data
+    from .pipeline import load_model, load_processor, measure, measure_speed, task_data
 
     recipe = _recipe(model, opts, {"sparsity": 0.0}, speed=speed, metrics=metrics, eval_split=opts["split"])
     loaded = load_model(recipe)
-    check_task(loaded, recipe.task, model)
     processor = load_processor(recipe)
     data = task_data(recipe, loaded, processor, opts["split"], opts["examples"])
     result = measure(loaded, data, recipe)

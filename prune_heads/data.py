@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import math
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import datasets
 import torch
 from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
 
 TASKS = ("classification", "causal-lm", "feature-extraction", "image-classification")
 _BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
@@ -46,10 +51,66 @@ def without_labels(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k != "labels"}
 
 
+def bars_wanted() -> bool:
+    """Whether progress bars may show: TQDM_DISABLE is not set (`--quiet` sets it) and stderr is a terminal."""
+    return os.environ.get("TQDM_DISABLE", "").lower() in ("", "0", "false") and sys.stderr.isatty()
+
+
 def progress_bar(iterable: Iterable, desc: str, total: int | None = None, enabled: bool = True):
-    """A tqdm bar on stderr, shown only when `enabled`, TQDM_DISABLE is not set and stderr is a terminal."""
-    off = not enabled or os.environ.get("TQDM_DISABLE", "").lower() not in ("", "0", "false")
-    return tqdm(iterable, desc=desc, total=total, leave=False, disable=True if off else None)
+    """A tqdm bar on stderr, shown only when `enabled` and `bars_wanted()`."""
+    return tqdm(iterable, desc=desc, total=total, leave=False, disable=not (enabled and bars_wanted()))
+
+
+@contextlib.contextmanager
+def transformers_bars() -> Iterator[None]:
+    """transformers' own bars (loading and writing weight shards) off inside, unless `bars_wanted()`."""
+    was_on = hf_logging.is_progress_bar_enabled()
+    if was_on and not bars_wanted():
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def _sub_config(config: Any, key: str, default: Any = None) -> Any:
+    """`config.key`, else the value in its vision or audio sub-config (multimodal models)."""
+    for part in (config, getattr(config, "vision_config", None), getattr(config, "audio_config", None)):
+        if part is not None and getattr(part, key, None) is not None:
+            return getattr(part, key)
+    return default
+
+
+def dummy_inputs(model: torch.nn.Module, batch_size: int, seq_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random inputs of the shape the model takes, one for each input its forward names: token ids (with their
+    mask, and decoder ids for encoder-decoders), pixels (vision), log-mel features or waveforms (speech)."""
+    config = model.config
+    g = torch.Generator().manual_seed(seed)
+    accepted = inspect.signature(model.forward).parameters
+    main_input = getattr(model, "main_input_name", "input_ids")
+    inputs: dict[str, torch.Tensor] = {}
+    if main_input == "input_features":
+        frames = 2 * config.max_source_positions
+        inputs["input_features"] = torch.randn(batch_size, config.num_mel_bins, frames, generator=g)
+    elif main_input == "input_values":
+        samples = seq_len * math.prod(getattr(config, "conv_stride", (320,))) + 400
+        inputs["input_values"] = torch.randn(batch_size, samples, generator=g)
+    if "pixel_values" in accepted and (main_input == "pixel_values" or hasattr(config, "vision_config")):
+        size = _sub_config(config, "image_size", 224)
+        height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+        channels = _sub_config(config, "num_channels", 3)
+        frames = _sub_config(config, "num_frames")  # video models take [batch, frames, channels, h, w]
+        shape = (batch_size, *([frames] if frames else []), channels, height, width)
+        inputs["pixel_values"] = torch.randn(*shape, generator=g)
+    if "input_ids" in accepted and (main_input == "input_ids" or hasattr(config, "text_config")):
+        ids = torch.randint(5, config.get_text_config().vocab_size, (batch_size, seq_len), generator=g)
+        inputs["input_ids"] = ids
+        if "attention_mask" in accepted:
+            inputs["attention_mask"] = torch.ones_like(ids)
+    if config.is_encoder_decoder and "decoder_input_ids" in accepted:
+        inputs["decoder_input_ids"] = torch.ones(batch_size, max(seq_len // 4, 1), dtype=torch.long)
+    return inputs
 
 
 def to_device(batch: dict, device: torch.device | str) -> dict:

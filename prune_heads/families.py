@@ -8,6 +8,7 @@ Copied as it is into standalone checkpoints (see standalone.py): it may import o
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,11 +22,14 @@ class AttentionSpec:
 
     Paths are dotted attribute paths relative to the matched module (the anchor). `q`, `k`, `v` are the
     projections producing heads; or `fused_qkv` is one projection whose outputs are [q | k | v] with q of
-    num_heads * head_dim and k, v of num_kv_heads * head_dim features. `o` consumes the concatenated heads.
+    num_heads * head_dim and k, v of num_kv_heads * head_dim features (`fused_layout` "blocks"), or
+    [q | k | v] of head 0, then of head 1, ... ("heads": GPT-NeoX, BLOOM). `o` consumes the concatenated heads.
     `updates` lists (path, attribute, quantity) set after slicing, quantity one of "heads", "kv_heads",
     "inner" (heads * head_dim), "kv_groups" (query heads per KV head); a path that resolves to a model
     config gets a private view of it. `per_head_out` are further projections sliced like q (when present),
-    `per_head_columns` are parameters with one column per head (when present). `prepare` runs once on the
+    `per_head_columns` are parameters with one column per head (when present), `per_head_lists` and
+    `per_kv_head_lists` are ModuleLists with one module per query or KV head (when present),
+    `per_head_params` parameters whose first dimension is the query heads (an attention sink per head). `prepare` runs once on the
     whole model before its first surgery, for families whose layers share per-head state. `no_heads` names
     the module whose forward is replaced when a layer loses every head (so no zero-width projection or
     reshape runs: some families' code cannot, and ONNX reshapes cannot), and `no_heads_outputs` the length
@@ -40,33 +44,51 @@ class AttentionSpec:
     k: str | None = None
     v: str | None = None
     fused_qkv: str | None = None
+    fused_layout: str = "blocks"
     grouped: bool = False
     updates: tuple[tuple[str, str, str], ...] = ()
     per_head_out: tuple[str, ...] = ()
     per_head_columns: tuple[str, ...] = ()
+    per_head_lists: tuple[str, ...] = ()
+    per_kv_head_lists: tuple[str, ...] = ()
+    per_head_params: tuple[str, ...] = ()
     prepare: Callable[[nn.Module], None] | None = field(default=None, compare=False)
     no_heads: str | None = None
     no_heads_outputs: int = 2
 
 
+_T5_SELF = ("SelfAttention", "LocalSelfAttention", "TransientGlobalSelfAttention")  # T5, LongT5
+
+
+def _t5_attention(sub: nn.Module) -> tuple[nn.Module | None, bool]:
+    """A T5 sub-layer's attention module and whether it is self-attention."""
+    for name in _T5_SELF:
+        if hasattr(sub, name):
+            return getattr(sub, name), True
+    return getattr(sub, "EncDecAttention", None), False
+
+
 def _t5_own_position_bias(model: nn.Module) -> None:
-    """Give every T5 attention layer its own relative position bias.
+    """Give every T5 / LongT5 attention layer its own relative position bias.
 
     T5 computes the bias in block 0 and hands the [1, heads, q, k] tensor to every later block, which breaks
     as soon as layers keep different heads. Each self-attention layer gets a copy of its stack's bias table
-    (exact: same values) and computes the bias itself; cross-attention layers compute their zero bias.
+    (exact: same values) and computes the bias itself; cross-attention layers compute their zero bias. UMT5
+    layers already compute their own and are left alone.
     """
     for stack in model.modules():
         blocks = getattr(stack, "block", None)
         if not isinstance(blocks, nn.ModuleList) or not blocks or not hasattr(blocks[0], "layer"):
             continue
-        source = blocks[0].layer[0].SelfAttention.relative_attention_bias
+        source = _t5_attention(blocks[0].layer[0])[0].relative_attention_bias
         for block in blocks:
             for sub in block.layer:
-                attn = getattr(sub, "SelfAttention", None) or getattr(sub, "EncDecAttention", None)
+                attn, is_self = _t5_attention(sub)
                 if attn is None or getattr(attn, "_ph_own_bias", False):
                     continue
-                if hasattr(sub, "SelfAttention") and not attn.has_relative_attention_bias:
+                if "position_bias" not in inspect.signature(attn.forward).parameters:
+                    continue
+                if is_self and not attn.has_relative_attention_bias:
                     table = nn.Embedding(source.num_embeddings, source.embedding_dim, device=source.weight.device,
                                          dtype=source.weight.dtype)
                     with torch.no_grad():
@@ -103,9 +125,32 @@ def _select_position_bias_heads(module: nn.Module, args: tuple, kwargs: dict) ->
     return args, kwargs
 
 
+def _bloom_select_alibi_heads(model: nn.Module) -> None:
+    """Make each BLOOM layer pick its own heads' rows out of the ALiBi tensor the model builds for all heads."""
+    for module in model.modules():
+        if type(module).__name__ == "BloomAttention" and not getattr(module, "_ph_alibi_hook", False):
+            module.register_forward_pre_hook(_select_alibi_heads, with_kwargs=True)
+            module._ph_alibi_hook = True
+
+
+def _select_alibi_heads(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    present = getattr(module, "_ph_present", None)
+    alibi = kwargs.get("alibi", args[2] if len(args) > 2 else None)
+    if present is None or alibi is None:
+        return args, kwargs
+    heads = module._ph_record["num_heads"]
+    index = torch.tensor(present, dtype=torch.long, device=alibi.device)
+    rows = alibi.reshape(-1, heads, *alibi.shape[1:]).index_select(1, index).reshape(-1, *alibi.shape[1:])
+    if "alibi" in kwargs:
+        kwargs["alibi"] = rows
+    else:
+        args = (*args[:2], rows, *args[3:])
+    return args, kwargs
+
+
 _BERT_UPDATES = (("self", "num_attention_heads", "heads"), ("self", "all_head_size", "inner"))
 _LLAMA_TYPES = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention", "GemmaAttention",
-                "Gemma2Attention", "Gemma3Attention", "OlmoAttention", "Olmo2Attention", "GraniteAttention",
+                "Gemma2Attention", "Gemma3Attention", "OlmoAttention", "GraniteAttention",
                 "StarcoderAttention", "SmolLM3Attention", "CohereAttention", "GlmAttention")
 _BART_TYPES = ("BartAttention", "WhisperAttention", "MBartAttention", "MarianAttention", "PegasusAttention",
                "M2M100Attention", "BlenderbotAttention", "NllbMoeAttention", "PLBartAttention")
@@ -147,7 +192,31 @@ FAMILIES: list[AttentionSpec] = [
     AttentionSpec("vit", ("ViTAttention", "DeiTAttention", "ViTMAEAttention", "Dinov2Attention"),
                   q="q_proj", k="k_proj", v="v_proj", o="o_proj", head_dim="head_dim",
                   updates=(("", "num_attention_heads", "heads"),), no_heads=""),
+    # after the general layouts above, which structural matching tries first
+    AttentionSpec("gpt-neox", ("GPTNeoXAttention",), fused_qkv="query_key_value", fused_layout="heads", o="dense",
+                  head_dim="head_size", no_heads=""),
+    AttentionSpec("bloom", ("BloomAttention",), fused_qkv="query_key_value", fused_layout="heads", o="dense",
+                  head_dim="head_dim", updates=(("", "num_heads", "heads"),), prepare=_bloom_select_alibi_heads),
+    AttentionSpec("gpt-bigcode", ("GPTBigCodeAttention",), fused_qkv="c_attn", o="c_proj", head_dim="head_dim",
+                  grouped=True, updates=(("", "num_heads", "heads"), ("", "embed_dim", "inner"),
+                                         ("", "num_key_value_groups", "kv_groups")), no_heads=""),
+    AttentionSpec("gptj", ("GPTJAttention",), q="q_proj", k="k_proj", v="v_proj", o="out_proj",
+                  head_dim="head_dim", updates=(("", "num_attention_heads", "heads"),)),
+    AttentionSpec("xglm", ("XGLMAttention",), q="q_proj", k="k_proj", v="v_proj", o="out_proj", head_dim="head_dim",
+                  updates=(("", "num_heads", "heads"), ("", "embed_dim", "inner")), no_heads=""),
+    AttentionSpec("stablelm", ("StableLmAttention",), q="q_proj", k="k_proj", v="v_proj", o="o_proj",
+                  head_dim="head_dim", grouped=True,
+                  updates=(("", "num_heads", "heads"), ("", "num_key_value_heads", "kv_heads"),
+                           ("", "num_key_value_groups", "kv_groups")),
+                  per_head_lists=("q_layernorm.norms",), per_kv_head_lists=("k_layernorm.norms",), no_heads=""),
 ]
+
+
+# attention classes whose heads cannot be removed exactly, and why (refused by find_attention)
+NOT_EXACT: dict[str, str] = {
+    "BigBirdAttention": "it rebuilds its attention module from the config when it switches between block-sparse "
+                        "and full attention at run time, which undoes any removal",
+}
 
 
 def register_family(spec: AttentionSpec) -> None:

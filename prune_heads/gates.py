@@ -31,7 +31,8 @@ class HeadGates(list):
             self[i] = torch.ones(shape, dtype=torch.float32, device=self[i].device, requires_grad=requires_grad)
 
 
-def _gate_hook(gates: HeadGates, i: int, head_dim: int):
+def gate_hook(gates: list[torch.Tensor], i: int, head_dim: int):
+    """A forward pre-hook for an output projection that multiplies each head's features by `gates[i]`."""
     def hook(module: nn.Module, args: tuple) -> tuple:
         x, *rest = args
         gate = gates[i].to(x.device, x.dtype)  # offloaded layers (device_map) run where accelerate puts them
@@ -59,6 +60,6 @@ def head_gates(model: nn.Module, requires_grad: bool = True) -> Iterator[HeadGat
         device = torch.device("cpu") if device.type == "meta" else device  # offloaded weights (device_map)
         tensors.append(torch.ones(layer.num_heads, dtype=torch.float32, device=device, requires_grad=requires_grad))
     gates = HeadGates(layers, tensors)
-    with hooks((resolve(layer.module, layer.spec.o), "forward_pre", _gate_hook(gates, i, layer.head_dim))
+    with hooks((resolve(layer.module, layer.spec.o), "forward_pre", gate_hook(gates, i, layer.head_dim))
                for i, layer in enumerate(layers)):
         yield gates

@@ -11,13 +11,15 @@ Hook = tuple[nn.Module, str, Callable]  # (module, "forward_pre" | "forward", fu
 
 
 @contextmanager
-def hooks(registrations: Iterable[Hook], with_kwargs: bool = False) -> Iterator[None]:
-    """Register each (module, kind, function) hook, and remove them all on exit (also on an error)."""
+def hooks(registrations: Iterable[Hook], with_kwargs: bool = False, prepend: bool = False) -> Iterator[None]:
+    """Register each (module, kind, function) hook, and remove them all on exit (also on an error).
+    `prepend` runs them before the hooks already there."""
     handles = []
     try:
         for module, kind, function in registrations:
             register = getattr(module, f"register_{kind}_hook")
-            handles.append(register(function, with_kwargs=True) if with_kwargs else register(function))
+            options = {"with_kwargs": True} if with_kwargs else {}
+            handles.append(register(function, prepend=prepend, **options))
         yield
     finally:
         for handle in handles:

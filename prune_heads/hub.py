@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -12,11 +11,9 @@ from typing import Any
 from huggingface_hub import CommitOperationAdd, HfApi
 from torch import nn
 
-from .persistence import write_model
+from .persistence import HUB_ID, write_model
 from .report import Report
 from .surgery import RECORD_KEY
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 def _record(config: dict) -> dict:
@@ -44,7 +41,7 @@ def model_card(folder: str | os.PathLike, base_model: str | None = None) -> str:
     layers = _record(config)
     removed = sum(len(entry["removed"]) for entry in layers.values())
     total = sum(entry["num_heads"] for entry in layers.values())
-    on_hub = _HUB_ID.match(base) is not None and not Path(base).exists()
+    on_hub = HUB_ID.match(base) is not None and not Path(base).exists()
     front = ["---", "library_name: transformers", "tags: [prune-heads, pruned, attention-head-pruning]"]
     front += [f"base_model: {base}"] if on_hub else []
     lines = front + ["---", "", f"# {base}, {removed} of {total} attention heads removed", ""]

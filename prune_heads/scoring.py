@@ -163,8 +163,9 @@ def magnitude_importance(run: ScoringRun):
         spec, module, dim = layer.spec, layer.module, layer.head_dim
         o_in = Projection(resolve(module, spec.o)).matrix().detach().float().t()  # [in, out]
         o_norm = o_in.reshape(layer.num_heads, dim, -1).flatten(1).norm(dim=1)
-        projection, first = qkv_parts(module, spec, layer.num_heads, dim)[0]["v"]
-        v = projection.matrix().detach().float()[first:first + layer.num_kv_heads * dim]  # [kv * dim, in]
+        slot = qkv_parts(module, spec, layer.num_heads, dim)[0]["v"]
+        rows = slot.features(list(range(layer.num_kv_heads)), dim)
+        v = slot.projection.matrix().detach().float()[rows.to(slot.projection.module.weight.device)]  # [kv * dim, in]
         v_norm = v.reshape(layer.num_kv_heads, -1).norm(dim=1)
         group_of = [layer.kv_heads.index(h // layer.group_size) for h in layer.heads]
         scores.append((o_norm * v_norm[group_of]).double().cpu())

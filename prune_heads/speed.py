@@ -6,34 +6,19 @@ import copy
 import math
 import statistics
 import time
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from .data import input_device, to_device
+from .data import dummy_inputs, input_device, to_device
 from .layers import find_attention
-from .surgery import PlanError, prune
-
-
-def dummy_inputs(model: nn.Module, batch_size: int, seq_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random inputs of the shape the model takes: token ids, pixels (vision) or features (speech)."""
-    config = model.config
-    g = torch.Generator().manual_seed(seed)
-    main_input = getattr(model, "main_input_name", "input_ids")
-    if main_input == "pixel_values":
-        size = config.image_size
-        return {"pixel_values": torch.randn(batch_size, config.num_channels, size, size, generator=g)}
-    if main_input == "input_features":
-        frames = 2 * config.max_source_positions
-        return {"input_features": torch.randn(batch_size, config.num_mel_bins, frames, generator=g),
-                "decoder_input_ids": torch.ones(batch_size, 1, dtype=torch.long)}
-    ids = torch.randint(5, config.get_text_config().vocab_size, (batch_size, seq_len), generator=g)
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if config.is_encoder_decoder:
-        inputs["decoder_input_ids"] = ids[:, : max(seq_len // 4, 1)]
-    return inputs
+from .probe import prune
+from .surgery import PlanError
 
 
 def _sync(device: torch.device) -> None:
@@ -72,25 +57,51 @@ def heads_for_flops(model: nn.Module, keep_flops: float, batch_size: int = 1, se
     return min(heads, math.ceil((total - keep_flops * total) / per_head - 1e-9))
 
 
+class PeakAllocations(TorchDispatchMode):
+    """Bytes of the tensor storages created inside this mode that are still alive, and their peak.
+
+    Measures CPU memory without the torch profiler, whose kineto backend prints to stderr. Views and in-place
+    results share an existing storage and are not counted again; a storage stops counting when it is freed.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = self.peak = 0
+        self._alive: set[int] = set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.current -= nbytes
+        self._alive.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = id(storage)
+            if key in inputs or key in self._alive or storage.nbytes() == 0:
+                continue
+            self._alive.add(key)
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
+
+
 def _peak_memory(model: nn.Module, inputs: dict, device: torch.device) -> int:
-    """Peak bytes allocated during one forward: CUDA's allocator statistics, or the CPU allocations seen by
-    the torch profiler (weights included, as they are resident)."""
+    """Peak bytes allocated during one forward: CUDA's allocator statistics, or on CPU the weights plus the
+    peak of the tensors the forward creates (see PeakAllocations)."""
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         with torch.no_grad():
             model(**inputs)
         return int(torch.cuda.max_memory_allocated(device))
-    from torch.profiler import ProfilerActivity, profile
-
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with torch.no_grad(), PeakAllocations() as allocations:
         model(**inputs)
-    events = sorted((e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start)
-    current = peak = 0
-    for event in events:
-        current += event.cpu_memory_usage
-        peak = max(peak, current)
-    return int(weights + peak)
+    return int(weights + allocations.peak)
 
 
 def kv_cache_bytes(cache: Any) -> int:

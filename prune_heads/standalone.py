@@ -31,6 +31,10 @@ class {name}(transformers.{base}):
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         reapply_record(self, getattr(config, RECORD_KEY, None))
+
+    @classmethod
+    def is_custom_code(cls) -> bool:
+        return False  # transformers' own modeling with heads removed: its checkpoint key renamings apply
 '''
 
 
@@ -56,14 +60,15 @@ def standalone_config(model: nn.Module) -> Any:
         raise ValueError(f"no transformers Auto class loads {type(model).__name__} (model_type "
                          f"{model.config.model_type!r}); save without standalone=True and load with ph.load_pruned")
     config = copy.deepcopy(model.config)
-    config.auto_map = {auto: f"{Path(MODELING_FILE).stem}.Pruned{type(model).__name__}" for auto in autos}
+    config.auto_map = {auto: f"{Path(MODELING_FILE).stem}.{type(model).__name__}" for auto in autos}
     return config
 
 
 def write_code(model: nn.Module, folder: Path) -> None:
     """Write the modeling file and the surgery modules it imports into `folder`."""
     base = type(model).__name__
-    (Path(folder) / MODELING_FILE).write_text(_MODELING.format(name=f"Pruned{base}", base=base))
+    # the same class name as transformers' own: weight renamings (GPT-NeoX's embed_out) are keyed by it
+    (Path(folder) / MODELING_FILE).write_text(_MODELING.format(name=base, base=base))
     here = Path(__file__).parent
     local = "|".join(_RUNTIME)
     for module in _RUNTIME:

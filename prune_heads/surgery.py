@@ -6,7 +6,9 @@ families and layers (the modules before it there).
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+import hashlib
+import json
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -21,6 +23,10 @@ RECORD_KEY = "prune_heads"
 
 class PlanError(ValueError):
     """Raised for a head plan that cannot be applied; the message says what is possible."""
+
+
+class RecordError(ValueError):
+    """Raised when a saved `config.prune_heads` record does not describe the model it is loaded into."""
 
 
 class ConfigView:
@@ -141,14 +147,13 @@ def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
     o_proj = Projection(resolve(module, spec.o))
     device = o_proj.module.weight.device
     q_index = head_features(q_pos, dim, device)
-    kv_index = head_features(kv_pos, dim, device)
     parts, _ = qkv_parts(module, spec, layer.num_heads, dim)
     slices: dict[int, tuple[Projection, list[torch.Tensor]]] = {}  # one index per projection (fused: q, k, v)
-    for name, (projection, first) in parts.items():
-        index = (q_index if name == "q" else kv_index) + first
-        slices.setdefault(id(projection.module), (projection, []))[1].append(index)
+    for name, slot in parts.items():
+        index = slot.features(q_pos if name == "q" else kv_pos, dim)
+        slices.setdefault(id(slot.projection.module), (slot.projection, []))[1].append(index)
     for projection, indices in slices.values():
-        projection.keep(torch.cat(indices), "out")
+        projection.keep(torch.cat(indices).sort().values, "out")  # in the projection's own order
     for path in spec.per_head_out:
         try:
             Projection(resolve(module, path)).keep(q_index, "out")
@@ -165,6 +170,22 @@ def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
                                            table.requires_grad))
         if hasattr(parent, "embedding_dim"):
             parent.embedding_dim = len(q_pos)
+    for path in spec.per_head_params:
+        parent_path, _, name = path.rpartition(".")
+        parent = resolve(module, parent_path)
+        param = getattr(parent, name)
+        setattr(parent, name, nn.Parameter(param.index_select(0, torch.tensor(q_pos, dtype=torch.long,
+                                                                                device=param.device)),
+                                           param.requires_grad))
+    for paths, positions in ((spec.per_head_lists, q_pos), (spec.per_kv_head_lists, kv_pos)):
+        for path in paths:
+            parent_path, _, name = path.rpartition(".")
+            try:
+                parent = resolve(module, parent_path)
+                modules = getattr(parent, name)
+            except AttributeError:
+                continue
+            setattr(parent, name, nn.ModuleList([modules[p] for p in positions]))
     o_proj.keep(q_index, "in")
     quantities = {"heads": len(kept), "kv_heads": len(kept_kv), "inner": len(kept) * dim,
                   "kv_groups": len(kept) // len(kept_kv) if kept_kv else 1}
@@ -182,38 +203,34 @@ def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
     return describe(module, spec, layer.name, layer.index)
 
 
-def apply_plan(model: nn.Module, layers: list[AttentionLayer], plan: dict[str, list[int]]) -> None:
-    """Run each family's one-time preparation, then remove the planned heads layer by layer."""
+def prepare(model: nn.Module, layers: list[AttentionLayer], plan: dict[str, list[int]]) -> None:
+    """Run the one-time preparation of every family in the plan (idempotent; outputs do not change)."""
     by_name = {layer.name: layer for layer in layers}
     for spec in {by_name[name].spec for name in plan}:
         if spec.prepare is not None:
             spec.prepare(model)
+
+
+def apply_plan(model: nn.Module, layers: list[AttentionLayer], plan: dict[str, list[int]]) -> None:
+    """Run each family's one-time preparation, then remove the planned heads layer by layer."""
+    prepare(model, layers, plan)
+    by_name = {layer.name: layer for layer in layers}
     for name, heads in plan.items():
         remove_heads(by_name[name], heads)
 
 
-def _write_record(model: nn.Module, layers: list[AttentionLayer]) -> None:
+def write_record(model: nn.Module, layers: list[AttentionLayer]) -> None:
     """Store every layer's record (original head counts, removed heads, added bias) in `model.config`."""
     config = getattr(model, "config", None)
     record = {layer.name: layer.module._ph_record for layer in layers if hasattr(layer.module, "_ph_record")}
     if config is not None and record:
-        setattr(config, RECORD_KEY, {"format": 1, "layers": record})
+        setattr(config, RECORD_KEY, {"format": 1, "layers": record, "digest": record_digest(record)})
 
 
-def prune(model: nn.Module, heads_to_prune: Plan) -> nn.Module:
-    """Physically remove attention heads from `model`, in place, and return it.
-
-    `heads_to_prune` maps a layer (index into `find_attention(model)` or its module name) to the ORIGINAL
-    indices of the heads to remove, as transformers 4's `prune_heads` took them. Pruning twice accumulates.
-    The removed heads are recorded in `model.config` so that `save_pruned` / `load_pruned` round-trip.
-    Raises PlanError for a plan that cannot be applied.
-    """
-    layers = find_attention(model)
-    plan = normalize_plan(layers, heads_to_prune)
-    apply_plan(model, layers, plan)
-    if plan:
-        _write_record(model, layers)
-    return model
+def record_digest(layers: Mapping[str, Any]) -> str:
+    """A short hash of a record's layers, saved with it so that a hand-edited record is caught on load (an
+    edit that keeps the shapes, removed [2, 3] for [0, 1], would otherwise relabel the heads silently)."""
+    return hashlib.sha256(json.dumps(layers, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _zero_bias(o_proj: nn.Module) -> None:
@@ -236,24 +253,63 @@ def add_output_bias(model: nn.Module, biases: Mapping[str, torch.Tensor]) -> Non
                 "num_heads": layer.original_num_heads, "num_kv_heads": layer.original_num_kv_heads, "removed": []}
             layer.module._ph_record = {**record, "bias": True}
         o_proj.bias.add_(biases[layer.name].to(o_proj.bias.device, o_proj.bias.dtype))
-    _write_record(model, layers)
+    write_record(model, layers)
+
+
+def _record_plan(layers: list[AttentionLayer], record: Any) -> dict[str, list[int]]:
+    """Check a record against a freshly built model and return its plan; RecordError names what is wrong."""
+    fix = "restore the config.json that save_pruned wrote"
+    if not isinstance(record, dict) or record.get("format") != 1 or not isinstance(record.get("layers"), dict):
+        raise RecordError(f"config.{RECORD_KEY} is not a prune_heads record of format 1 (a dict with 'format': 1 "
+                          f"and 'layers'); {fix}")
+    by_name = {layer.name: layer for layer in layers}
+    plan: dict[str, list[int]] = {}
+    for name, entry in record["layers"].items():
+        where = f"config.{RECORD_KEY} layer {name!r}"
+        layer = by_name.get(name)
+        if layer is None:
+            raise RecordError(f"{where}: this model has no such attention layer; {fix}")
+        if not isinstance(entry, dict) or not isinstance(entry.get("removed"), list):
+            raise RecordError(f"{where}: no 'removed' list of heads; {fix}")
+        removed = entry["removed"]
+        if entry.get("num_heads") != layer.num_heads:
+            raise RecordError(f"{where}: records num_heads {entry.get('num_heads')!r}, the model builds "
+                              f"{layer.num_heads}; {fix}")
+        if entry.get("num_kv_heads", layer.num_kv_heads) != layer.num_kv_heads:
+            raise RecordError(f"{where}: records num_kv_heads {entry['num_kv_heads']!r}, the model builds "
+                              f"{layer.num_kv_heads}; {fix}")
+        bad = [h for h in removed if type(h) is not int or not 0 <= h < layer.num_heads]
+        if bad:
+            raise RecordError(f"{where}: removed head(s) {bad} are not heads 0..{layer.num_heads - 1}; {fix}")
+        if len(set(removed)) != len(removed):
+            raise RecordError(f"{where}: removed lists a head twice ({removed}); {fix}")
+        try:
+            _check_groups(layer, [h for h in layer.heads if h not in removed])
+        except PlanError:
+            raise RecordError(f"{where}: removing {removed} leaves KV groups of different sizes, which no pruned "
+                              f"grouped-query layer has; {fix}") from None
+        if removed:
+            plan[name] = sorted(removed)
+    digest = record.get("digest")
+    if digest is not None and digest != record_digest(record["layers"]):
+        raise RecordError(f"config.{RECORD_KEY} was edited after saving (its digest does not match its layers), "
+                          f"so the head labels cannot be trusted; {fix}")
+    return plan
 
 
 def reapply_record(model: nn.Module, record: dict | None) -> None:
-    """Re-apply a `config.prune_heads` record to a freshly built (unpruned) model."""
+    """Re-apply a `config.prune_heads` record to a freshly built (unpruned) model.
+
+    The record is checked first: every layer exists with the recorded head counts, every removed head is an
+    integer in range and listed once, grouped-query layers keep whole groups, and the digest saved with it
+    matches (a hand edit is refused). Raises RecordError naming the layer and what is wrong.
+    """
     if not record:
         return
-    if record.get("format") != 1 or not isinstance(record.get("layers"), dict):
-        raise ValueError(f"config.{RECORD_KEY} is not a prune_heads record of format 1: {record!r}")
     layers = find_attention(model)
+    plan = _record_plan(layers, record)
+    apply_plan(model, layers, plan)
     by_name = {layer.name: layer for layer in layers}
-    for name, entry in record["layers"].items():
-        layer = by_name.get(name)
-        if layer is None or layer.num_heads != entry["num_heads"]:
-            raise ValueError(f"config.{RECORD_KEY} names layer {name!r} with {entry['num_heads']} heads, "
-                             f"which this model does not have; was the config edited by hand?")
-    apply_plan(model, layers, {name: entry["removed"] for name, entry in record["layers"].items()
-                               if entry["removed"]})
     for name, entry in record["layers"].items():
         if entry.get("bias"):
             layer = by_name[name]

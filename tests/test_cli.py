@@ -1,6 +1,8 @@
 """End-to-end tests of the CLI on the shared fixture (click's runner and a real subprocess)."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from prune_heads.cli import main
 from prune_heads.data import load_task_data
 from prune_heads.evaluation import evaluate_task
 from conftest import FAST
+import tiny_models
 
 def test_run_writes_a_loadable_model_and_a_true_report(fixture_run, fixture_model_path, fixture_data_path):
     out, proc = fixture_run
@@ -38,7 +41,7 @@ def test_existing_output_is_refused_and_left_alone(fixture_run):
     before = sorted(p.name for p in out.iterdir())
     result = CliRunner().invoke(main, ["run", "fixture-minilm-sentiment", "-o", str(out), *FAST])
     assert result.exit_code == 2
-    assert "already exists; choose another folder or pass overwrite=True (--force)" in result.output
+    assert "already exists and is not empty; choose another folder or pass overwrite=True (--force)" in result.output
     assert sorted(p.name for p in out.iterdir()) == before
 
 
@@ -75,7 +78,8 @@ def test_plan_that_empties_a_layer_needs_min_heads_zero(tmp_path, fixture_model_
     assert result.exit_code == 0, result.output
     assert ph.find_attention(ph.load_pruned(tmp_path / "out"))[0].num_heads == 0
     remote = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out", trust_remote_code=True)
-    assert type(remote).__name__ == "PrunedBertForSequenceClassification"
+    assert type(remote).__module__.endswith("modeling_prune_heads")  # the checkpoint's own code
+    assert type(remote).__name__ == "BertForSequenceClassification"
     assert ph.find_attention(remote)[0].num_heads == 0
 
 
@@ -159,10 +163,42 @@ def test_bad_input_is_one_line_and_exit_two(tmp_path, fixture_model_path, fixtur
     assert "is BertForSequenceClassification: use --task classification" in result.output.splitlines()[-1]
     resnet = ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1]))
     resnet.save_pretrained(tmp_path / "resnet")
-    result = _invoke(["inspect", str(tmp_path / "resnet")])
-    assert result.exit_code == 2
-    assert result.output.strip() == "error: no attention layers found in the model (ResNetForImageClassification)"
+    for command in (["inspect"], ["score", "--task", "image-classification", *common[:2]],
+                    ["prune", "--task", "image-classification", "--sparsity", "0.5", *common],
+                    ["evaluate", "--task", "image-classification", *common[:2]]):
+        result = _invoke([command[0], str(tmp_path / "resnet"), *command[1:]])
+        assert result.exit_code == 2, command
+        assert result.output.strip() == (f"error: no attention layers found in {tmp_path / 'resnet'} "
+                                         f"(ResNetForImageClassification)")
+    for missing in (str(tmp_path / "nope"), "./nope"):
+        result = _invoke(["inspect", missing])
+        assert result.exit_code == 2
+        assert result.output.strip() == f"error: no folder {missing}, and not a hub id (those look like " \
+                                        f"'org/name'); check the path"
     assert not (tmp_path / "o").exists()
+
+
+def test_an_edited_record_is_exit_two_naming_the_layer(tmp_path):
+    model = tiny_models.build("bert")
+    ph.prune(model, {0: [0, 1]})
+    ph.save_pruned(model, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["prune_heads"]["layers"]["bert.encoder.layer.0.attention"]["removed"] = [0, 9]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    result = _invoke(["inspect", str(tmp_path / "m")])
+    assert result.exit_code == 2
+    assert result.output.strip() == ("error: config.prune_heads layer 'bert.encoder.layer.0.attention': removed "
+                                     "head(s) [9] are not heads 0..3; restore the config.json that save_pruned wrote")
+
+
+def test_quiet_leaves_stderr_empty_and_json_clean(tmp_path, fixture_model_path, fixture_data_path):
+    args = [sys.executable, "-m", "prune_heads.cli", "-q", "prune", str(fixture_model_path), "--data",
+            str(fixture_data_path), "--examples", "16", "--num-heads", "6", "--method", "magnitude",
+            "--no-recovery", "--json", "-o", str(tmp_path / "o")]
+    proc = subprocess.run(args, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert json.loads(proc.stdout)["summary"]["heads"]["removed"] == 6
 
 
 def test_unknown_architecture_is_a_clear_error(tmp_path):

@@ -1,9 +1,12 @@
+import logging
+
 import pytest
 import torch
 from torch import nn
 
 import prune_heads as ph
 import tiny_models as tm
+from prune_heads.layers import require_attention, scan_attention
 
 
 def test_find_attention_describes_each_layer():
@@ -79,3 +82,29 @@ def test_registering_a_family_makes_it_prunable():
         torch.testing.assert_close(model(x), gated, rtol=0, atol=1e-6)
     finally:
         ph.FAMILIES.pop(0)
+
+
+class PoolingAttention(nn.Module):
+    """Attention of no registered family (torch's MultiheadAttention inside), as in SigLIP's pooling head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+
+
+def test_unsupported_attention_beside_supported_layers_is_left_alone(caplog):
+    model = tm.build("llama")
+    model.model.pool = PoolingAttention()
+    layers, unsupported = scan_attention(model)
+    assert len(layers) == 3
+    assert [(u.name, u.class_name, u.why) for u in unsupported] == [
+        ("model.pool", "PoolingAttention", "an attention module of no registered family")]
+    with caplog.at_level(logging.WARNING, logger="prune_heads"):
+        assert len(require_attention(model)) == 3
+    assert "1 attention module(s) of the model are left as they are (model.pool (PoolingAttention): an " \
+           "attention module of no registered family); the other 3 layers are pruned" in caplog.text
+    ph.prune(model, {0: [0, 1]})
+    assert ph.find_attention(model)[0].num_heads == 2
+    with pytest.raises(ph.UnsupportedModelError, match=r"^0 \(PoolingAttention\): an attention module of no "
+                                                       r"registered family; register it with"):
+        ph.find_attention(nn.Sequential(PoolingAttention()))

@@ -1,6 +1,10 @@
 import json
+import os
+import random
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,6 +50,59 @@ def test_existing_folder_is_not_overwritten(tmp_path):
     ph.save_pruned(model, tmp_path / "out", overwrite=True)
     assert not (tmp_path / "out" / "keep.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folders left
+
+
+def test_empty_folder_is_accepted_and_modes_follow_the_umask(tmp_path):
+    model = tm.build("bert")
+    (tmp_path / "out").mkdir()
+    ph.save_pruned(model, tmp_path / "out")  # empty: no overwrite needed, as save_pretrained allows
+    old = os.umask(0o027)
+    try:
+        ph.save_pruned(model, tmp_path / "fresh")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "fresh").stat().st_mode & 0o777 == 0o750
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "out"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ph.OutputExistsError, match="is a file"):
+        ph.save_pruned(model, tmp_path / "file", overwrite=True)
+
+
+def test_overwriting_a_mount_point_replaces_its_entries(tmp_path, monkeypatch):
+    model = tm.build("bert")
+    target = tmp_path / "mnt"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == target or real(p))
+    ph.save_pruned(model, target, overwrite=True)
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt"]  # no .old folder beside it
+
+
+WRITER = """
+import sys, torch, transformers as T, prune_heads as ph
+config = T.BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=64, num_hidden_layers=1,
+                      vocab_size=60000)
+for version in range(1000):
+    model = T.BertModel(config)
+    torch.nn.init.constant_(model.embeddings.word_embeddings.weight, version)
+    model.config.version = version
+    ph.save_pruned(model, sys.argv[1], overwrite=True)
+    print(version, flush=True)
+"""
+
+
+def test_a_killed_save_leaves_the_old_folder_or_the_new_one(tmp_path):
+    target, rng = tmp_path / "out", random.Random(0)
+    for attempt in range(4):
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(target)], stdout=subprocess.PIPE, text=True)
+        assert writer.stdout.readline()  # one save done: from now on the folder always exists
+        time.sleep(rng.uniform(0.0, 0.5))
+        writer.kill()
+        writer.wait()
+        model = ph.load_pruned(target)  # complete, and config and weights from the same save
+        assert model.embeddings.word_embeddings.weight[0, 0].item() == model.config.version, attempt
 
 
 def test_interrupted_save_leaves_nothing(tmp_path, monkeypatch):
@@ -144,3 +201,43 @@ def test_uneven_plans_keep_the_record(tmp_path):
     ph.save_pruned(model, tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["num_attention_heads"] == 4 and "prune_heads" in config
+
+
+def _saved_with_record(tmp_path, name="llama"):
+    model = tm.build(name)
+    ph.prune(model, {0: [0, 1], 1: [2, 3]})
+    ph.save_pruned(model, tmp_path / "saved")
+    return tmp_path / "saved"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r, e: e.update(removed=[0, 1, 9]), r"removed head\(s\) \[9\] are not heads 0..3"),
+    (lambda r, e: e.update(removed=[-1, 0]), r"removed head\(s\) \[-1\] are not heads 0..3"),
+    (lambda r, e: e.update(removed=[0, 0]), "lists a head twice"),
+    (lambda r, e: e.update(removed=["0", 1]), r"removed head\(s\) \['0'\]"),
+    (lambda r, e: e.pop("removed"), "no 'removed' list"),
+    (lambda r, e: e.update(num_heads=8), "records num_heads 8, the model builds 4"),
+    (lambda r, e: e.update(removed=[0]), "leaves KV groups of different sizes"),
+    (lambda r, e: e.update(removed=[2, 3]), "edited after saving"),
+    (lambda r, e: (e.update(removed=[2, 3]), r.pop("digest")), None),  # no digest, same shapes: loads as said
+    (lambda r, e: (e.update(removed=[]), r.pop("digest")), r"q_proj.weight is \[16, 32\] in the checkpoint"),
+])
+def test_an_edited_record_is_refused_naming_the_layer(tmp_path, edit, message):
+    saved = _saved_with_record(tmp_path)
+    config = json.loads((saved / "config.json").read_text())
+    record = config["prune_heads"]
+    edit(record, record["layers"]["model.layers.0.self_attn"])
+    (saved / "config.json").write_text(json.dumps(config))
+    if message is None:
+        assert list(ph.find_attention(ph.load_pruned(saved))[0].heads) == [0, 1]
+        return
+    with pytest.raises(ph.RecordError, match=message) as error:
+        ph.load_pruned(saved)
+    assert "model.layers.0.self_attn" in str(error.value) or "digest" in str(error.value)
+    assert "restore the config.json" in str(error.value)
+
+
+def test_a_missing_folder_is_not_sent_to_the_hub(tmp_path):
+    for path in (tmp_path / "nope", "./nope", "~/nope"):
+        with pytest.raises(ph.ModelNotFoundError, match=r"no folder .*nope, and not a hub id"):
+            ph.load_pruned(path)

@@ -59,11 +59,14 @@ def test_prune_model_result_is_the_gated_state_it_measured():
 
 
 def test_prune_model_makes_no_copy_of_the_model(monkeypatch):
+    """Only single attention layers are copied (the probe proves the removal on them, one at a time)."""
     original = copy.deepcopy
     model = tm.build("llama")
+    largest = max(sum(p.numel() for p in layer.module.parameters()) for layer in ph.find_attention(model))
 
     def refuse(value, *args, **kwargs):
-        assert not isinstance(value, torch.nn.Module), "prune_model copied a module"
+        if isinstance(value, torch.nn.Module):
+            assert sum(p.numel() for p in value.parameters()) <= largest, "prune_model copied more than a layer"
         return original(value, *args, **kwargs)
 
     monkeypatch.setattr(copy, "deepcopy", refuse)

@@ -117,7 +117,8 @@ def test_omitted_sections_are_the_default_path():
 
 
 def test_a_flops_budget_becomes_a_head_count():
-    from prune_heads.speed import count_flops, dummy_inputs
+    from prune_heads.data import dummy_inputs
+    from prune_heads.speed import count_flops
 
     recipe = parse_recipe({"model": "m", "data": {"source": "d"}, "selection": {"flops": 0.85},
                            "evaluation": {"speed": {"seq_len": 16}}})

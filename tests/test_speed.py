@@ -5,7 +5,8 @@ import torch
 
 import prune_heads as ph
 import tiny_models as tm
-from prune_heads.speed import benchmark, benchmark_pair, count_flops, dummy_inputs
+from prune_heads.data import dummy_inputs
+from prune_heads.speed import PeakAllocations, benchmark, benchmark_pair, count_flops
 
 
 def test_flops_drop_by_exactly_the_removed_heads():
@@ -17,6 +18,23 @@ def test_flops_drop_by_exactly_the_removed_heads():
     b, s, hidden, d = 2, 10, 32, 8
     per_head = 4 * 2 * b * s * hidden * d + 2 * 2 * b * s * s * d  # q, k, v, o projections + scores + context
     assert before - after == 3 * per_head
+
+
+def test_peak_allocations_count_live_tensors_once_and_print_nothing(capfd):
+    x = torch.randn(1000, 1000)  # 4 MB, made before: not counted
+
+    def forward(x):
+        a = x @ x  # 4 MB
+        b = a.exp()  # 4 MB
+        del a
+        c = b.t().contiguous()  # 4 MB, b's 4 MB still alive; the view b.t() adds nothing
+        x.add_(0)  # in place: nothing new
+        return c.sum()  # 4 bytes more, with b and c alive: the peak
+
+    with PeakAllocations() as allocations:
+        forward(x)
+    assert allocations.peak == 8_000_004 and allocations.current == 0
+    assert capfd.readouterr().err == ""  # the torch profiler's kineto printed USDT lines here
 
 
 def test_benchmark_reports_settings_and_decoder_figures():

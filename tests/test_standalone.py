@@ -23,7 +23,7 @@ for folder in sorted(p for p in __import__("pathlib").Path(sys.argv[1]).iterdir(
     model = auto.from_pretrained(folder, trust_remote_code=True, attn_implementation="eager").eval()
     inputs = tm.make_inputs(folder.name)
     with torch.no_grad():
-        out = {"output": tm.main_output(model(**inputs)), "class": type(model).__name__,
+        out = {"output": tm.main_output(model(**inputs)), "class": type(model).__module__,
                "params": sum(p.numel() for p in model.parameters())}
         if tm.FAMILIES[folder.name][3] == "decoder":
             out["generated"] = model.generate(**inputs, max_new_tokens=4, do_sample=False)
@@ -58,7 +58,7 @@ def test_standalone_checkpoints_load_without_prune_heads(tmp_path):
     assert set(loaded) == set(expected)
     for name, want in expected.items():
         got = loaded[name]
-        assert got["class"].startswith("Pruned"), name
+        assert got["class"].endswith("modeling_prune_heads"), name  # loaded by the checkpoint's own code
         assert got["params"] == want["params"], name
         assert torch.equal(got["output"], want["output"]), name
         if "generated" in want:

@@ -43,9 +43,23 @@ FAMILIES = {
                T.Gemma3ForCausalLM, "decoder"),
     "phi": (T.PhiConfig, {"num_key_value_heads": 4}, T.PhiForCausalLM, "decoder"),
     "phi3": (T.Phi3Config, {"num_key_value_heads": 2}, T.Phi3ForCausalLM, "decoder"),
+    "gpt-neox": (T.GPTNeoXConfig, {"max_position_embeddings": 64}, T.GPTNeoXForCausalLM, "decoder"),
+    "bloom": (T.BloomConfig, {}, T.BloomForCausalLM, "decoder"),
+    "gptj": (T.GPTJConfig, {"rotary_dim": 4, "n_positions": 64}, T.GPTJForCausalLM, "decoder"),
+    "xglm": (T.XGLMConfig, {"ffn_dim": 64, "max_position_embeddings": 64}, T.XGLMForCausalLM, "decoder"),
+    "stablelm": (T.StableLmConfig, {"num_key_value_heads": 2, "qk_layernorm": True}, T.StableLmForCausalLM,
+                 "decoder"),
+    "gpt-bigcode": (T.GPTBigCodeConfig, {"n_positions": 64, "multi_query": True}, T.GPTBigCodeForCausalLM,
+                    "decoder"),
     "t5": (T.T5Config, {"d_model": 32, "d_kv": 8, "num_heads": 4, "d_ff": 64, "num_layers": 2,
                         "num_decoder_layers": 2, "vocab_size": 128, "decoder_start_token_id": 0},
            T.T5ForConditionalGeneration, "seq2seq"),
+    "umt5": (T.UMT5Config, {"d_model": 32, "d_kv": 8, "num_heads": 4, "d_ff": 64, "num_layers": 2,
+                            "num_decoder_layers": 2, "vocab_size": 128, "decoder_start_token_id": 0},
+             T.UMT5ForConditionalGeneration, "seq2seq"),
+    "longt5": (T.LongT5Config, {"d_model": 32, "d_kv": 8, "num_heads": 4, "d_ff": 64, "num_layers": 2,
+                                "num_decoder_layers": 2, "vocab_size": 128, "decoder_start_token_id": 0,
+                                "local_radius": 4}, T.LongT5ForConditionalGeneration, "seq2seq"),
     "bart": (T.BartConfig, SEQ2SEQ, T.BartForConditionalGeneration, "seq2seq"),
     "whisper": (T.WhisperConfig, {**SEQ2SEQ, "num_mel_bins": 8, "max_source_positions": 16,
                                   "max_target_positions": 32, "suppress_tokens": None, "begin_suppress_tokens": None},
@@ -58,7 +72,7 @@ FAMILIES = {
 def build(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, attn: str = "eager"):
     """Build the tiny model of a family, in eval mode, with seeded random weights."""
     config_class, overrides, model_class, _ = FAMILIES[name]
-    base = {} if name in ("t5", "bart", "whisper") else COMMON
+    base = {} if FAMILIES[name][3] in ("seq2seq", "speech") else COMMON
     config = config_class(**{**base, **overrides})
     config._attn_implementation = attn
     torch.manual_seed(seed)
@@ -90,6 +104,10 @@ def main_output(outputs) -> torch.Tensor:
     return outputs.logits if getattr(outputs, "logits", None) is not None else outputs.last_hidden_state
 
 
+# attention classes that must keep a head (no forward for an emptied layer: the probe refuses one)
+CANNOT_EMPTY = {"BloomAttention", "UMT5Attention", "LongT5LocalAttention"}
+
+
 def uneven_plan(layers) -> dict[int, list[int]]:
     """A different removal per layer: one layer loses every head, grouped layers lose whole KV groups or the
     same number of query heads from each group, plain layers lose a growing number of heads."""
@@ -97,7 +115,7 @@ def uneven_plan(layers) -> dict[int, list[int]]:
     for layer in layers:
         i, heads, size = layer.index, layer.num_heads, layer.group_size
         if i % 3 == 1:
-            plan[i] = list(range(heads))
+            plan[i] = list(range(heads - (type(layer.module).__name__ in CANNOT_EMPTY)))
         elif size > 1 and i % 3 == 2:
             plan[i] = [g * size for g in range(layer.num_kv_heads)]
         elif size > 1:

@@ -1,0 +1,260 @@
+"""Coverage: every model type transformers can build, as a tiny random model, sorted by what pruning does to it.
+
+For each type in transformers' config mapping, the config is shrunk (2 layers, 4 heads, 2 KV heads where the
+config has them, width 32, small vocabulary and images), the model class is taken from the auto mappings
+(causal LM first, then the base model), and it is run on random inputs. Types that cannot be built or run
+that way are counted apart. The rest get an uneven plan on the first and last attention layers the forward
+pass reaches (one KV group from the first, two from the last where it has three or more), and land in one of:
+
+  exact       zeroed gates equal removal, and save -> load gives the same outputs
+  refused     PlanError / UnsupportedModelError at prune time, model untouched (a clear error)
+  wrong       accepted, then a different output after pruning or after reloading
+  crash       accepted, then a crash in forward, save or load
+  not found   attention modules present (class name says attention, owns a Linear) but find_attention lists none
+  not run     random inputs reach none of the layers find_attention lists (counted apart, like "not built")
+
+Usage: python benchmarks/coverage.py [--types llama,gpt_neox] [--json coverage.json] [--seconds 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import copy
+import inspect
+import json
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+import torch
+import transformers
+from torch import nn
+from transformers import CONFIG_MAPPING, PretrainedConfig
+from transformers.models.auto import modeling_auto
+from transformers.utils import logging
+
+import prune_heads as ph
+from prune_heads.data import dummy_inputs
+from prune_heads.hooks import hooks
+
+logging.set_verbosity_error()
+logging.disable_progress_bar()
+warnings.filterwarnings("ignore")
+
+TINY = {  # attribute: value, wherever a (sub-)config has it
+    "hidden_size": 32, "d_model": 32, "n_embd": 32, "dim": 32, "embed_dim": 32, "embedding_size": 32,
+    "num_hidden_layers": 2, "num_layers": 2, "n_layer": 2, "n_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
+    "num_decoder_layers": 2, "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
+    "encoder_attention_heads": 4, "decoder_attention_heads": 4, "num_key_value_heads": 2, "n_kv_heads": 2,
+    "num_kv_heads": 2, "head_dim": 8, "d_kv": 8, "kv_channels": 8, "intermediate_size": 64, "ffn_dim": 64,
+    "d_ff": 64, "n_inner": 64, "hidden_dim": 64, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
+    "rotary_dim": 4, "vocab_size": 128, "image_size": 32, "patch_size": 8, "max_position_embeddings": 128,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "top_k": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "projection_dim": 32,
+    "projection_size": 32, "text_embed_dim": 32, "vision_embed_dim": 32,
+}
+PARAMETER_CAP = 30_000_000
+
+
+def tiny_overrides(config: PretrainedConfig) -> dict:
+    """Constructor arguments that make every size the config has small, sub-configs too (passed to the
+    constructor, not set afterwards, so that derived fields such as layer types follow)."""
+    out: dict = {}
+    for key, value in vars(config).items():
+        if isinstance(value, PretrainedConfig):
+            layers = getattr(value, "num_hidden_layers", None)
+            kept = {k: v for k, v in value.to_dict().items() if not (isinstance(v, list) and len(v) == layers)}
+            out[key] = {**kept, **tiny_overrides(value)}  # per-layer lists are derived again
+        elif key in TINY and isinstance(value, int) and not isinstance(value, bool):
+            out[key] = TINY[key]
+        elif key.endswith("token_id") and isinstance(value, int) and value >= TINY["vocab_size"]:
+            out[key] = 2  # special tokens must fit the small vocabulary
+    return out
+
+
+def shrink(config: PretrainedConfig) -> PretrainedConfig:
+    """A small config of the same type (see tiny_overrides)."""
+    return type(config)(**tiny_overrides(config))
+
+
+def model_class(config: PretrainedConfig) -> type | None:
+    """The class to build: a causal or seq2seq LM, the base model, else any task head the auto mappings have."""
+    names = ["MODEL_FOR_CAUSAL_LM_MAPPING", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING", "MODEL_MAPPING"]
+    names += sorted(n for n in dir(modeling_auto) if n.startswith("MODEL_FOR_") and n.endswith("_MAPPING"))
+    for name in names:
+        try:
+            return getattr(modeling_auto, name)[type(config)]
+        except (KeyError, ValueError, ImportError, AttributeError, TypeError):
+            continue
+    return getattr(transformers, type(config).__name__.replace("Config", "Model"), None)  # sub-models
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    def expire(*_):
+        raise TimeoutError(f"over {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run(model: nn.Module, inputs: dict):
+    torch.manual_seed(0)  # models that draw noise in forward (ViTMAE's masking) draw the same each time
+    with torch.no_grad():
+        return model(**inputs)
+
+
+def first(output) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    for key in ("logits", "last_hidden_state", "image_embeds", "text_embeds"):
+        value = getattr(output, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    return next(v for v in (output.values() if hasattr(output, "values") else output) if isinstance(v, torch.Tensor))
+
+
+def attention_like(model: nn.Module) -> bool:
+    """Whether a module's class name says attention and it owns a projection (Linear, Conv1D, ...)."""
+    return any("attention" in type(m).__name__.lower()
+               and any(getattr(getattr(c, "weight", None), "dim", lambda: 0)() == 2 for c in m.children())
+               for m in model.modules())
+
+
+def plan_for(layer: ph.AttentionLayer, groups: int) -> list[int]:
+    size = layer.group_size
+    chosen = list(range(min(groups, max(layer.num_kv_heads - 1, 1))))
+    return [h for g in chosen for h in range(g * size, (g + 1) * size)]
+
+
+def build(model_type: str) -> tuple[nn.Module, dict] | str:
+    """The tiny model and its inputs, or why there is none."""
+    config = shrink(CONFIG_MAPPING[model_type]())
+    config._attn_implementation = "eager"
+    cls = model_class(config)
+    if cls is None:
+        return "no auto model class"
+    with torch.device("meta"):
+        size = sum(p.numel() for p in cls(config).parameters())
+    if size > PARAMETER_CAP:
+        return f"{size / 1e6:.0f}M parameters after shrinking"
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    inputs = dummy_inputs(model, batch_size=2, seq_len=8)
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        inputs["use_cache"] = False
+    try:
+        run(model, inputs)
+    except Exception:
+        if "pixel_values" not in inputs or "input_ids" not in inputs:
+            raise
+        inputs.pop("pixel_values")  # a multimodal model wants image tokens with pixels: its text part alone
+        run(model, inputs)
+    return model, inputs
+
+
+def classify(model_type: str, seconds: int) -> tuple[str, str]:
+    try:
+        with deadline(seconds):
+            built = build(model_type)
+    except Exception as error:
+        return "not built", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:160]
+    if isinstance(built, str):
+        return "not built", built
+    model, inputs = built
+    try:
+        with deadline(seconds):
+            return check(model, inputs)
+    except TimeoutError as error:
+        return "crash", f"timeout {error}"
+
+
+def check(model: nn.Module, inputs: dict) -> tuple[str, str]:
+    try:
+        layers = ph.find_attention(model)
+    except ph.UnsupportedModelError as error:
+        return "refused", str(error).splitlines()[0][:160]
+    except Exception as error:
+        return "crash", f"find_attention: {type(error).__name__}: {error}"[:160]
+    if not layers:
+        return ("not found", "attention modules, none listed") if attention_like(model) else ("no attention", "")
+    called: list[str] = []
+    with hooks((l.module, "forward_pre", lambda m, a, n=l.name: called.append(n)) for l in layers):
+        run(model, inputs)
+    ran = [l for l in layers if l.name in called]
+    if not ran:
+        return "not run", "random inputs reach no listed attention layer"
+    targets = {ran[0].name: plan_for(ran[0], 1)}
+    if len(ran) > 1:
+        targets[ran[-1].name] = plan_for(ran[-1], 2)
+    by_name = {l.name: l for l in layers}
+    with ph.head_gates(model) as gates:
+        for name, heads in targets.items():
+            for h in heads:
+                gates[by_name[name].index].data[h] = 0.0
+        expected = first(run(model, inputs))
+    try:
+        ph.prune(model, targets, inputs=inputs)
+    except (ph.PlanError, ph.UnsupportedModelError) as error:
+        return "refused", str(error).splitlines()[0][:160]
+    except Exception as error:
+        return "crash", f"prune: {type(error).__name__}: {error}"[:160]
+    try:
+        got = first(run(model, inputs))
+    except Exception as error:
+        return "crash", f"forward after prune: {type(error).__name__}: {error}"[:160]
+    if got.shape != expected.shape or not torch.allclose(got, expected, rtol=0, atol=1e-4):
+        return "wrong", "pruned output differs from the gated one"
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            ph.save_pruned(model, f"{folder}/m")
+            loaded = ph.load_pruned(f"{folder}/m", attn_implementation="eager").eval()
+            again = first(run(loaded, inputs))
+        except Exception as error:
+            return "crash", f"save/load: {type(error).__name__}: {error}"[:160]
+    if again.shape != got.shape or not torch.allclose(again, got, rtol=0, atol=1e-5):
+        return "wrong", "reloaded output differs"
+    return "exact", ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", default=None, help="comma-separated model types (default: all)")
+    parser.add_argument("--json", default=None, help="write every type's outcome here")
+    parser.add_argument("--seconds", type=int, default=60, help="time limit per type and stage")
+    args = parser.parse_args()
+    types = args.types.split(",") if args.types else sorted(CONFIG_MAPPING.keys())
+    results: dict[str, tuple[str, str]] = {}
+    start = time.time()
+    for i, model_type in enumerate(types):
+        try:
+            results[model_type] = classify(model_type, args.seconds)
+        except Exception as error:  # the harness itself: never stop the sweep
+            results[model_type] = ("not built", f"harness: {type(error).__name__}: {error}"[:160])
+        print(f"[{i + 1}/{len(types)}] {model_type}: {' - '.join(filter(None, results[model_type]))}",
+              file=sys.stderr, flush=True)
+    counts = collections.Counter(outcome for outcome, _ in results.values())
+    print(f"\ntransformers {transformers.__version__}, torch {torch.__version__}: {len(types)} model types, "
+          f"{time.time() - start:.0f} s\n")
+    print("| outcome | types |\n|---|---|")
+    for outcome in ("exact", "refused", "wrong", "crash", "not found", "no attention", "not run", "not built"):
+        names = sorted(t for t, (o, _) in results.items() if o == outcome)
+        shown = ", ".join(names) if outcome in ("wrong", "crash", "not found") else ""
+        print(f"| {outcome} | {counts[outcome]}{': ' + shown if shown else ''} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"transformers": transformers.__version__, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
