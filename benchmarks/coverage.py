@@ -4,7 +4,8 @@ For each type in transformers' config mapping, the config is shrunk (2 layers, 4
 config has them, width 32, small vocabulary and images), the model class is taken from the auto mappings
 (causal LM first, then the base model), and it is run on random inputs. Types that cannot be built or run
 that way are counted apart. The rest get an uneven plan on the first and last attention layers the forward
-pass reaches (one KV group from the first, two from the last where it has three or more), and land in one of:
+pass reaches (one KV group from the first, two from the last where it has three or more; query heads where a
+layer has one KV group), and land in one of:
 
   exact       zeroed gates equal removal, and save -> load gives the same outputs
   refused     PlanError / UnsupportedModelError at prune time, model untouched (a clear error)
@@ -34,6 +35,7 @@ import warnings
 import torch
 import transformers
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from transformers import CONFIG_MAPPING, PretrainedConfig
 from transformers.models.auto import modeling_auto
 from transformers.utils import logging
@@ -53,7 +55,7 @@ TINY = {  # attribute: value, wherever a (sub-)config has it
     "encoder_attention_heads": 4, "decoder_attention_heads": 4, "num_key_value_heads": 2, "n_kv_heads": 2,
     "num_kv_heads": 2, "head_dim": 8, "d_kv": 8, "kv_channels": 8, "intermediate_size": 64, "ffn_dim": 64,
     "d_ff": 64, "n_inner": 64, "hidden_dim": 64, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
-    "rotary_dim": 4, "vocab_size": 128, "image_size": 32, "patch_size": 8, "max_position_embeddings": 128,
+    "rotary_dim": 4, "window_size": 4, "vocab_size": 128, "image_size": 32, "patch_size": 8, "max_position_embeddings": 128,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "top_k": 2,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "projection_dim": 32,
     "projection_size": 32, "text_embed_dim": 32, "vision_embed_dim": 32,
@@ -72,6 +74,8 @@ def tiny_overrides(config: PretrainedConfig) -> dict:
             out[key] = {**kept, **tiny_overrides(value)}  # per-layer lists are derived again
         elif key in TINY and isinstance(value, int) and not isinstance(value, bool):
             out[key] = TINY[key]
+        elif key in ("num_heads", "depths") and isinstance(value, (list, tuple)) and value:
+            out[key] = [4 if key == "num_heads" else 1] * len(value)  # hierarchical models (Swin): per stage
         elif key.endswith("token_id") and isinstance(value, int) and value >= TINY["vocab_size"]:
             out[key] = 2  # special tokens must fit the small vocabulary
     return out
@@ -121,7 +125,8 @@ def first(output) -> torch.Tensor:
         value = getattr(output, key, None)
         if isinstance(value, torch.Tensor):
             return value
-    return next(v for v in (output.values() if hasattr(output, "values") else output) if isinstance(v, torch.Tensor))
+    return next(t for t in tree_leaves(output.to_tuple() if hasattr(output, "to_tuple") else output)
+                if isinstance(t, torch.Tensor))
 
 
 def attention_like(model: nn.Module) -> bool:
@@ -132,6 +137,9 @@ def attention_like(model: nn.Module) -> bool:
 
 
 def plan_for(layer: ph.AttentionLayer, groups: int) -> list[int]:
+    """`groups` whole KV groups (never every one), or `groups` query heads of a single-group layer."""
+    if layer.num_kv_heads == 1:
+        return list(layer.heads[:min(groups, layer.num_heads - 1)])
     size = layer.group_size
     chosen = list(range(min(groups, max(layer.num_kv_heads - 1, 1))))
     return [h for g in chosen for h in range(g * size, (g + 1) * size)]

@@ -23,13 +23,16 @@ class AttentionSpec:
     Paths are dotted attribute paths relative to the matched module (the anchor). `q`, `k`, `v` are the
     projections producing heads; or `fused_qkv` is one projection whose outputs are [q | k | v] with q of
     num_heads * head_dim and k, v of num_kv_heads * head_dim features (`fused_layout` "blocks"), or
-    [q | k | v] of head 0, then of head 1, ... ("heads": GPT-NeoX, BLOOM). `o` consumes the concatenated heads.
+    [q | k | v] of head 0, then of head 1, ... ("heads": GPT-NeoX, BLOOM), or per KV group the group's
+    query heads then its k and v ("groups": Falcon's new architecture); a function of the module may pick.
+    `q_blocks` is 2 where q's projection gives each head its query and then an output gate (Qwen3-Next). `o` consumes the concatenated heads.
     `updates` lists (path, attribute, quantity) set after slicing, quantity one of "heads", "kv_heads",
     "inner" (heads * head_dim), "kv_groups" (query heads per KV head); a path that resolves to a model
     config gets a private view of it. `per_head_out` are further projections sliced like q (when present),
     `per_head_columns` are parameters with one column per head (when present), `per_head_lists` and
     `per_kv_head_lists` are ModuleLists with one module per query or KV head (when present),
-    `per_head_params` parameters whose first dimension is the query heads (an attention sink per head). `prepare` runs once on the
+    `per_head_params` parameters whose first dimension is the query heads (an attention sink per head).
+    `head_dim` names the head size attribute, or is a function of the module for modules that keep none. `prepare` runs once on the
     whole model before its first surgery, for families whose layers share per-head state. `no_heads` names
     the module whose forward is replaced when a layer loses every head (so no zero-width projection or
     reshape runs: some families' code cannot, and ONNX reshapes cannot), and `no_heads_outputs` the length
@@ -39,12 +42,13 @@ class AttentionSpec:
     name: str
     module_types: tuple[str, ...]
     o: str
-    head_dim: str
+    head_dim: str | Callable[[nn.Module], int]
     q: str | None = None
     k: str | None = None
     v: str | None = None
     fused_qkv: str | None = None
-    fused_layout: str = "blocks"
+    fused_layout: str | Callable[[nn.Module], str] = "blocks"
+    q_blocks: int = 1
     grouped: bool = False
     updates: tuple[tuple[str, str, str], ...] = ()
     per_head_out: tuple[str, ...] = ()
@@ -104,48 +108,48 @@ def _drop_shared_position_bias(module: nn.Module, args: tuple, kwargs: dict) -> 
     return args, kwargs
 
 
-def _mpnet_select_bias_heads(model: nn.Module) -> None:
-    """Make each MPNet layer pick its own heads out of the encoder's shared relative position bias."""
-    for module in model.modules():
-        if type(module).__name__ == "MPNetSelfAttention" and not getattr(module, "_ph_bias_hook", False):
-            module.register_forward_pre_hook(_select_position_bias_heads, with_kwargs=True)
-            module._ph_bias_hook = True
+def _heads(module: nn.Module) -> int:
+    """The head count a module keeps under one of the common names (for layouts that keep no head size)."""
+    return next(getattr(module, n) for n in ("num_heads", "num_attention_heads", "n_head", "n_heads") if hasattr(module, n))
 
 
-def _select_position_bias_heads(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    present = getattr(module, "_ph_present", None)
-    if present is None:
+def _falcon_layout(module: nn.Module) -> str:
+    """Falcon's fused layout: per KV group (new architecture), one shared KV head (multi-query), or per head."""
+    if module.new_decoder_architecture:
+        return "groups"
+    return "blocks" if module.multi_query else "heads"
+
+
+def _per_head_argument(class_name: str, argument: str, position: int, dim: int, batch_major: bool = False):
+    """A `prepare` for families whose model hands every layer one tensor with a slice per ORIGINAL head
+    (a relative position bias, ALiBi slopes): each `class_name` module gets a forward pre-hook that keeps
+    the slices of the heads it still has, along `dim` of `argument` (or positional `position`).
+    `batch_major`: the tensor is [batch * heads, ...] (BLOOM)."""
+
+    def select(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        present = getattr(module, "_ph_present", None)
+        value = kwargs.get(argument, args[position] if len(args) > position else None)
+        if present is None or value is None:
+            return args, kwargs
+        index = torch.tensor(present, dtype=torch.long, device=value.device)
+        if batch_major:
+            heads = module._ph_record["num_heads"]
+            value = value.reshape(-1, heads, *value.shape[1:]).index_select(1, index).reshape(-1, *value.shape[1:])
+        else:
+            value = value.index_select(dim, index)
+        if argument in kwargs:
+            kwargs[argument] = value
+        else:
+            args = (*args[:position], value, *args[position + 1:])
         return args, kwargs
-    if len(args) > 2 and args[2] is not None:
-        index = torch.tensor(present, dtype=torch.long, device=args[2].device)
-        args = (*args[:2], args[2].index_select(1, index), *args[3:])
-    elif kwargs.get("position_bias") is not None:
-        bias = kwargs["position_bias"]
-        kwargs["position_bias"] = bias.index_select(1, torch.tensor(present, dtype=torch.long, device=bias.device))
-    return args, kwargs
 
+    def prepare(model: nn.Module) -> None:
+        for module in model.modules():
+            if type(module).__name__ == class_name and not getattr(module, "_ph_head_argument", False):
+                module.register_forward_pre_hook(select, with_kwargs=True)
+                module._ph_head_argument = True
 
-def _bloom_select_alibi_heads(model: nn.Module) -> None:
-    """Make each BLOOM layer pick its own heads' rows out of the ALiBi tensor the model builds for all heads."""
-    for module in model.modules():
-        if type(module).__name__ == "BloomAttention" and not getattr(module, "_ph_alibi_hook", False):
-            module.register_forward_pre_hook(_select_alibi_heads, with_kwargs=True)
-            module._ph_alibi_hook = True
-
-
-def _select_alibi_heads(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    present = getattr(module, "_ph_present", None)
-    alibi = kwargs.get("alibi", args[2] if len(args) > 2 else None)
-    if present is None or alibi is None:
-        return args, kwargs
-    heads = module._ph_record["num_heads"]
-    index = torch.tensor(present, dtype=torch.long, device=alibi.device)
-    rows = alibi.reshape(-1, heads, *alibi.shape[1:]).index_select(1, index).reshape(-1, *alibi.shape[1:])
-    if "alibi" in kwargs:
-        kwargs["alibi"] = rows
-    else:
-        args = (*args[:2], rows, *args[3:])
-    return args, kwargs
+    return prepare
 
 
 _BERT_UPDATES = (("self", "num_attention_heads", "heads"), ("self", "all_head_size", "inner"))
@@ -171,12 +175,12 @@ FAMILIES: list[AttentionSpec] = [
                   no_heads="self"),
     AttentionSpec("mpnet", ("MPNetSelfAttention",), q="q", k="k", v="v", o="o", head_dim="attention_head_size",
                   updates=(("", "num_attention_heads", "heads"), ("", "all_head_size", "inner")),
-                  prepare=_mpnet_select_bias_heads, no_heads="", no_heads_outputs=1),
+                  prepare=_per_head_argument("MPNetSelfAttention", "position_bias", 2, dim=1), no_heads="", no_heads_outputs=1),
     AttentionSpec("modernbert", ("ModernBertAttention",), fused_qkv="Wqkv", o="Wo", head_dim="head_dim"),
     AttentionSpec("gpt2", ("GPT2Attention",), fused_qkv="c_attn", o="c_proj", head_dim="head_dim",
                   updates=(("", "num_heads", "heads"), ("", "split_size", "inner")), no_heads=""),
     AttentionSpec("opt", ("OPTAttention",), q="q_proj", k="k_proj", v="v_proj", o="out_proj", head_dim="head_dim",
-                  updates=(("", "num_heads", "heads"),), no_heads=""),
+                  grouped=True, updates=(("", "num_heads", "heads"),), no_heads=""),
     AttentionSpec("bart", _BART_TYPES, q="q_proj", k="k_proj", v="v_proj", o="out_proj", head_dim="head_dim",
                   updates=(("", "num_heads", "heads"),), no_heads=""),
     AttentionSpec("llama", _LLAMA_TYPES, q="q_proj", k="k_proj", v="v_proj", o="o_proj", head_dim="head_dim",
@@ -196,10 +200,36 @@ FAMILIES: list[AttentionSpec] = [
     AttentionSpec("gpt-neox", ("GPTNeoXAttention",), fused_qkv="query_key_value", fused_layout="heads", o="dense",
                   head_dim="head_size", no_heads=""),
     AttentionSpec("bloom", ("BloomAttention",), fused_qkv="query_key_value", fused_layout="heads", o="dense",
-                  head_dim="head_dim", updates=(("", "num_heads", "heads"),), prepare=_bloom_select_alibi_heads),
+                  head_dim="head_dim", updates=(("", "num_heads", "heads"),),
+                  prepare=_per_head_argument("BloomAttention", "alibi", 2, dim=0, batch_major=True)),
+    AttentionSpec("mpt", ("MptAttention",), fused_qkv="Wqkv", o="out_proj", head_dim="head_dim",
+                  updates=(("", "n_heads", "heads"),),
+                  prepare=_per_head_argument("MptAttention", "position_bias", 1, dim=0)),
     AttentionSpec("gpt-bigcode", ("GPTBigCodeAttention",), fused_qkv="c_attn", o="c_proj", head_dim="head_dim",
                   grouped=True, updates=(("", "num_heads", "heads"), ("", "embed_dim", "inner"),
                                          ("", "num_key_value_groups", "kv_groups")), no_heads=""),
+    AttentionSpec("vit-legacy", (), q="attention.query", k="attention.key", v="attention.value", o="output.dense",
+                  head_dim="attention.attention_head_size",
+                  updates=(("attention", "num_attention_heads", "heads"), ("attention", "all_head_size", "inner"))),
+    # layouts known only by structure (no class is registered for them; the probe proves each module)
+    AttentionSpec("wq", (), q="Wq", k="Wk", v="Wv", o="dense", head_dim="head_dim"),
+    AttentionSpec("wo", (), q="q_proj", k="k_proj", v="v_proj", o="Wo", head_dim="head_dim", grouped=True),
+    AttentionSpec("qkv-proj", (), fused_qkv="qkv", o="proj", head_dim=lambda m: m.qkv.out_features // 3 // _heads(m)),
+    AttentionSpec("c-attn", (), fused_qkv="c_attn", o="c_proj", head_dim=lambda m: m.split_size // m.n_head),
+    AttentionSpec("attention-qkv", (), fused_qkv="attention.qkv", o="output.dense",
+                  head_dim=lambda m: m.attention.qkv.out_features // 3 // m.attention.num_heads,
+                  updates=(("attention", "num_heads", "heads"),)),
+    AttentionSpec("linear-q", (), q="linear_q", k="linear_k", v="linear_v", o="linear_out",
+                  head_dim=lambda m: m.linear_q.out_features // _heads(m)),
+    AttentionSpec("projection-layer", (), q="q_proj", k="k_proj", v="v_proj", o="projection_layer", head_dim="head_dim",
+                  grouped=True),
+    AttentionSpec("query-proj", (), q="query", k="key", v="value", o="proj", head_dim="attention_head_size"),
+    AttentionSpec("qwen3-next", ("Qwen3NextAttention",), q="q_proj", k="k_proj", v="v_proj", o="o_proj",
+                  head_dim="head_dim", grouped=True, q_blocks=2,
+                  updates=(("", "num_key_value_groups", "kv_groups"),), no_heads=""),
+    AttentionSpec("falcon", ("FalconAttention",), fused_qkv="query_key_value", fused_layout=_falcon_layout,
+                  o="dense", head_dim="head_dim", grouped=True,
+                  updates=(("", "num_heads", "heads"), ("", "num_kv_heads", "kv_heads")), no_heads=""),
     AttentionSpec("gptj", ("GPTJAttention",), q="q_proj", k="k_proj", v="v_proj", o="out_proj",
                   head_dim="head_dim", updates=(("", "num_attention_heads", "heads"),)),
     AttentionSpec("xglm", ("XGLMAttention",), q="q_proj", k="k_proj", v="v_proj", o="out_proj", head_dim="head_dim",

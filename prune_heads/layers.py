@@ -67,33 +67,50 @@ def _has_path(module: nn.Module, path: str | None) -> bool:
 # head counts an unregistered module may keep in its own attributes or its config (quantity, attributes)
 _HEAD_COUNTS = (("heads", ("num_heads", "num_attention_heads", "n_heads", "n_head")),
                 ("kv_heads", ("num_key_value_heads", "num_kv_heads", "n_kv_heads")),
-                ("kv_groups", ("num_key_value_groups",)), ("inner", ("embed_dim", "inner_dim", "all_head_size")))
+                ("kv_groups", ("num_key_value_groups",)),
+                ("inner", ("embed_dim", "inner_dim", "all_head_size", "d_model_size", "split_size")))
+
+
+def head_dim_of(module: nn.Module, spec: AttentionSpec) -> int:
+    """The module's head size: the attribute `spec.head_dim` names, or what the spec's function computes."""
+    return int(spec.head_dim(module) if callable(spec.head_dim) else resolve(module, spec.head_dim))
 
 
 def _with_head_counts(module: nn.Module, spec: AttentionSpec) -> AttentionSpec:
     """A structural match's spec, also handling what the module keeps per head under common shapes and names
     (the probe then proves the result): head counts in its attributes or config (`inner` names only where
-    they equal heads * head_dim), its own parameters with one value per head (attention sinks), and further
-    projections with one output block per head (output gates)."""
-    head_dim = int(resolve(module, spec.head_dim))
+    they equal heads * head_dim), parameters whose first dimension is the heads (attention sinks, logit
+    scales) or whose columns are (relative position bias tables), and further projections with one output
+    block per head (output gates)."""
+    head_dim = head_dim_of(module, spec)
     heads = Projection(resolve(module, spec.o)).features("in") // max(head_dim, 1)
     taken = {id(resolve(module, p)) for p in (spec.q, spec.k, spec.v, spec.o, spec.fused_qkv) if p is not None}
     gates = tuple(name for name, child in module.named_children()
                   if is_projection(child) and id(child) not in taken and heads > 1
                   and Projection(child).features("out") == heads * head_dim)
-    sinks = tuple(name for name, param in module.named_parameters(recurse=False)
-                  if param.dim() == 1 and param.numel() == heads and heads > 1)
+    projections = [p for p in (spec.q, spec.k, spec.v, spec.o, spec.fused_qkv, *gates) if p is not None]
+    own = [(name, param) for name, param in module.named_parameters()
+           if heads > 1 and not any(name.startswith(p + ".") for p in projections)]
+    sinks = tuple(name for name, param in own if param.dim() >= 1 and param.shape[0] == heads)
+    tables = tuple(name for name, param in own if param.dim() == 2 and param.shape[1] == heads != param.shape[0])
     config = getattr(module, "config", None)
     updates = list(spec.updates)
     for quantity, names in _HEAD_COUNTS:
         for owner, path in ((module, ""), (config, "config")):
             for attribute in names:
-                value = getattr(owner, attribute, None) if owner is not None else None
+                try:
+                    value = getattr(owner, attribute, None)
+                except Exception:  # configs whose per-layer attributes refuse a global read (Gemma 4)
+                    value = None
                 if type(value) is int and (quantity != "inner" or value == heads * head_dim) \
                         and (path, attribute, quantity) not in updates and not (path and quantity == "inner"):
                     updates.append((path, attribute, quantity))
-    return dataclasses.replace(spec, updates=tuple(updates), per_head_out=spec.per_head_out + gates,
-                               per_head_params=spec.per_head_params + sinks)
+    def more(known: tuple[str, ...], found: tuple[str, ...]) -> tuple[str, ...]:
+        return known + tuple(f for f in found if f not in known)
+
+    return dataclasses.replace(spec, updates=tuple(updates), per_head_out=more(spec.per_head_out, gates),
+                               per_head_params=more(spec.per_head_params, sinks),
+                               per_head_columns=more(spec.per_head_columns, tables))
 
 
 def is_projection(module: object) -> bool:
@@ -103,9 +120,13 @@ def is_projection(module: object) -> bool:
 
 def _fits(module: nn.Module, spec: AttentionSpec) -> bool:
     names = [spec.fused_qkv] if spec.fused_qkv else [spec.q, spec.k, spec.v]
-    if not all(_has_path(module, p) for p in [*names, spec.o, spec.head_dim]):
+    if not all(_has_path(module, p) for p in [*names, spec.o]) or not all(
+            is_projection(resolve(module, p)) for p in [*names, spec.o]):
         return False
-    return all(is_projection(resolve(module, p)) for p in [*names, spec.o])
+    try:
+        return head_dim_of(module, spec) > 0
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return False
 
 
 class Projection:
@@ -148,38 +169,52 @@ class Projection:
 
 @dataclass(frozen=True)
 class HeadSlot:
-    """Where one of q, k, v keeps its heads inside a projection: head p's features are
-    [p * stride + first, p * stride + first + head_dim)."""
+    """Where one of q, k, v keeps its heads inside a projection: the heads come in blocks of `per` (one
+    block every `stride` features), so head p's features start at (p // per) * stride + (p % per) * head_dim
+    + first."""
 
     projection: Projection
     first: int
     stride: int
+    per: int = 1
+    blocks: int = 1  # head_dim blocks per head (2: a query and its output gate, Qwen3-Next)
 
     def features(self, positions: list[int], head_dim: int) -> torch.Tensor:
-        """Output-feature indices [len(positions) * head_dim] of the heads at these positions."""
+        """Output-feature indices [len(positions) * blocks * head_dim] of the heads at these positions."""
         device = self.projection.module.weight.device
-        positions_t = torch.tensor(positions, dtype=torch.long, device=device)
-        return (positions_t[:, None] * self.stride + self.first + torch.arange(head_dim, device=device)).reshape(-1)
+        p = torch.tensor(positions, dtype=torch.long, device=device)
+        width = self.blocks * head_dim
+        start = (p // self.per) * self.stride + (p % self.per) * width + self.first
+        return (start[:, None] + torch.arange(width, device=device)).reshape(-1)
 
 
 def qkv_parts(module: nn.Module, spec: AttentionSpec, num_heads: int, head_dim: int) -> tuple[dict[str, HeadSlot], int]:
     """Where the q, k and v heads live, {"q"|"k"|"v": HeadSlot}, and the number of KV heads: three
-    projections, one fused projection holding [q | k | v], or one holding [q | k | v] per head ("heads")."""
+    projections, or one fused projection laid out as [q | k | v] ("blocks"), [q, k, v] per head ("heads")
+    or [q of the group's heads, k, v] per KV group ("groups"); see AttentionSpec.fused_layout."""
     if spec.fused_qkv:
         fused = Projection(resolve(module, spec.fused_qkv))
         kv_heads = (fused.features("out") // head_dim - num_heads) // 2
-        if spec.fused_layout == "heads":
+        layout = spec.fused_layout(module) if callable(spec.fused_layout) else spec.fused_layout
+        if layout == "heads":
             return {name: HeadSlot(fused, i * head_dim, 3 * head_dim) for i, name in enumerate("qkv")}, kv_heads
+        if layout == "groups":
+            per = num_heads // max(kv_heads, 1)
+            block = (per + 2) * head_dim
+            return {"q": HeadSlot(fused, 0, block, per), "k": HeadSlot(fused, per * head_dim, block),
+                    "v": HeadSlot(fused, (per + 1) * head_dim, block)}, kv_heads
         q, kv = num_heads * head_dim, kv_heads * head_dim
         return {"q": HeadSlot(fused, 0, head_dim), "k": HeadSlot(fused, q, head_dim),
                 "v": HeadSlot(fused, q + kv, head_dim)}, kv_heads
     parts = {name: HeadSlot(Projection(resolve(module, getattr(spec, name))), 0, head_dim) for name in "qkv"}
+    if spec.q_blocks > 1:
+        parts["q"] = HeadSlot(parts["q"].projection, 0, spec.q_blocks * head_dim, blocks=spec.q_blocks)
     return parts, parts["k"].projection.features("out") // head_dim
 
 
 def describe(module: nn.Module, spec: AttentionSpec, name: str, index: int) -> AttentionLayer:
     """Read head counts from the weights of one attention module (no config is trusted)."""
-    head_dim = int(resolve(module, spec.head_dim))
+    head_dim = head_dim_of(module, spec)
     num_heads = Projection(resolve(module, spec.o)).features("in") // head_dim
     _, num_kv_heads = qkv_parts(module, spec, num_heads, head_dim)
     record = getattr(module, "_ph_record", None)

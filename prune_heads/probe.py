@@ -137,7 +137,10 @@ def probe_plan(model: nn.Module, layers: list[AttentionLayer], plan: dict[str, l
 
     `inputs` is one batch for the model (default: random inputs of the right shape). A layer of a registered
     class that the pass never reaches is trusted to the table, whose families are tested; one matched only by
-    its structure must be proven. Raises PlanError naming the layer and the register_family fix.
+    its structure must be proven. Raises PlanError naming the layer and the register_family fix. The
+    families' one-time preparation runs first (it changes no output: T5 layers get their own copy of the
+    shared relative bias table), so the layers are captured as the surgery will see them; everything else
+    is left as it was.
     """
     planned = [layer for layer in layers if plan.get(layer.name)]
     if not planned:

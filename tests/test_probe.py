@@ -51,10 +51,9 @@ class Tiny(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"sink": True}])
-def test_a_structural_match_that_would_crash_is_refused_untouched(kwargs):
+def test_a_structural_match_that_would_crash_is_refused_untouched():
     torch.manual_seed(0)
-    model, x = Tiny(**kwargs), torch.randn(2, 5, 32)
+    model, x = Tiny(), torch.randn(2, 5, 32)
     layers = ph.find_attention(model)
     assert len(layers) == 2  # matched by structure: no family names CountingAttention
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -63,6 +62,18 @@ def test_a_structural_match_that_would_crash_is_refused_untouched(kwargs):
         ph.prune(model, {0: [1]}, inputs={"x": x})
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     model(x)  # still runs
+
+
+def test_one_value_per_head_is_found_and_sliced_with_the_heads():
+    torch.manual_seed(0)
+    model, x = Tiny(sink=True), torch.randn(2, 5, 32)  # sinks: [heads], as GPT-OSS keeps them
+    assert ph.find_attention(model)[0].spec.per_head_params == ("sinks",)
+    with ph.head_gates(model) as gates, torch.no_grad():
+        gates[0][1] = 0.0
+        expected = model(x)
+    ph.prune(model, {0: [1]}, inputs={"x": x})
+    assert model.blocks[0].sinks.shape == (3,)
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-5)
 
 
 def test_a_structural_match_that_is_exact_is_accepted():

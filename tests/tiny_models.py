@@ -11,6 +11,7 @@ SEQ2SEQ = dict(d_model=32, encoder_attention_heads=4, decoder_attention_heads=4,
                encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=128, pad_token_id=0, bos_token_id=1,
                eos_token_id=2, decoder_start_token_id=1)
 
+OWN_SIZES = {"swin", "swinv2"}  # configs that state every size themselves (Swin's heads are per stage)
 # name: (config class, overrides, model class, kind); kind picks the inputs (see make_inputs)
 FAMILIES = {
     "bert": (T.BertConfig, {}, T.BertForSequenceClassification, "encoder"),
@@ -45,6 +46,14 @@ FAMILIES = {
     "phi3": (T.Phi3Config, {"num_key_value_heads": 2}, T.Phi3ForCausalLM, "decoder"),
     "gpt-neox": (T.GPTNeoXConfig, {"max_position_embeddings": 64}, T.GPTNeoXForCausalLM, "decoder"),
     "bloom": (T.BloomConfig, {}, T.BloomForCausalLM, "decoder"),
+    "falcon": (T.FalconConfig, {"new_decoder_architecture": True, "num_kv_heads": 2}, T.FalconForCausalLM,
+               "decoder"),
+    "qwen3-next": (T.Qwen3NextConfig, {"num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 4,
+                                       "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                       "shared_expert_intermediate_size": 32, "linear_num_value_heads": 4,
+                                       "linear_num_key_heads": 2, "linear_key_head_dim": 8,
+                                       "linear_value_head_dim": 8, "mlp_only_layers": [0, 1, 2, 3]},
+                   T.Qwen3NextForCausalLM, "decoder"),
     "gptj": (T.GPTJConfig, {"rotary_dim": 4, "n_positions": 64}, T.GPTJForCausalLM, "decoder"),
     "xglm": (T.XGLMConfig, {"ffn_dim": 64, "max_position_embeddings": 64}, T.XGLMForCausalLM, "decoder"),
     "stablelm": (T.StableLmConfig, {"num_key_value_heads": 2, "qk_layernorm": True}, T.StableLmForCausalLM,
@@ -64,6 +73,10 @@ FAMILIES = {
     "whisper": (T.WhisperConfig, {**SEQ2SEQ, "num_mel_bins": 8, "max_source_positions": 16,
                                   "max_target_positions": 32, "suppress_tokens": None, "begin_suppress_tokens": None},
                 T.WhisperForConditionalGeneration, "speech"),
+    "swin": (T.SwinConfig, {"image_size": 16, "patch_size": 2, "embed_dim": 32, "depths": [1, 1],
+                            "num_heads": [4, 4], "window_size": 4}, T.SwinForImageClassification, "image"),
+    "swinv2": (T.Swinv2Config, {"image_size": 16, "patch_size": 2, "embed_dim": 32, "depths": [1, 1],
+                                "num_heads": [4, 4], "window_size": 4}, T.Swinv2ForImageClassification, "image"),
     "vit": (T.ViTConfig, {"image_size": 16, "patch_size": 4, "num_channels": 3}, T.ViTForImageClassification,
             "image"),
 }
@@ -72,7 +85,7 @@ FAMILIES = {
 def build(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, attn: str = "eager"):
     """Build the tiny model of a family, in eval mode, with seeded random weights."""
     config_class, overrides, model_class, _ = FAMILIES[name]
-    base = {} if FAMILIES[name][3] in ("seq2seq", "speech") else COMMON
+    base = {} if FAMILIES[name][3] in ("seq2seq", "speech") or name in OWN_SIZES else COMMON
     config = config_class(**{**base, **overrides})
     config._attn_implementation = attn
     torch.manual_seed(seed)
