@@ -108,3 +108,26 @@ def test_unsupported_attention_beside_supported_layers_is_left_alone(caplog):
     with pytest.raises(ph.UnsupportedModelError, match=r"^0 \(PoolingAttention\): an attention module of no "
                                                        r"registered family; register it with"):
         ph.find_attention(nn.Sequential(PoolingAttention()))
+
+
+def test_gemma3_with_its_siglip_pooling_head_prunes_everything_else():
+    """The issue's example: one vision-tower MultiheadAttention used to refuse the whole model."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                num_hidden_layers=2, vocab_size=300)
+    vision = dict(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2, image_size=32,
+                  patch_size=8, vision_use_head=True)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision,
+                                                        mm_tokens_per_image=4)).eval()
+    layers, unsupported = scan_attention(model)
+    assert [u.class_name for u in unsupported] == ["SiglipMultiheadAttentionPoolingHead"]
+    assert [l.spec.name for l in layers] == ["opt", "opt", "llama", "llama"]
+    ids = torch.randint(5, 250, (2, 8))
+    with ph.head_gates(model) as gates, torch.no_grad():
+        gates[3][:2] = 0.0
+        expected = model(input_ids=ids).logits
+    ph.prune(model, {3: [0, 1]})
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
