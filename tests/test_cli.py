@@ -228,3 +228,20 @@ def test_every_command_has_help_with_an_example():
         assert result.exit_code == 0 and "Example:" in result.output, command
     assert _invoke(["prune", "m", "--data", "d", "-o", "x"]).exit_code == 2  # no --sparsity/--plan: bad usage
     assert "fisher, fluctuation, gradient" in " ".join(_invoke(["prune", "--help"]).output.split())  # the methods
+
+
+def test_inspect_lists_the_attention_it_leaves_alone(tmp_path):
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                num_hidden_layers=2, vocab_size=300)
+    vision = dict(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2, image_size=32,
+                  patch_size=8, vision_use_head=True)
+    Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)) \
+        .save_pretrained(tmp_path / "gemma3")
+    result = _invoke(["inspect", str(tmp_path / "gemma3")])
+    assert result.exit_code == 0, result.output
+    assert ("model.vision_tower.head                          left as it is (SiglipMultiheadAttentionPoolingHead): "
+            "an attention module of no registered family") in result.output
+    unsupported = json.loads(_invoke(["inspect", str(tmp_path / "gemma3"), "--json"]).stdout)["unsupported"]
+    assert [u["class"] for u in unsupported] == ["SiglipMultiheadAttentionPoolingHead"]
