@@ -74,12 +74,12 @@ def _reason(failure: BaseException) -> str:
 
 def _small(inputs: dict, rows: int = 2, tokens: int = 32) -> dict:
     """The batch cut to its first `rows` examples when every tensor in it has the same first dimension (else
-    as it is: flattened image patches do not split by example), and to its first `tokens` positions when
-    every tensor is [batch, tokens] (text): the captured arguments of every layer stay small."""
+    as it is: flattened image patches do not split by example), and to its first `tokens` positions when it
+    is text (input_ids, and every tensor [batch, tokens]): the captured arguments of every layer stay small."""
     tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     if len({v.shape[0] for v in tensors}) != 1:
         return inputs
-    text = all(v.dim() == 2 for v in tensors) and len({v.shape[1] for v in tensors}) == 1
+    text = "input_ids" in inputs and all(v.dim() == 2 for v in tensors) and len({v.shape[1] for v in tensors}) == 1
     return {k: (v[:rows, :tokens] if text else v[:rows]) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
             for k, v in inputs.items()}
 
