@@ -81,7 +81,11 @@ def _with_head_counts(module: nn.Module, spec: AttentionSpec) -> AttentionSpec:
     (the probe then proves the result): head counts in its attributes or config (`inner` names only where
     they equal heads * head_dim), parameters whose first dimension is the heads (attention sinks, logit
     scales) or whose columns are (relative position bias tables), and further projections with one output
-    block per head (output gates)."""
+    block per head (output gates). Found once, while the module has its original heads, and kept on it: a
+    later head count can coincide with some other size."""
+    cached = getattr(module, "_ph_structural_spec", None)
+    if cached is not None and cached.name == spec.name:
+        return cached
     head_dim = head_dim_of(module, spec)
     heads = Projection(resolve(module, spec.o)).features("in") // max(head_dim, 1)
     taken = {id(resolve(module, p)) for p in (spec.q, spec.k, spec.v, spec.o, spec.fused_qkv) if p is not None}
@@ -108,9 +112,10 @@ def _with_head_counts(module: nn.Module, spec: AttentionSpec) -> AttentionSpec:
     def more(known: tuple[str, ...], found: tuple[str, ...]) -> tuple[str, ...]:
         return known + tuple(f for f in found if f not in known)
 
-    return dataclasses.replace(spec, updates=tuple(updates), per_head_out=more(spec.per_head_out, gates),
-                               per_head_params=more(spec.per_head_params, sinks),
-                               per_head_columns=more(spec.per_head_columns, tables))
+    module._ph_structural_spec = dataclasses.replace(
+        spec, updates=tuple(updates), per_head_out=more(spec.per_head_out, gates),
+        per_head_params=more(spec.per_head_params, sinks), per_head_columns=more(spec.per_head_columns, tables))
+    return module._ph_structural_spec
 
 
 def is_projection(module: object) -> bool:

@@ -6,11 +6,14 @@ says which it must be. Every mutated recipe (a deleted key, a wrong type, a miss
 number) either parses or is refused, by the API and by `prune-heads run` with exit 2, naming the key.
 
 CI runs a short, seeded version (100 plan cases, 400 mutations). The long run is by hand:
-PH_FUZZ_CASES=1500 pytest tests/test_fuzz.py. Last long run (2026-11-22): 1,500 plan cases over the 24 tiny
-families and 6,000 recipe mutations over the 11 shipped recipes, in 125 s; every plan exact or refused as the
-oracle said, every mutation parsed or refused naming its key; nothing found. (Writing the suite found one
-thing in the suite itself: reloading must ask for the same attention implementation, eager, since sdpa and
-eager differ on fully padded rows.)
+PH_FUZZ_CASES=1500 pytest tests/test_fuzz.py. Long runs (2026-11-22):
+- 1,500 plan cases over the 24 tiny families of the time and 6,000 recipe mutations over the 11 shipped
+  recipes, 125 s: nothing found. (Writing the suite found one thing in the suite itself: reloading must ask
+  for the same attention implementation, eager, since sdpa and eager differ on fully padded rows.)
+- After the probe and 12 new families (36), 1,500 plan cases and 6,000 mutations, 107 s: one case found a
+  valid plan refused. SwinV2 pruned a third time had 2 heads left, the width of its position MLP's input, so
+  the structural match took that MLP's weight for a per-head table (the probe refused it, nothing changed).
+  Fixed: per-head parameters are found once, while the module has its original heads. Rerun: nothing found.
 """
 
 from __future__ import annotations
