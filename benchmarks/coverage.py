@@ -22,14 +22,12 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import copy
 import inspect
 import json
 import signal
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 
 import torch
@@ -55,7 +53,8 @@ TINY = {  # attribute: value, wherever a (sub-)config has it
     "encoder_attention_heads": 4, "decoder_attention_heads": 4, "num_key_value_heads": 2, "n_kv_heads": 2,
     "num_kv_heads": 2, "head_dim": 8, "d_kv": 8, "kv_channels": 8, "intermediate_size": 64, "ffn_dim": 64,
     "d_ff": 64, "n_inner": 64, "hidden_dim": 64, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
-    "rotary_dim": 4, "window_size": 4, "vocab_size": 128, "image_size": 32, "patch_size": 8, "max_position_embeddings": 128,
+    "rotary_dim": 4, "window_size": 4, "vocab_size": 128, "image_size": 32, "patch_size": 8,
+    "max_position_embeddings": 128,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "top_k": 2,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "projection_dim": 32,
     "projection_size": 32, "text_embed_dim": 32, "vision_embed_dim": 32,

@@ -8,7 +8,7 @@ from .gates import HeadGates, head_gates
 from .head_scores import HeadScores
 from .hub import model_card, push_pruned
 from .iterative import IterativeResult, prune_iteratively
-from .layers import AttentionLayer, UnsupportedModelError, find_attention
+from .layers import AttentionLayer, UnsupportedModelError, find_attention, scan_attention
 from .persistence import ModelNotFoundError, OutputExistsError, load_pruned, save_pruned
 from .probe import probe_plan, prune
 from .pruner import PruneResult, prune_model
@@ -26,5 +26,5 @@ __all__ = [
     "SelectionConfig", "TaskData", "UnsupportedModelError", "benchmark", "benchmark_pair", "check_budget",
     "compare", "evaluate_task", "find_attention", "head_gates", "heads_for_flops", "load_pruned", "load_task_data",
     "model_card", "plan_with_interactions", "probe_plan", "prune", "prune_iteratively", "prune_model", "push_pruned",
-    "reconstruct", "register_family", "save_pruned", "score_heads", "select_heads", "tune_gates",
+    "reconstruct", "register_family", "save_pruned", "scan_attention", "score_heads", "select_heads", "tune_gates",
 ]

@@ -25,18 +25,18 @@ class AttentionSpec:
     num_heads * head_dim and k, v of num_kv_heads * head_dim features (`fused_layout` "blocks"), or
     [q | k | v] of head 0, then of head 1, ... ("heads": GPT-NeoX, BLOOM), or per KV group the group's
     query heads then its k and v ("groups": Falcon's new architecture); a function of the module may pick.
-    `q_blocks` is 2 where q's projection gives each head its query and then an output gate (Qwen3-Next). `o` consumes the concatenated heads.
-    `updates` lists (path, attribute, quantity) set after slicing, quantity one of "heads", "kv_heads",
-    "inner" (heads * head_dim), "kv_groups" (query heads per KV head); a path that resolves to a model
-    config gets a private view of it. `per_head_out` are further projections sliced like q (when present),
-    `per_head_columns` are parameters with one column per head (when present), `per_head_lists` and
-    `per_kv_head_lists` are ModuleLists with one module per query or KV head (when present),
-    `per_head_params` parameters whose first dimension is the query heads (an attention sink per head).
-    `head_dim` names the head size attribute, or is a function of the module for modules that keep none. `prepare` runs once on the
-    whole model before its first surgery, for families whose layers share per-head state. `no_heads` names
-    the module whose forward is replaced when a layer loses every head (so no zero-width projection or
-    reshape runs: some families' code cannot, and ONNX reshapes cannot), and `no_heads_outputs` the length
-    of the tuple that module returns.
+    `q_blocks` is 2 where q's projection gives each head its query and then an output gate (Qwen3-Next).
+    `o` consumes the concatenated heads. `head_dim` names the head size attribute, or is a function of the
+    module for modules that keep none. `updates` lists (path, attribute, quantity) set after slicing,
+    quantity one of "heads", "kv_heads", "inner" (heads * head_dim), "kv_groups" (query heads per KV head);
+    a path that resolves to a model config gets a private view of it. `per_head_out` are further
+    projections sliced like q, `per_head_columns` parameters with one column per head, `per_head_lists` and
+    `per_kv_head_lists` ModuleLists with one module per query or KV head, `per_head_params` parameters whose
+    first dimension is the query heads (an attention sink per head); each only where present. `prepare`
+    runs once on the whole model before its first surgery, for families whose layers share per-head state.
+    `no_heads` names the module whose forward is replaced when a layer loses every head (so no zero-width
+    projection or reshape runs: some families' code cannot, and ONNX reshapes cannot), and
+    `no_heads_outputs` the length of the tuple that module returns.
     """
 
     name: str
@@ -110,7 +110,8 @@ def _drop_shared_position_bias(module: nn.Module, args: tuple, kwargs: dict) -> 
 
 def _heads(module: nn.Module) -> int:
     """The head count a module keeps under one of the common names (for layouts that keep no head size)."""
-    return next(getattr(module, n) for n in ("num_heads", "num_attention_heads", "n_head", "n_heads") if hasattr(module, n))
+    names = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+    return next(getattr(module, n) for n in names if hasattr(module, n))
 
 
 def _falcon_layout(module: nn.Module) -> str:
@@ -175,7 +176,8 @@ FAMILIES: list[AttentionSpec] = [
                   no_heads="self"),
     AttentionSpec("mpnet", ("MPNetSelfAttention",), q="q", k="k", v="v", o="o", head_dim="attention_head_size",
                   updates=(("", "num_attention_heads", "heads"), ("", "all_head_size", "inner")),
-                  prepare=_per_head_argument("MPNetSelfAttention", "position_bias", 2, dim=1), no_heads="", no_heads_outputs=1),
+                  prepare=_per_head_argument("MPNetSelfAttention", "position_bias", 2, dim=1), no_heads="",
+                  no_heads_outputs=1),
     AttentionSpec("modernbert", ("ModernBertAttention",), fused_qkv="Wqkv", o="Wo", head_dim="head_dim"),
     AttentionSpec("gpt2", ("GPT2Attention",), fused_qkv="c_attn", o="c_proj", head_dim="head_dim",
                   updates=(("", "num_heads", "heads"), ("", "split_size", "inner")), no_heads=""),

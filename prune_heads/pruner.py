@@ -19,7 +19,7 @@ from .config import ConfigError, PruneConfig
 from .data import DataError, TaskData, input_device, to_device, without_labels
 from .head_scores import HeadScores
 from .iterative import prune_iteratively
-from .layers import find_attention, require_attention
+from .layers import require_attention
 from .objective import Objective, batch_size, frozen
 from .probe import probe_layers
 from .recovery import GatedModel, Recorder, record, split_holdout, tune

@@ -131,6 +131,24 @@ def _set_attribute(module: nn.Module, path: str, attribute: str, value: int) -> 
     setattr(target, attribute, value)
 
 
+def _keep_heads_at(module: nn.Module, path: str, positions: list[int], dim: int | None) -> None:
+    """Keep the entries of the heads at `positions` in the parameter (along `dim`) or ModuleList (`dim`
+    None) at `path`, where the module has one; an embedding's width follows its columns."""
+    parent_path, _, name = path.rpartition(".")
+    try:
+        parent = resolve(module, parent_path)
+        value = getattr(parent, name)
+    except AttributeError:
+        return
+    if dim is None:
+        setattr(parent, name, nn.ModuleList([value[p] for p in positions]))
+        return
+    index = torch.tensor(positions, dtype=torch.long, device=value.device)
+    setattr(parent, name, nn.Parameter(value.index_select(dim, index), value.requires_grad))
+    if dim == 1 and hasattr(parent, "embedding_dim"):
+        parent.embedding_dim = len(positions)
+
+
 @torch.no_grad()
 def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
     """Remove the given ORIGINAL heads of one layer in place and return its new snapshot.
@@ -159,33 +177,10 @@ def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
             Projection(resolve(module, path)).keep(q_index, "out")
         except AttributeError:
             pass
-    for path in spec.per_head_columns:
-        parent_path, _, name = path.rpartition(".")
-        try:
-            parent = resolve(module, parent_path)
-        except AttributeError:
-            continue
-        table = getattr(parent, name)
-        setattr(parent, name, nn.Parameter(table.index_select(1, torch.tensor(q_pos, dtype=torch.long, device=table.device)),
-                                           table.requires_grad))
-        if hasattr(parent, "embedding_dim"):
-            parent.embedding_dim = len(q_pos)
-    for path in spec.per_head_params:
-        parent_path, _, name = path.rpartition(".")
-        parent = resolve(module, parent_path)
-        param = getattr(parent, name)
-        setattr(parent, name, nn.Parameter(param.index_select(0, torch.tensor(q_pos, dtype=torch.long,
-                                                                                device=param.device)),
-                                           param.requires_grad))
-    for paths, positions in ((spec.per_head_lists, q_pos), (spec.per_kv_head_lists, kv_pos)):
+    for paths, axis, positions in ((spec.per_head_columns, 1, q_pos), (spec.per_head_params, 0, q_pos),
+                                   (spec.per_head_lists, None, q_pos), (spec.per_kv_head_lists, None, kv_pos)):
         for path in paths:
-            parent_path, _, name = path.rpartition(".")
-            try:
-                parent = resolve(module, parent_path)
-                modules = getattr(parent, name)
-            except AttributeError:
-                continue
-            setattr(parent, name, nn.ModuleList([modules[p] for p in positions]))
+            _keep_heads_at(module, path, positions, axis)
     o_proj.keep(q_index, "in")
     quantities = {"heads": len(kept), "kv_heads": len(kept_kv), "inner": len(kept) * dim,
                   "kv_groups": len(kept) // len(kept_kv) if kept_kv else 1}

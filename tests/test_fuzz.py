@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import os
 import random
-from pathlib import Path
 
 import pytest
 import torch

@@ -6,7 +6,8 @@ from torch import nn
 
 import prune_heads as ph
 import tiny_models as tm
-from prune_heads.layers import require_attention, scan_attention
+from prune_heads.layers import require_attention
+from prune_heads import scan_attention
 
 
 def test_find_attention_describes_each_layer():

@@ -57,7 +57,7 @@ def test_a_structural_match_that_would_crash_is_refused_untouched():
     layers = ph.find_attention(model)
     assert len(layers) == 2  # matched by structure: no family names CountingAttention
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ph.PlanError, match=rf"blocks.0 \(CountingAttention, handled as '\w+' by its structure\): "
+    with pytest.raises(ph.PlanError, match=r"blocks.0 \(CountingAttention, handled as '\w+' by its structure\): "
                                            r"it fails after the removal.*nothing was changed"):
         ph.prune(model, {0: [1]}, inputs={"x": x})
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
