@@ -76,7 +76,7 @@ def head_dim_of(module: nn.Module, spec: AttentionSpec) -> int:
     return int(spec.head_dim(module) if callable(spec.head_dim) else resolve(module, spec.head_dim))
 
 
-def _with_head_counts(module: nn.Module, spec: AttentionSpec) -> AttentionSpec:
+def _structural_spec(module: nn.Module, spec: AttentionSpec) -> AttentionSpec:
     """A structural match's spec, also handling what the module keeps per head under common shapes and names
     (the probe then proves the result): head counts in its attributes or config (`inner` names only where
     they equal heads * head_dim), parameters whose first dimension is the heads (attention sinks, logit
@@ -109,6 +109,7 @@ def _with_head_counts(module: nn.Module, spec: AttentionSpec) -> AttentionSpec:
                 if type(value) is int and (quantity != "inner" or value == heads * head_dim) \
                         and (path, attribute, quantity) not in updates and not (path and quantity == "inner"):
                     updates.append((path, attribute, quantity))
+
     def more(known: tuple[str, ...], found: tuple[str, ...]) -> tuple[str, ...]:
         return known + tuple(f for f in found if f not in known)
 
@@ -264,12 +265,14 @@ def scan_attention(model: nn.Module) -> tuple[list[AttentionLayer], list[Unsuppo
     found: list[tuple[str, nn.Module, AttentionSpec]] = []
     unsupported: list[Unsupported] = []
     unmatched: list[tuple[str, nn.Module]] = []
+    taken: list[str] = []  # modules found or refused by name: their submodules are not looked at
     for name, module in model.named_modules():
-        if any(name == t or name.startswith(t + ".") for t in [n for n, _, _ in found] + [u.name for u in unsupported]):
+        if any(name == t or name.startswith(t + ".") for t in taken):
             continue
         cls = type(module).__name__
         if cls in NOT_EXACT:
             unsupported.append(Unsupported(name, cls, f"cannot have heads removed exactly: {NOT_EXACT[cls]}"))
+            taken.append(name)
             continue
         spec = spec_for_type(cls)
         if spec is None and "attention" in cls.lower():
@@ -277,9 +280,10 @@ def scan_attention(model: nn.Module) -> tuple[list[AttentionLayer], list[Unsuppo
             if spec is None:
                 unmatched.append((name, module))
                 continue
-            spec = _with_head_counts(module, spec)
+            spec = _structural_spec(module, spec)
         if spec is not None:
             found.append((name, module, spec))
+            taken.append(name)
     for name, module in unmatched:
         inside = any(n.startswith(name + ".") or not name for n, _, _ in found)
         owns_projection = any(isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
@@ -295,6 +299,16 @@ def scan_attention(model: nn.Module) -> tuple[list[AttentionLayer], list[Unsuppo
     return layers, unsupported
 
 
+def _supported(layers: list[AttentionLayer], unsupported: list[Unsupported]) -> list[AttentionLayer]:
+    """The layers, or UnsupportedModelError when there are attention modules but none prune_heads handles."""
+    if unsupported and not layers:
+        first = unsupported[0]
+        raise UnsupportedModelError(
+            f"{first.name} ({first.class_name}): {first.why}; register it with prune_heads.register_family("
+            f"AttentionSpec(name, ({first.class_name!r},), q=..., k=..., v=..., o=..., head_dim=...))")
+    return layers
+
+
 def find_attention(model: nn.Module) -> list[AttentionLayer]:
     """The attention layers prune_heads can handle, in forward order (see scan_attention).
 
@@ -302,13 +316,7 @@ def find_attention(model: nn.Module) -> list[AttentionLayer]:
     shows them, `prune_model` says so in one line). Raises UnsupportedModelError when the model has attention
     modules but none it can handle, naming the first and the `register_family` fix.
     """
-    layers, unsupported = scan_attention(model)
-    if unsupported and not layers:
-        first = unsupported[0]
-        raise UnsupportedModelError(
-            f"{first.name} ({first.class_name}): {first.why}; register it with prune_heads.register_family("
-            f"AttentionSpec(name, ({first.class_name!r},), q=..., k=..., v=..., o=..., head_dim=...))")
-    return layers
+    return _supported(*scan_attention(model))
 
 
 def require_attention(model: nn.Module) -> list[AttentionLayer]:
@@ -318,7 +326,7 @@ def require_attention(model: nn.Module) -> list[AttentionLayer]:
     name = getattr(model, "name_or_path", "") or "the model"
     if not layers and not unsupported:
         raise UnsupportedModelError(f"no attention layers found in {name} ({type(model).__name__})")
-    layers = find_attention(model)  # raises when every attention module is unsupported
+    _supported(layers, unsupported)
     if unsupported:
         listed = ", ".join(f"{u.name} ({u.class_name})" for u in unsupported[:3])
         more = f" and {len(unsupported) - 3} more" if len(unsupported) > 3 else ""

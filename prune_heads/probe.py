@@ -192,7 +192,12 @@ def prune(model: nn.Module, heads_to_prune: Plan, inputs: dict | None = None) ->
     layers = find_attention(model)
     plan = normalize_plan(layers, heads_to_prune)
     probe_plan(model, layers, plan, inputs)
+    remove_proven(model, layers, plan)
+    return model
+
+
+def remove_proven(model: nn.Module, layers: list[AttentionLayer], plan: dict[str, list[int]]) -> None:
+    """Remove a normalized plan that `probe_plan` accepted for these layers, and record it in the config."""
     apply_plan(model, layers, plan)
     if plan:
         write_record(model, layers)
-    return model

@@ -29,7 +29,7 @@ from .hooks import hooks
 from .layers import AttentionLayer, Projection, find_attention, resolve
 from .objective import Objective, batch_size, frozen
 from .parallel import sum_across
-from .probe import probe_plan, prune
+from .probe import probe_plan, remove_proven
 from .surgery import add_output_bias, head_features, normalize_plan
 
 
@@ -291,13 +291,14 @@ class GatedModel:
         (created and recorded where missing), then the plan's heads removed. The plan is proven on copies
         first (`probe_plan`, on `inputs`), so a refused plan leaves the model as it was."""
         layers = find_attention(self.model)
-        probe_plan(self.model, layers, normalize_plan(layers, plan), inputs)
+        plan = normalize_plan(layers, plan)
+        probe_plan(self.model, layers, plan, inputs)
         with torch.no_grad():
             for layer, scale in zip(self.layers, self.scales):
                 if not torch.equal(scale, torch.ones_like(scale)):
                     _fold_scales(layer, scale)
         add_output_bias(self.model, {l.name: b.detach() for l, b in zip(self.layers, self.biases) if b.any()})
-        prune(self.model, plan, inputs)
+        remove_proven(self.model, layers, plan)  # proven above; folding scales and biases keeps it exact
 
 
 def _to(target, batch: dict):
