@@ -61,17 +61,23 @@ def progress_bar(iterable: Iterable, desc: str, total: int | None = None, enable
     return tqdm(iterable, desc=desc, total=total, leave=False, disable=not (enabled and bars_wanted()))
 
 
+_LIBRARY_BARS = ((hf_logging.is_progress_bar_enabled, hf_logging.disable_progress_bar,
+                  hf_logging.enable_progress_bar),
+                 (datasets.is_progress_bar_enabled, datasets.disable_progress_bars, datasets.enable_progress_bars))
+
+
 @contextlib.contextmanager
-def transformers_bars() -> Iterator[None]:
-    """transformers' own bars (loading and writing weight shards) off inside, unless `bars_wanted()`."""
-    was_on = hf_logging.is_progress_bar_enabled()
-    if was_on and not bars_wanted():
-        hf_logging.disable_progress_bar()
+def library_bars() -> Iterator[None]:
+    """transformers' and datasets' own bars (weight shards, split generation) off inside, unless
+    `bars_wanted()`. Also a decorator."""
+    off = [] if bars_wanted() else [(disable, enable) for is_on, disable, enable in _LIBRARY_BARS if is_on()]
+    for disable, _ in off:
+        disable()
     try:
         yield
     finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
+        for _, enable in off:
+            enable()
 
 
 def _sub_config(config: Any, key: str, default: Any = None) -> Any:
@@ -128,6 +134,7 @@ def input_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu") if device.type == "meta" else device
 
 
+@library_bars()
 def load_split(source: str, split: str = "validation", name: str | None = None) -> datasets.Dataset:
     """One split of a dataset: a hub name, a local file (csv, tsv, json, jsonl, parquet, txt) or a folder of
     files named after their splits (`validation.jsonl`). `split` may slice, as in `train[:2048]`.

@@ -25,7 +25,7 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from .data import transformers_bars
+from .data import library_bars
 from .layers import UnsupportedModelError, find_attention
 from .standalone import standalone_config, write_code
 from .surgery import RECORD_KEY, RecordError, reapply_record
@@ -101,7 +101,7 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     config = AutoConfig.from_pretrained(path, **{k: v for k, v in from_pretrained_kwargs.items()
                                                  if k in ("revision", "token", "trust_remote_code", "gguf_file")})
     base = model_class(config, gguf="gguf_file" in from_pretrained_kwargs)
-    with transformers_bars():
+    with library_bars():
         model = _pruned_subclass(base, checkpoint_shapes(path)).from_pretrained(path, **from_pretrained_kwargs)
     model.__class__ = base
     return model
@@ -270,7 +270,7 @@ def write_model(model: nn.Module, folder: Path, tokenizer: Any = None, standalon
     if config is not None:
         model.config = config
     try:
-        with transformers_bars():
+        with library_bars():
             model.save_pretrained(folder, state_dict={**model.state_dict(), **fill} if fill else None)
     finally:
         model.config = original

@@ -74,3 +74,13 @@ def test_language_model_windows_score_each_token_once(tmp_path, tokenizer):
     labelled = sum(int((b["labels"][:, 1:] != -100).sum()) for b in data)
     assert labelled == tokens - 1  # every token after the first is predicted exactly once
     assert len(windows) == data.num_examples > 1
+
+
+def test_no_library_bars_when_stderr_is_not_a_terminal(tmp_path, monkeypatch, capfd):
+    import datasets
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))  # a fresh cache: the split is generated
+    (tmp_path / "validation.jsonl").write_text('{"sentence": "a", "label": 0}\n')
+    assert len(load_split(str(tmp_path))) == 1
+    assert capfd.readouterr().err == ""  # datasets printed "Generating validation split" bars here
+    assert datasets.is_progress_bar_enabled()  # switched back on afterwards
