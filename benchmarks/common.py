@@ -17,8 +17,11 @@ from prune_heads.evaluation import evaluate_task
 FIXTURES = Path(os.environ.get("PH_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
 MODEL = FIXTURES / "minilm-movie-sentiment"
 DATA = FIXTURES / "movie-snippets"
+THIRD = Path(os.environ.get("PH_THIRD", Path(__file__).resolve().parent / ".third"))  # third_classifier.py
 FIXTURES_BY_NAME = {"movie": ("minilm-movie-sentiment", "movie-snippets"),
-                    "tweet": ("minilm-tweet-sentiment", "tweet-snippets")}
+                    "tweet": ("minilm-tweet-sentiment", "tweet-snippets"),
+                    "product": ("minilm-product-sentiment", "product-snippets")}
+ROOTS = {"product": THIRD}  # the others are shared fixtures
 logging.set_verbosity_error()
 logging.disable_progress_bar()
 
@@ -39,10 +42,12 @@ def load_model():
 
 
 def classifier(name: str) -> tuple[object, TaskData, TaskData]:
-    """A fresh copy of a fixture classifier ("movie" or "tweet"), its validation and test batches."""
-    model_dir, data_dir = (FIXTURES / part for part in FIXTURES_BY_NAME[name])
+    """A fresh copy of a fixture classifier ("movie", "tweet", or "product", which benchmarks/third_classifier.py
+    builds), its validation and test batches."""
+    model_dir, data_dir = (ROOTS.get(name, FIXTURES) / part for part in FIXTURES_BY_NAME[name])
     if not model_dir.exists():
-        raise SystemExit(f"the benchmarks need the shared fixture at {model_dir}")
+        build = " (run benchmarks/third_classifier.py)" if name in ROOTS else ""
+        raise SystemExit(f"the benchmarks need the classifier at {model_dir}{build}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     validation = load_task_data(str(data_dir), tokenizer, split="validation", batch_size=64, max_length=128)
     test = load_task_data(str(data_dir), tokenizer, split="test", batch_size=64, max_length=128)

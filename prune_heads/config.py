@@ -64,9 +64,10 @@ class RecoveryConfig:
     `bias_tuning` the output biases with them, for at most `epochs` epochs, stopping when the held-out
     divergence stops falling, or before a step would take the recovery (trying candidates and tuning) past
     `tuning_budget` times the scoring pass's time (tuning still gets at least a minute, so small models tune
-    fully; None: no limit; a cut epoch is checked like a whole one). Everything is tuned on the
-    gated model (no copy of it) and folded into the weights. `holdout: 0` applies every enabled step without
-    checking it."""
+    fully; None: no limit; a cut epoch is checked like a whole one). Each check tries both the tuned values
+    and their moving average over the steps (`average`, its decay per step; 0: the tuned values alone) and
+    keeps the lower. Everything is tuned on the gated model (no copy of it) and folded into the weights.
+    `holdout: 0` applies every enabled step without checking it (tuning then leaves the moving average)."""
 
     holdout: float = 0.2
     rearrange: bool = True
@@ -77,6 +78,15 @@ class RecoveryConfig:
     tuning_budget: float | None = 1.0
     gate_lr: float = 0.05
     bias_lr: float = 0.01
+    average: float = 0.9
+
+    def __post_init__(self) -> None:
+        for key in ("holdout", "average"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"recovery.{key} is {getattr(self, key)}; give a value from 0 up to (not "
+                                  f"including) 1")
+        if self.epochs < 0:
+            raise ConfigError(f"recovery.epochs is {self.epochs}; give 0 or more")
 
     @classmethod
     def off(cls) -> "RecoveryConfig":

@@ -204,14 +204,15 @@ def _decide(gated: GatedModel, plans: dict, recorder: Recorder, calib: list[dict
         check = (lambda: float(gated.divergences(heldout, targets, objective).mean())) if heldout else None
         budget = None if r.tuning_budget is None else \
             max(MIN_TUNING_SECONDS, r.tuning_budget * timings["scoring"] - timings["selection"])
-        history, steps = tune(gated, groups, calib, recorder.targets, objective, r.epochs, seed, check, budget)
+        history, steps, averaged = tune(gated, groups, calib, recorder.targets, objective, r.epochs, seed, check,
+                                        budget, r.average)
         gated.scales = [s.detach() for s in gated.scales]
         gated.biases = [b.detach() for b in gated.biases]
         step = "gate and bias tuning" if r.gate_tuning and r.bias_tuning else \
             "gate tuning" if r.gate_tuning else "bias tuning"
         entry = {"step": step, "epochs_run": round(steps / len(calib), 2),
                  "heldout_by_epoch": history, "seconds": round(time.perf_counter() - tick, 3),
-                 "budget_seconds": None if budget is None else round(budget, 1)}
+                 "budget_seconds": None if budget is None else round(budget, 1), "averaged": averaged}
         if history:
             entry["kept"] = min(history) < history[0]
             value = min(history)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import ExitStack
-from typing import Callable, Iterable
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -310,22 +310,79 @@ def _to(target, batch: dict):
 PATIENCE = 2  # epochs without a better held-out value before tuning stops
 
 
+class _Average:
+    """An exponential moving average of parameters over optimizer steps (Polyak averaging), bias-corrected
+    so the first steps are not pulled towards zero: `applied()` puts the average in the parameters' place
+    for a while (to check or keep it), `reset()` starts a new average from the next step."""
+
+    def __init__(self, params: list[torch.Tensor], decay: float) -> None:
+        self.params, self.decay = params, decay
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = [torch.zeros_like(p) for p in self.params]
+        self.weight = 0.0
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for total, p in zip(self.sums, self.params):
+            total.mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
+        self.weight = self.weight * self.decay + 1 - self.decay
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        live = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for total, p in zip(self.sums, self.params):
+                if self.weight:
+                    p.copy_(total / self.weight)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for value, p in zip(live, self.params):
+                    p.copy_(value)
+
+
+class Tuning(NamedTuple):
+    """What `tune` did: the checked held-out values (the first before tuning), the steps taken, and whether
+    the parameters it left are the moving average of the steps (else the steps' own values)."""
+
+    history: list[float]
+    steps: int
+    averaged: bool
+
+
+def _readouts(check: Callable[[], float], params: list[torch.Tensor], averaged: _Average | None):
+    """The held-out value and a copy of the parameters that give it, for the current parameters and (when
+    averaging) their moving average, whichever checks lower; and whether that is the average."""
+    options = [(check(), [p.detach().clone() for p in params], False)]
+    if averaged is not None and averaged.weight:
+        with averaged.applied():
+            options.append((check(), [p.detach().clone() for p in params], True))
+    return min(options, key=lambda option: option[0])
+
+
 def tune(forward: Callable[[dict], object], groups: list[dict], batches: list[dict], targets: list,
          objective: Objective, epochs: int, seed: int = 0, check: Callable[[], float] | None = None,
-         seconds: float | None = None) -> tuple[list[float], int]:
+         seconds: float | None = None, average: float = 0.0) -> Tuning:
     """Adam over the parameter `groups` so `forward`'s outputs match the targets (the objective's divergence),
-    for `epochs` passes in a seeded order. With `check` (a held-out divergence), it runs after every epoch: an
-    epoch that does not improve it goes back to the best parameters and halves the learning rates, tuning
-    stops after PATIENCE such epochs, and the best parameters are kept. With `seconds`, no step starts that
-    would end (with the final check) past that many seconds; a cut epoch is checked like a whole one.
-    Returns the checked values (starting with the one before tuning) and the number of steps taken."""
+    for `epochs` passes in a seeded order. With `average` in (0, 1), an exponential moving average of the
+    parameters over the steps (that decay per step) is kept beside them: it smooths out Adam's step-to-step
+    jitter. With `check` (a held-out divergence), it runs after every epoch, on the parameters and on their
+    average, and the lower of the two counts: an epoch that does not improve on the best so far goes back
+    to the best parameters and halves the learning rates, tuning stops after PATIENCE such epochs, and the
+    best parameters are kept. Without `check`, the average (when kept) is what tuning leaves. With `seconds`,
+    no step starts that would end (with the final check) past that many seconds; a cut epoch is checked
+    like a whole one."""
     params = [p for group in groups for p in group["params"]]
     optimizer = torch.optim.Adam(groups)
+    averaged = _Average(params, average) if average else None
     generator = torch.Generator().manual_seed(seed)
     start = time.perf_counter()
     history = [check()] if check else []
-    check_cost = time.perf_counter() - start
-    best = [p.detach().clone() for p in params]
+    check_cost = (time.perf_counter() - start) * (2 if averaged else 1)
+    best, best_averaged = [p.detach().clone() for p in params], False
     misses, steps, out_of_time = 0, 0, False
     for _ in range(epochs):
         begun = steps
@@ -338,16 +395,21 @@ def tune(forward: Callable[[dict], object], groups: list[dict], batches: list[di
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            if averaged:
+                averaged.update()
             steps += 1
         if out_of_time and steps == begun:  # nothing new to check
             break
+        improved = False
         if check:
-            history.append(check())
+            value, values, from_average = _readouts(check, params, averaged)
+            history.append(value)
+            improved = value < min(history[:-1])
+            if improved:
+                best, best_averaged = values, from_average
         if out_of_time:
-            best = [p.detach().clone() for p in params] if check and history[-1] < min(history[:-1]) else best
             break
-        if not check or history[-1] < min(history[:-1]):
-            best = [p.detach().clone() for p in params] if check else best
+        if not check or improved:
             continue
         misses += 1
         if misses >= PATIENCE:
@@ -355,25 +417,32 @@ def tune(forward: Callable[[dict], object], groups: list[dict], batches: list[di
         with torch.no_grad():  # back to the best point, with smaller steps
             for p, value in zip(params, best):
                 p.copy_(value)
+        if averaged:
+            averaged.reset()
         for group in optimizer.param_groups:
             group["lr"] /= 2
-    if check:
+    if not check and averaged and averaged.weight:
+        with averaged.applied():
+            best, best_averaged = [p.detach().clone() for p in params], True
+    if check or averaged:
         with torch.no_grad():
             for p, value in zip(params, best):
                 p.copy_(value)
     optimizer.zero_grad(set_to_none=True)
-    return history, steps
+    return Tuning(history, steps, best_averaged)
 
 
 def tune_gates(model: nn.Module, reference: nn.Module, dataloader: Iterable[dict], epochs: int = 2,
-               lr: float = 0.05, seed: int = 0, bias_lr: float | None = None) -> dict[str, list[float]]:
+               lr: float = 0.05, seed: int = 0, bias_lr: float | None = None,
+               average: float = 0.9) -> dict[str, list[float]]:
     """Tune one scale per kept head of a pruned `model` so its outputs match the unpruned `reference`
     model's, then fold the scales into the output projections (the model stays a plain smaller model).
 
     The objective is the label-free divergence (KL on logits, 1 - cosine of pooled embeddings) over the
     calibration batches, minimised with Adam over the head gates alone. With `bias_lr`, the output
     projections' biases (where they have one) are tuned too, at that learning rate (a learned bias
-    compensation). `ph.prune_model` does the same on the gated unpruned model, with no second copy.
+    compensation). `average` is the decay of the moving average of the tuned values that is kept (0: the
+    last step's). `ph.prune_model` does the same on the gated unpruned model, with no second copy.
     Returns the scales per layer.
     """
     device = input_device(model)
@@ -388,7 +457,7 @@ def tune_gates(model: nn.Module, reference: nn.Module, dataloader: Iterable[dict
         for b in biases:
             b.requires_grad_(True)
         groups = [{"params": list(gates), "lr": lr}] + ([{"params": biases, "lr": bias_lr}] if biases else [])
-        tune(lambda b: model(**b), groups, batches, targets, objective, epochs, seed)
+        tune(lambda b: model(**b), groups, batches, targets, objective, epochs, seed, average=average)
         scales = [g.detach().clone() for g in gates]
     with torch.no_grad():
         for layer, scale in zip(layers, scales):

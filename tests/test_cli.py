@@ -104,7 +104,11 @@ def test_prune_without_flags_is_the_default_path(tmp_path, fixture_model_path, f
     assert steps == ["selection", "gate and bias tuning"]
     assert {"ranked", "interactions", "fluctuation + bias compensation"} <= set(report["recovery"][0]["tried"])
     assert report["meta"]["heldout"]["final"] <= report["meta"]["heldout"]["plain"]
-    assert "Recovery, decided on" in (tmp_path / "out" / "report.md").read_text()
+    tuning = report["recovery"][1]
+    assert isinstance(tuning["averaged"], bool)  # whether the moving average or the last step was kept
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert "Recovery, decided on" in markdown
+    assert ("moving average" in markdown) == (tuning["averaged"] and tuning["kept"])
     off = _invoke(["prune", str(fixture_model_path), "--data", str(fixture_data_path), "--examples", "128",
                    "--sparsity", "0.5", "--no-recovery", "-o", str(tmp_path / "off"), "--json"])
     assert off.exit_code == 0 and [e["step"] for e in json.loads(off.stdout)["recovery"]] == ["selection"]

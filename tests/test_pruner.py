@@ -146,7 +146,7 @@ def test_tuning_the_gated_model_equals_tuning_a_pruned_copy():
     data = [{k: v for k, v in b.items() if k != "labels"} for b in batches("bert", n=3)]
     pruned = copy.deepcopy(reference)
     ph.prune(pruned, plan)
-    ph.tune_gates(pruned, reference, data, epochs=3, lr=0.05, seed=1, bias_lr=0.01)
+    ph.tune_gates(pruned, reference, data, epochs=3, lr=0.05, seed=1, bias_lr=0.01, average=0.9)
 
     model = copy.deepcopy(reference)
     objective = Objective(model)
@@ -159,7 +159,7 @@ def test_tuning_the_gated_model_equals_tuning_a_pruned_copy():
             tensor.requires_grad_(True)
         model.requires_grad_(False)
         tune(gated, [{"params": gated.scales, "lr": 0.05}, {"params": gated.biases, "lr": 0.01}], data, targets,
-             objective, epochs=3, seed=1)
+             objective, epochs=3, seed=1, average=0.9)
     gated.fold(plan)
     inputs = tm.make_inputs("bert", seed=9)
     with torch.no_grad():
@@ -176,12 +176,54 @@ def test_tuning_stops_when_the_held_out_check_stops_improving():
     objective = Objective(torch.nn.Linear(1, 1))
     data = [{"x": torch.tensor([0.0, 1.0])}]
     target = [torch.log_softmax(torch.tensor([[0.0, 2.0]]), -1)]
-    history, steps = tune(forward, [{"params": [scale], "lr": 0.1}], data, target, objective, epochs=10,
+    history, steps, _ = tune(forward, [{"params": [scale], "lr": 0.1}], data, target, objective, epochs=10,
                           check=lambda: next(checks))
     assert history == [1.0, 0.5, 0.7, 0.8] and steps == 3
     # out of time: the first step always runs, none after it
     assert tune(forward, [{"params": [scale], "lr": 0.1}], data * 4, target * 4, objective, epochs=10,
                 seconds=0.0)[1] == 1
+
+
+def _scalar_problem():
+    """A one-parameter model whose two-class logits are (0, scale), tuned towards logits (0, 2)."""
+    scale = torch.ones(1, requires_grad=True)
+
+    def forward(batch):
+        return type("Out", (), {"logits": (scale * batch["x"]).unsqueeze(0)})()
+
+    target = [torch.log_softmax(torch.tensor([[0.0, 2.0]]), -1)]
+    return scale, forward, Objective(torch.nn.Linear(1, 1)), [{"x": torch.tensor([0.0, 1.0])}], target
+
+
+def test_tuning_keeps_the_moving_average_or_the_last_step_whichever_checks_lower(monkeypatch):
+    scale, forward, objective, data, target = _scalar_problem()
+    iterates, adam_step = [], torch.optim.Adam.step
+
+    def recording_step(self, *args, **kwargs):
+        out = adam_step(self, *args, **kwargs)
+        iterates.append(scale.detach().item())
+        return out
+
+    monkeypatch.setattr(torch.optim.Adam, "step", recording_step)
+    group = [{"params": [scale], "lr": 0.1}]
+    tune(forward, group, data * 3, target * 3, objective, epochs=1, average=0.8)  # no check: the average is left
+    weights = [0.2 * 0.8 ** (len(iterates) - 1 - k) for k in range(len(iterates))]
+    mean = sum(w * x for w, x in zip(weights, iterates)) / sum(weights)  # the bias-corrected moving average
+    last = iterates[-1]
+    assert len(iterates) == 3 and abs(mean - last) > 1e-3 and scale.detach().item() == pytest.approx(mean, rel=1e-6)
+    for wanted, is_average in ((mean, True), (last, False)):  # the same steps again; the check prefers one value
+        scale.data.fill_(1.0)
+        iterates.clear()
+        history, steps, averaged = tune(forward, [{"params": [scale], "lr": 0.1}], data * 3, target * 3, objective,
+                                        epochs=1, check=lambda: abs(scale.detach().item() - wanted), average=0.8)
+        assert steps == 3 and averaged is is_average and history[-1] == pytest.approx(0.0, abs=1e-6)
+        assert scale.detach().item() == pytest.approx(wanted, rel=1e-6)
+
+
+def test_recovery_config_refuses_values_out_of_range():
+    for bad in ({"holdout": 1.0}, {"average": -0.1}, {"average": 1.0}, {"epochs": -1}):
+        with pytest.raises(ph.config.ConfigError, match=f"recovery.{next(iter(bad))}"):
+            ph.RecoveryConfig(**bad)
 
 
 def test_split_holdout_takes_every_fifth_example_across_batches():
