@@ -7,8 +7,9 @@
   channel its mean and variance over the calibration tokens (FLAP's statistics, An et al. 2024) and the
   compact reference outputs the tuning matches.
 - `tune`: Adam over head scales and output biases against the unpruned outputs (KL on logits, 1 - cosine of
-  pooled embeddings), stopping when a held-out check stops improving; `tune_gates` is its form for a pruned
-  model and a separate unpruned reference.
+  pooled embeddings), stopping when a held-out check (of the last step and of the moving average of the
+  steps, the lower counting) stops improving; `tune_gates` is its form for a pruned model and a separate
+  unpruned reference.
 - `reconstruct`: mask tuning (Kwon et al. 2022) and bias compensation as one least-squares problem per layer
   against a separate unpruned reference, folded into the output projection.
 """
