@@ -80,6 +80,16 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def seconds_range(seconds: list[float]) -> str:
+    """The range of a row's timings, as its last cell: "12-15 s"."""
+    return f"{min(seconds):.0f}-{max(seconds):.0f} s"
+
+
+def sparsity_header(sparsities) -> list[str]:
+    """The header of a table with one column per fraction of heads removed and the prune_model time."""
+    return ["method", *[f"{s:.0%} removed" for s in sparsities], "prune_model time"]
+
+
 def torch_threads() -> int:
     return torch.get_num_threads()
 

@@ -20,7 +20,7 @@ import sys
 import torch
 
 import prune_heads as ph
-from common import Timer, markdown_table, torch_threads
+from common import Timer, markdown_table, seconds_range, sparsity_header, torch_threads
 from prune_heads.data import without_labels
 from prune_heads.evaluation import embed, fidelity
 from prune_heads.objective import Objective
@@ -83,7 +83,7 @@ def main() -> None:
             print(name, sparsity, cells[-1], f"{t.seconds:.0f} s", file=sys.stderr, flush=True)
             if "default" in name and sparsity == 0.5:
                 pruned_default = model
-        rows.append([name, *cells, f"{min(seconds):.0f}-{max(seconds):.0f} s"])
+        rows.append([name, *cells, seconds_range(seconds)])
     if pruned_default is not None:
         with Timer() as t:
             f = ceiling(pruned_default, batches, targets, evaluation, reference)
@@ -93,7 +93,7 @@ def main() -> None:
     print(f"all-MiniLM-L6-v2 (72 heads), label-free, calibrated on {calibration.num_examples} demo sentences, "
           f"measured on {evaluation.num_examples} others; cells: cosine to the unpruned embeddings / nearest-"
           f"neighbour agreement; {torch_threads()} CPU threads.\n")
-    print(markdown_table(["method", *[f"{s:.0%} removed" for s in sparsities], "prune_model time"], rows))
+    print(markdown_table(sparsity_header(sparsities), rows))
 
 
 if __name__ == "__main__":

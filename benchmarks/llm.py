@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import prune_heads as ph
 from baselines import flap, layer_drop
-from common import FIXTURES, PeakRSS, Timer, markdown_table, torch_threads
+from common import FIXTURES, PeakRSS, Timer, markdown_table, seconds_range, torch_threads
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RATIOS = {"1/6 of KV groups": {"num_heads": 45}, "1/3 of KV groups": {"num_heads": 90},
@@ -107,7 +107,7 @@ def quality(args) -> None:
             seconds.append(t.seconds)
             print(name, ratio, cells[-1], f"{t.seconds:.0f} s", file=sys.stderr, flush=True)
             del model
-        rows.append([name, *cells, f"{min(seconds):.0f}-{max(seconds):.0f} s"])
+        rows.append([name, *cells, seconds_range(seconds)])
     print(f"SmolLM2-135M (GGUF Q4_1 dequantized to float32; 90 KV groups, 270 heads), calibration "
           f"{calibration.num_examples} windows of 256 tokens of movie-snippets train[:1000]; perplexity on "
           f"movie-snippets test[:1000] ({test.info['tokens']} tokens; unpruned {unpruned[0]:.2f}) / tweet-snippets "

@@ -17,7 +17,8 @@ import math
 import sys
 
 import prune_heads as ph
-from common import FIXTURES_BY_NAME, Timer, accuracy, classifier, markdown_table, torch_threads
+from common import (FIXTURES_BY_NAME, Timer, accuracy, classifier, markdown_table, seconds_range, sparsity_header,
+                    torch_threads)
 
 SPARSITIES = (0.25, 0.5, 0.75, 0.9)
 FISHER = ph.ScoringConfig(method="fisher")
@@ -67,12 +68,12 @@ def main() -> None:
                 seconds.append(t.seconds)
                 cells.append(f"{acc:.3f}" + (f" ({decisions(result)})" if "default" in name else ""))
                 print(name, sparsity, cells[-1], f"{t.seconds:.1f} s", file=sys.stderr, flush=True)
-            rows.append([name, *cells, f"{min(seconds):.0f}-{max(seconds):.0f} s"])
+            rows.append([name, *cells, seconds_range(seconds)])
         error = math.sqrt(base * (1 - base) / test.num_examples)
         print(f"\n{fixture}: {FIXTURES_BY_NAME[fixture][0]} (72 heads), unpruned test accuracy {base:.3f} (standard "
               f"error of one accuracy on {test.num_examples} test examples: {error:.3f}); scored on validation "
               f"({validation.num_examples}); no retraining; {torch_threads()} CPU threads.\n")
-        print(markdown_table(["method", *[f"{s:.0%} removed" for s in sparsities], "prune_model time"], rows))
+        print(markdown_table(sparsity_header(sparsities), rows))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .data import TASKS
+from .recovery import AVERAGE
 from .scoring import METHODS
 
 GQA_MODES = ("groups", "even")  # whole KV groups, or the same number of query heads from every group
@@ -78,7 +79,7 @@ class RecoveryConfig:
     tuning_budget: float | None = 1.0
     gate_lr: float = 0.05
     bias_lr: float = 0.01
-    average: float = 0.9
+    average: float = AVERAGE
 
     def __post_init__(self) -> None:
         for key in ("holdout", "average"):

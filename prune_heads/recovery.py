@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
@@ -309,12 +309,25 @@ def _to(target, batch: dict):
 
 
 PATIENCE = 2  # epochs without a better held-out value before tuning stops
+AVERAGE = 0.9  # decay per step of the moving average that tuning checks beside its last step
+
+
+def _copy(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Detached copies of the parameters' current values."""
+    return [p.detach().clone() for p in params]
+
+
+@torch.no_grad()
+def _load(params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Put `values` into the parameters, in place."""
+    for p, value in zip(params, values):
+        p.copy_(value)
 
 
 class _Average:
     """An exponential moving average of parameters over optimizer steps (Polyak averaging), bias-corrected
-    so the first steps are not pulled towards zero: `applied()` puts the average in the parameters' place
-    for a while (to check or keep it), `reset()` starts a new average from the next step."""
+    so the first steps are not pulled towards zero: `values()` is the average, `applied()` puts it in the
+    parameters' place for a while (to check it), `reset()` starts a new average from the next step."""
 
     def __init__(self, params: list[torch.Tensor], decay: float) -> None:
         self.params, self.decay = params, decay
@@ -330,19 +343,18 @@ class _Average:
             total.mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
         self.weight = self.weight * self.decay + 1 - self.decay
 
+    def values(self) -> list[torch.Tensor]:
+        """The average so far (call only after a step: `weight` > 0)."""
+        return [total / self.weight for total in self.sums]
+
     @contextmanager
     def applied(self) -> Iterator[None]:
-        live = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for total, p in zip(self.sums, self.params):
-                if self.weight:
-                    p.copy_(total / self.weight)
+        live = _copy(self.params)
+        _load(self.params, self.values())
         try:
             yield
         finally:
-            with torch.no_grad():
-                for value, p in zip(live, self.params):
-                    p.copy_(value)
+            _load(self.params, live)
 
 
 class Tuning(NamedTuple):
@@ -357,10 +369,10 @@ class Tuning(NamedTuple):
 def _readouts(check: Callable[[], float], params: list[torch.Tensor], averaged: _Average | None):
     """The held-out value and a copy of the parameters that give it, for the current parameters and (when
     averaging) their moving average, whichever checks lower; and whether that is the average."""
-    options = [(check(), [p.detach().clone() for p in params], False)]
+    options = [(check(), _copy(params), False)]
     if averaged is not None and averaged.weight:
         with averaged.applied():
-            options.append((check(), [p.detach().clone() for p in params], True))
+            options.append((check(), averaged.values(), True))
     return min(options, key=lambda option: option[0])
 
 
@@ -383,7 +395,7 @@ def tune(forward: Callable[[dict], object], groups: list[dict], batches: list[di
     start = time.perf_counter()
     history = [check()] if check else []
     check_cost = (time.perf_counter() - start) * (2 if averaged else 1)
-    best, best_averaged = [p.detach().clone() for p in params], False
+    best, best_averaged = _copy(params), False
     misses, steps, out_of_time = 0, 0, False
     for _ in range(epochs):
         begun = steps
@@ -415,27 +427,22 @@ def tune(forward: Callable[[dict], object], groups: list[dict], batches: list[di
         misses += 1
         if misses >= PATIENCE:
             break
-        with torch.no_grad():  # back to the best point, with smaller steps
-            for p, value in zip(params, best):
-                p.copy_(value)
+        _load(params, best)  # back to the best point, with smaller steps
         if averaged:
             averaged.reset()
         for group in optimizer.param_groups:
             group["lr"] /= 2
     if not check and averaged and averaged.weight:
-        with averaged.applied():
-            best, best_averaged = [p.detach().clone() for p in params], True
-    if check or averaged:
-        with torch.no_grad():
-            for p, value in zip(params, best):
-                p.copy_(value)
+        best, best_averaged = averaged.values(), True
+    if check or best_averaged:
+        _load(params, best)
     optimizer.zero_grad(set_to_none=True)
     return Tuning(history, steps, best_averaged)
 
 
 def tune_gates(model: nn.Module, reference: nn.Module, dataloader: Iterable[dict], epochs: int = 2,
                lr: float = 0.05, seed: int = 0, bias_lr: float | None = None,
-               average: float = 0.9) -> dict[str, list[float]]:
+               average: float = AVERAGE) -> dict[str, list[float]]:
     """Tune one scale per kept head of a pruned `model` so its outputs match the unpruned `reference`
     model's, then fold the scales into the output projections (the model stays a plain smaller model).
 
@@ -459,7 +466,7 @@ def tune_gates(model: nn.Module, reference: nn.Module, dataloader: Iterable[dict
             b.requires_grad_(True)
         groups = [{"params": list(gates), "lr": lr}] + ([{"params": biases, "lr": bias_lr}] if biases else [])
         tune(lambda b: model(**b), groups, batches, targets, objective, epochs, seed, average=average)
-        scales = [g.detach().clone() for g in gates]
+        scales = _copy(gates)
     with torch.no_grad():
         for layer, scale in zip(layers, scales):
             if layer.num_heads:

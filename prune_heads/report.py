@@ -158,8 +158,7 @@ class Report:
                 lines += [f"| note | {note} | | |" for note in entry["notes"]]
             else:
                 by_epoch = " -> ".join(_number(v) for v in entry.get("heldout_by_epoch", []))
-                kept = ("yes" + (", moving average" if entry.get("averaged") else "")) if entry.get("kept", True) \
-                    else "no"
+                kept = "no" if not entry.get("kept", True) else "yes, moving average" if entry.get("averaged") else "yes"
                 lines.append(f"| {entry['step']} | {entry['epochs_run']} epochs, {entry['seconds']:.1f} s | "
                              f"{by_epoch} | {kept} |")
         return lines

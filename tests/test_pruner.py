@@ -166,24 +166,6 @@ def test_tuning_the_gated_model_equals_tuning_a_pruned_copy():
         torch.testing.assert_close(model(**inputs).logits, pruned(**inputs).logits, rtol=0, atol=1e-5)
 
 
-def test_tuning_stops_when_the_held_out_check_stops_improving():
-    scale = torch.ones(1, requires_grad=True)
-    checks = iter([1.0, 0.5, 0.7, 0.8, 0.1])  # improves once, then twice not: stop before the last value
-
-    def forward(batch):
-        return type("Out", (), {"logits": (scale * batch["x"]).unsqueeze(0)})()
-
-    objective = Objective(torch.nn.Linear(1, 1))
-    data = [{"x": torch.tensor([0.0, 1.0])}]
-    target = [torch.log_softmax(torch.tensor([[0.0, 2.0]]), -1)]
-    history, steps, _ = tune(forward, [{"params": [scale], "lr": 0.1}], data, target, objective, epochs=10,
-                          check=lambda: next(checks))
-    assert history == [1.0, 0.5, 0.7, 0.8] and steps == 3
-    # out of time: the first step always runs, none after it
-    assert tune(forward, [{"params": [scale], "lr": 0.1}], data * 4, target * 4, objective, epochs=10,
-                seconds=0.0)[1] == 1
-
-
 def _scalar_problem():
     """A one-parameter model whose two-class logits are (0, scale), tuned towards logits (0, 2)."""
     scale = torch.ones(1, requires_grad=True)
@@ -193,6 +175,17 @@ def _scalar_problem():
 
     target = [torch.log_softmax(torch.tensor([[0.0, 2.0]]), -1)]
     return scale, forward, Objective(torch.nn.Linear(1, 1)), [{"x": torch.tensor([0.0, 1.0])}], target
+
+
+def test_tuning_stops_when_the_held_out_check_stops_improving():
+    scale, forward, objective, data, target = _scalar_problem()
+    checks = iter([1.0, 0.5, 0.7, 0.8, 0.1])  # improves once, then twice not: stop before the last value
+    history, steps, _ = tune(forward, [{"params": [scale], "lr": 0.1}], data, target, objective, epochs=10,
+                             check=lambda: next(checks))
+    assert history == [1.0, 0.5, 0.7, 0.8] and steps == 3
+    # out of time: the first step always runs, none after it
+    assert tune(forward, [{"params": [scale], "lr": 0.1}], data * 4, target * 4, objective, epochs=10,
+                seconds=0.0)[1] == 1
 
 
 def test_tuning_keeps_the_moving_average_or_the_last_step_whichever_checks_lower(monkeypatch):
