@@ -4,7 +4,7 @@ the divergence of the (gated or pruned) model's outputs from the unpruned model'
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -33,6 +33,48 @@ def pooled(outputs, batch: dict) -> torch.Tensor:
         return hidden.mean(1)
     mask = mask.to(hidden.dtype).unsqueeze(-1)
     return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+NEIGHBOUR_TEMPERATURE = 0.05  # of the softmax over cosine similarities (SimCSE's): close to hard neighbours
+CHUNK = 1024  # rows of an examples x examples similarity matrix held at once
+
+
+def _to_others(embeddings: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The similarities of each row to every row, `CHUNK` rows at a time ([chunk, rows]), its own set to -inf."""
+    for start in range(0, len(embeddings), CHUNK):
+        similarity = embeddings[start:start + CHUNK].double() @ embeddings.double().T
+        rows = torch.arange(similarity.shape[0], device=similarity.device)
+        similarity[rows, rows + start] = -float("inf")
+        yield similarity
+
+
+def nearest_neighbours(embeddings: torch.Tensor) -> torch.Tensor:
+    """Each row's nearest other row by dot product (cosine for unit rows), [rows] long."""
+    found = [similarity.argmax(-1) for similarity in _to_others(embeddings)]
+    return torch.cat(found) if found else torch.zeros(0, dtype=torch.long)
+
+
+def neighbour_changes(reference: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    """Per example, 1.0 where its nearest neighbour among the other examples differs between the reference
+    embeddings and these (what a retrieval user sees), else 0.0; [examples] float64."""
+    if len(reference) < 2:
+        return torch.zeros(len(reference), dtype=torch.float64)
+    return (nearest_neighbours(reference) != nearest_neighbours(embeddings)).double()
+
+
+def neighbour_divergence(reference: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    """Per example, KL(p || q) of its neighbour distributions over the other examples: softmax of the cosine
+    similarities / NEIGHBOUR_TEMPERATURE, p from the reference embeddings, q from these. A smooth form of
+    neighbour agreement: 0 when every example keeps its similarities to the others, large when its nearest
+    neighbours change. [examples] float64 (zeros for fewer than two examples)."""
+    if len(reference) < 2:
+        return torch.zeros(len(reference), dtype=torch.float64)
+    values = []
+    for p, q in zip(_to_others(reference), _to_others(embeddings)):
+        log_p = torch.log_softmax(p / NEIGHBOUR_TEMPERATURE, -1)
+        log_q = torch.log_softmax(q / NEIGHBOUR_TEMPERATURE, -1)
+        values.append(torch.where(p.isfinite(), log_p.exp() * (log_p - log_q), 0.0).sum(-1))
+    return torch.cat(values).cpu()
 
 
 class Objective:
@@ -71,7 +113,7 @@ class Objective:
             return self._token_mean(nn.functional.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), sampled.reshape(-1), reduction="none"
             ).reshape(sampled.shape), batch)
-        unit = nn.functional.normalize(pooled(outputs, batch), dim=-1)
+        unit = self.embedding(outputs, batch)
         z = torch.randn(unit.shape, generator=generator).to(unit.device)
         return (unit * z).sum(-1)
 
@@ -99,14 +141,21 @@ class Objective:
         mask = mask.float()
         return (tokens * mask).sum(-1) / mask.sum(-1).clamp(min=1)
 
+    @staticmethod
+    def embedding(outputs, batch: dict) -> torch.Tensor | None:
+        """The L2-normalised pooled embedding [batch, hidden] of a model without logits, else None."""
+        if getattr(outputs, "logits", None) is not None:
+            return None
+        return nn.functional.normalize(pooled(outputs, batch), dim=-1)
+
     def reference(self, outputs, batch: dict) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """What the ungated model produced, as `divergence` takes it: log-probabilities (over at most
         TOP_K classes: beyond that the top TOP_K and one bin for the rest, so per-token targets of a large
         vocabulary stay small), or the normalised pooled embedding."""
-        logits = getattr(outputs, "logits", None)
-        if logits is None:
-            return nn.functional.normalize(pooled(outputs, batch).detach(), dim=-1)
-        logp = torch.log_softmax(logits.detach().float(), -1)
+        embedding = self.embedding(outputs, batch)
+        if embedding is not None:
+            return embedding.detach()
+        logp = torch.log_softmax(outputs.logits.detach().float(), -1)
         if logp.shape[-1] <= TOP_K:
             return logp
         top, index = logp.topk(TOP_K, dim=-1)
@@ -116,10 +165,10 @@ class Objective:
         """Per-example KL(reference || gated) on logits (on the reference's top TOP_K classes and one bin for
         the rest when the vocabulary is larger: the KL of the coarsened distributions), or 1 - cosine on
         pooled embeddings."""
-        logits = getattr(outputs, "logits", None)
-        if logits is None:
-            return 1 - (nn.functional.normalize(pooled(outputs, batch), dim=-1) * reference).sum(-1)
-        logq = torch.log_softmax(logits.float(), -1)
+        embedding = self.embedding(outputs, batch)
+        if embedding is not None:
+            return 1 - (embedding * reference).sum(-1)
+        logq = torch.log_softmax(outputs.logits.float(), -1)
         if torch.is_tensor(reference):
             kl = (reference.exp() * (reference - logq)).sum(-1)
         else:
@@ -127,6 +176,23 @@ class Objective:
             q_top = logq.gather(-1, index)
             kl = (top.exp() * (top - q_top)).sum(-1) + rest.exp() * (rest - _log_rest(q_top))
         return self._token_mean(kl, batch)
+
+    def heldout(self, runs: Iterable[tuple[object, dict, object]]) -> torch.Tensor:
+        """Per-example held-out values [examples] float64, which recovery's decisions minimise, from
+        (outputs, batch, reference) per batch (a generator keeps one batch's outputs at a time): the
+        divergence from the reference; for embeddings plus the divergence of its neighbour distribution among all
+        these examples (`neighbour_divergence`), so ranking, what a retrieval user sees, is judged beside cosine."""
+        values, embeddings, references = [], [], []
+        for outputs, batch, reference in runs:
+            values.append(self.divergence(outputs, batch, reference).double().cpu())
+            embedding = self.embedding(outputs, batch)
+            if embedding is not None:
+                embeddings.append(embedding.detach().cpu())
+                references.append(reference.cpu())
+        values = torch.cat(values)
+        if embeddings:
+            values += neighbour_divergence(torch.cat(references), torch.cat(embeddings))
+        return values
 
     def value(self, outputs, batch: dict, reference: torch.Tensor | None) -> torch.Tensor:
         """The exact per-example objective: task loss with labels, else the divergence from `reference`."""

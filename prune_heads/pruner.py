@@ -9,6 +9,7 @@ one model through gates and added biases, then folded into the weights and the h
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -73,7 +74,7 @@ def selection_budget(model: nn.Module, config: PruneConfig, seq_len: int = 128) 
     return kwargs
 
 
-def _candidates(scores: HeadScores, recorder: Recorder, layers, kwargs: dict, rearrange: bool,
+def _candidates(scores: HeadScores, recorder: Recorder | None, layers, kwargs: dict, rearrange: bool,
                 notes: list[str]) -> dict[str, dict[str, list[int]]]:
     """The plans to try: the plain ranking, and with `rearrange` the Fisher-block and FLAP plans."""
     plans = {"ranked": select_heads(scores, **kwargs)}
@@ -138,11 +139,12 @@ def prune_model(model: nn.Module, data: TaskData | Iterable[dict], config: Prune
     objective = Objective(model)
     timings: dict[str, float] = {}
     tick = time.perf_counter()
-    with Recorder(model, layers, objective) as recorder:
+    # recovery needs the unpruned model's statistics and outputs: recorded during scoring, not recomputed
+    with Recorder(model, layers, objective) if r.enabled else nullcontext() as recorder:
         scores = score_heads(model, calib, method=s.method, normalize=s.normalize, seed=s.seed, progress=progress)
     device = input_device(model)
     calib = [to_device(without_labels(b), device) for b in calib]
-    if recorder.calls != len(calib):  # the method ran no plain pass per batch (ablation, magnitude, random...)
+    if recorder is not None and recorder.calls != len(calib):  # the method ran no plain pass per batch
         recorder = record(model, calib, objective)
     timings["scoring"] = time.perf_counter() - tick
     notes: list[str] = []
@@ -160,7 +162,7 @@ def prune_model(model: nn.Module, data: TaskData | Iterable[dict], config: Prune
     return result
 
 
-def _decide(gated: GatedModel, plans: dict, recorder: Recorder, calib: list[dict], heldout: list[dict],
+def _decide(gated: GatedModel, plans: dict, recorder: Recorder | None, calib: list[dict], heldout: list[dict],
             objective: Objective, config: PruneConfig, result: PruneResult, timings: dict, device) -> dict:
     """Choose the plan, bias compensation and tuning on the held-out batches; leave `gated` in the chosen
     state and return the plan."""
@@ -170,12 +172,12 @@ def _decide(gated: GatedModel, plans: dict, recorder: Recorder, calib: list[dict
     with torch.no_grad():
         gated.use({})
         targets = [objective.reference(gated(b), b) for b in heldout]
-    means = recorder.means()
 
     def divergences(plan: dict, biases: dict | None) -> torch.Tensor | None:
         gated.use(plan, biases)
         return gated.divergences(heldout, targets, objective) if heldout else None
 
+    means = recorder.means() if r.bias_compensation else None
     tried = {}  # name -> (per-example held-out divergences, plan, added biases), in order of preference
     for name, plan in plans.items():
         tried[name] = (divergences(plan, None), plan, None)

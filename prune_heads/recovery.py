@@ -272,8 +272,9 @@ class GatedModel:
 
     @torch.no_grad()
     def divergences(self, batches: list[dict], targets: list, objective: Objective) -> torch.Tensor:
-        """Per-example divergence of the gated model's outputs from the targets, [examples] float64."""
-        return torch.cat([objective.divergence(self(b), b, _to(t, b)).double().cpu() for b, t in zip(batches, targets)])
+        """Per-example held-out values of the gated model against the targets (`Objective.heldout`: the
+        divergence, plus the neighbour divergence for embeddings), [examples] float64."""
+        return objective.heldout((self(b), b, _to(t, b)) for b, t in zip(batches, targets))
 
     def compensation(self, plan: dict[str, list[int]], means: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """FLAP's bias compensation: per pruned layer, the removed heads' mean contribution to the output,

@@ -148,7 +148,8 @@ class Report:
             return []
         held = self.meta.get("heldout") or {}
         lines = ["", f"Recovery, decided on {held.get('examples', 0)} held-out calibration examples "
-                     f"(divergence from the unpruned model; lower is better):", "",
+                     f"(divergence from the unpruned model, for embeddings plus that of each example's "
+                     f"neighbour distribution; lower is better):", "",
                  "| step | tried | held-out divergence | kept |", "|---|---|---|---|"]
         for entry in self.recovery:
             if entry["step"] == "selection":

@@ -5,7 +5,7 @@ import torch
 
 import prune_heads as ph
 import tiny_models as tm
-from prune_heads.objective import Objective
+from prune_heads.objective import Objective, neighbour_divergence
 from prune_heads.recovery import GatedModel, split_holdout, tune
 
 
@@ -56,6 +56,25 @@ def test_prune_model_result_is_the_gated_state_it_measured():
     _, heldout = split_holdout([{k: v for k, v in b.items() if k != "labels"} for b in data], 0.2)
     measured = kl(model, original, heldout) / sum(b["input_ids"].shape[0] for b in heldout)
     assert measured == pytest.approx(result.heldout["final"], rel=1e-4, abs=1e-7)
+
+
+def test_embedding_models_decide_on_neighbour_divergence_and_cosine():
+    """For a model without logits the held-out value is 1 - cosine plus the divergence of each example's
+    neighbour distribution among the held-out ones; the recorded value is what the pruned model gives."""
+    model = tm.build("xlm-roberta")
+    original = copy.deepcopy(model)
+    data = batches("xlm-roberta", n=10, labels=False)
+    result = ph.prune_model(model, data, ph.PruneConfig(selection=ph.SelectionConfig(num_heads=6)), progress=False)
+    _, heldout = split_holdout(data, 0.2)
+    objective = Objective(original)
+    with torch.no_grad():
+        cosine = torch.cat([objective.divergence(model(**b), b, objective.embedding(original(**b), b))
+                            for b in heldout]).double()
+        pruned = torch.cat([objective.embedding(model(**b), b) for b in heldout])
+        unpruned = torch.cat([objective.embedding(original(**b), b) for b in heldout])
+    ranking = neighbour_divergence(unpruned, pruned)
+    assert len(ranking) == 8 and ranking.mean() > cosine.mean()  # the case exercises the ranking term
+    assert float((cosine + ranking).mean()) == pytest.approx(result.heldout["final"], rel=1e-4, abs=1e-7)
 
 
 def test_prune_model_makes_no_copy_of_the_model(monkeypatch):
@@ -240,3 +259,24 @@ def test_label_free_objective_and_iterative_steps():
                                recovery=ph.RecoveryConfig.off())
     result = ph.prune_model(tm.build("bert"), batches("bert"), iterative, progress=False)
     assert result.heads_removed == 6 and len(result.history) == 3
+
+
+@pytest.mark.parametrize("method", ["fisher", "random"])
+def test_no_recovery_records_nothing_and_equals_plain_prune(monkeypatch, method):
+    """Without recovery the unpruned model's statistics and outputs are not recorded (no hooks, no extra
+    pass), and the result is the plain selection pruned as it is."""
+    def boom(*args, **kwargs):
+        raise AssertionError("recorded without recovery")
+
+    monkeypatch.setattr("prune_heads.pruner.Recorder.__init__", boom)
+    monkeypatch.setattr("prune_heads.pruner.record", boom)
+    model, plain = tm.build("bert"), tm.build("bert")
+    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=5), scoring=ph.ScoringConfig(method=method),
+                            recovery=ph.RecoveryConfig.off())
+    result = ph.prune_model(model, batches("bert"), config, progress=False)
+    scores = ph.score_heads(plain, batches("bert"), method=method, progress=False)
+    assert result.plan == ph.select_heads(scores, num_heads=5)
+    ph.prune(plain, result.plan)
+    inputs = tm.make_inputs("bert")
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, plain(**inputs).logits)
