@@ -41,8 +41,9 @@ CHUNK = 1024  # rows of an examples x examples similarity matrix held at once
 
 def _to_others(embeddings: torch.Tensor) -> Iterator[torch.Tensor]:
     """The similarities of each row to every row, `CHUNK` rows at a time ([chunk, rows]), its own set to -inf."""
+    embeddings = embeddings.double()
     for start in range(0, len(embeddings), CHUNK):
-        similarity = embeddings[start:start + CHUNK].double() @ embeddings.double().T
+        similarity = embeddings[start:start + CHUNK] @ embeddings.T
         rows = torch.arange(similarity.shape[0], device=similarity.device)
         similarity[rows, rows + start] = -float("inf")
         yield similarity
@@ -56,9 +57,8 @@ def nearest_neighbours(embeddings: torch.Tensor) -> torch.Tensor:
 
 def neighbour_changes(reference: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
     """Per example, 1.0 where its nearest neighbour among the other examples differs between the reference
-    embeddings and these (what a retrieval user sees), else 0.0; [examples] float64."""
-    if len(reference) < 2:
-        return torch.zeros(len(reference), dtype=torch.float64)
+    embeddings and these (what a retrieval user sees), else 0.0 (always for a lone example); [examples]
+    float64."""
     return (nearest_neighbours(reference) != nearest_neighbours(embeddings)).double()
 
 
