@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .data import TASKS
-from .recovery import AVERAGE
+from .recovery import AVERAGE, MIN_TUNING_FLOPS
 from .scoring import METHODS
 
 GQA_MODES = ("groups", "even")  # whole KV groups, or the same number of query heads from every group
@@ -64,11 +64,14 @@ class RecoveryConfig:
     (FLAP, An et al. 2024); `gate_tuning` tunes one scale per kept head to the unpruned model's outputs, and
     `bias_tuning` the output biases with them, for at most `epochs` epochs, stopping when the held-out
     divergence stops falling, or before a step would take the recovery (trying candidates and tuning) past
-    `tuning_budget` times the scoring pass's time (tuning still gets at least a minute, so small models tune
-    fully; None: no limit; a cut epoch is checked like a whole one). Each check tries both the tuned values
-    and their moving average over the steps (`average`, its decay per step; 0: the tuned values alone) and
-    keeps the lower. Everything is tuned on the gated model (no copy of it) and folded into the weights.
-    `holdout: 0` applies every enabled step without checking it (tuning then leaves the moving average)."""
+    `tuning_budget` times the work of one forward and backward pass over the calibration batches (the
+    default fisher scoring's cost; None: no limit); tuning still gets at least `min_tuning_flops`, so small
+    models tune fully, and a cut epoch is checked like a whole one. Work is counted in FLOPs from the model
+    and the data (`prune_heads.work`), never timed: the same inputs, config and seed give the same model on
+    any machine. Each check tries both the tuned values and their moving average over the steps (`average`,
+    its decay per step; 0: the tuned values alone) and keeps the lower. Everything is tuned on the gated
+    model (no copy of it) and folded into the weights. `holdout: 0` applies every enabled step without
+    checking it (tuning then leaves the moving average)."""
 
     holdout: float = 0.2
     rearrange: bool = True
@@ -77,11 +80,15 @@ class RecoveryConfig:
     bias_tuning: bool = True
     epochs: int = 4
     tuning_budget: float | None = 1.0
+    min_tuning_flops: float = MIN_TUNING_FLOPS
     gate_lr: float = 0.05
     bias_lr: float = 0.01
     average: float = AVERAGE
 
     def __post_init__(self) -> None:
+        if self.tuning_budget is not None and self.tuning_budget < 0 or self.min_tuning_flops < 0:
+            raise ConfigError(f"recovery.tuning_budget is {self.tuning_budget} and recovery.min_tuning_flops "
+                              f"{self.min_tuning_flops}; give 0 or more (tuning_budget: null for no limit)")
         for key in ("holdout", "average"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"recovery.{key} is {getattr(self, key)}; give a value from 0 up to (not "

@@ -28,9 +28,8 @@ from .scoring import fluctuation, head_scores, score_heads
 from .selection import check_budget, requested_heads, select_heads
 from .speed import heads_for_flops
 from .surgery import PlanError
+from .work import Budget, Work
 
-
-MIN_TUNING_SECONDS = 60.0  # the time budget never cuts tuning shorter than this: small models tune fully
 
 
 @dataclass
@@ -38,7 +37,9 @@ class PruneResult:
     """What `prune_model` did: the plan (original head indices per layer), the scores it was chosen from,
     the per-step history of iterative pruning, each recovery decision (`recovery`: what was tried, its
     held-out divergence from the unpruned model, what was kept, seconds), the held-out summary, the heads the
-    budget asked for (`asked`; `heads_removed` differs only with `selection.round`) and the seconds per stage."""
+    budget asked for (`asked`; `heads_removed` differs only with `selection.round`), the work of each stage
+    in counted FLOPs with the tuning's budget (`work`: what limits the flow, never a clock) and the seconds
+    per stage (informative only)."""
 
     plan: dict[str, list[int]]
     scores: HeadScores | None = None
@@ -48,6 +49,7 @@ class PruneResult:
     asked: int | None = None
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
+    work: dict[str, float] = field(default_factory=dict)
 
     @property
     def heads_removed(self) -> int:
@@ -165,10 +167,12 @@ def prune_model(model: nn.Module, data: TaskData | Iterable[dict], config: Prune
 def _decide(gated: GatedModel, plans: dict, recorder: Recorder | None, calib: list[dict], heldout: list[dict],
             objective: Objective, config: PruneConfig, result: PruneResult, timings: dict, device) -> dict:
     """Choose the plan, bias compensation and tuning on the held-out batches; leave `gated` in the chosen
-    state and return the plan."""
+    state and return the plan. The work is counted in FLOPs (`result.work`) and bounds the tuning."""
     r, seed = config.recovery, config.scoring.seed
     tick = time.perf_counter()
     heldout = [to_device(without_labels(b), device) for b in heldout]
+    work = Work.of(gated.model, calib[0])
+    result.work = {"calibration_pass": work.forward_backward(calib), "heldout_pass": work.forward(heldout)}
     with torch.no_grad():
         gated.use({})
         targets = [objective.reference(gated(b), b) for b in heldout]
@@ -191,6 +195,7 @@ def _decide(gated: GatedModel, plans: dict, recorder: Recorder | None, calib: li
             (" + bias compensation" if r.bias_compensation else "")
     values, plan, biases = tried[chosen]
     value = None if values is None else float(values.mean())
+    result.work["selection"] = (len(tried) + 1) * result.work["heldout_pass"]  # + the unpruned targets
     result.recovery.append({"step": "selection", "kept": chosen, "seconds": round(time.perf_counter() - tick, 3),
                             "tried": {k: None if v[0] is None else float(v[0].mean()) for k, v in tried.items()}})
     result.heldout = {"batches": len(heldout), "examples": sum(batch_size(b) for b in heldout),
@@ -204,17 +209,19 @@ def _decide(gated: GatedModel, plans: dict, recorder: Recorder | None, calib: li
         groups = ([{"params": gated.scales, "lr": r.gate_lr}] if r.gate_tuning else []) + \
             ([{"params": gated.biases, "lr": r.bias_lr}] if r.bias_tuning else [])
         check = (lambda: float(gated.divergences(heldout, targets, objective).mean())) if heldout else None
-        budget = None if r.tuning_budget is None else \
-            max(MIN_TUNING_SECONDS, r.tuning_budget * timings["scoring"] - timings["selection"])
-        history, steps, averaged = tune(gated, groups, calib, recorder.targets, objective, r.epochs, seed, check,
-                                        budget, r.average)
+        limit = float("inf") if r.tuning_budget is None else \
+            max(r.min_tuning_flops, r.tuning_budget * result.work["calibration_pass"] - result.work["selection"])
+        budget = Budget(limit, work, check=result.work["heldout_pass"])
+        history, steps, averaged, spent = tune(gated, groups, calib, recorder.targets, objective, r.epochs, seed,
+                                               check, budget, r.average)
         gated.scales = [s.detach() for s in gated.scales]
         gated.biases = [b.detach() for b in gated.biases]
         step = "gate and bias tuning" if r.gate_tuning and r.bias_tuning else \
             "gate tuning" if r.gate_tuning else "bias tuning"
-        entry = {"step": step, "epochs_run": round(steps / len(calib), 2),
-                 "heldout_by_epoch": history, "seconds": round(time.perf_counter() - tick, 3),
-                 "budget_seconds": None if budget is None else round(budget, 1), "averaged": averaged}
+        result.work.update(tuning=spent, tuning_budget=limit)
+        entry = {"step": step, "epochs_run": round(steps / len(calib), 2), "heldout_by_epoch": history,
+                 "seconds": round(time.perf_counter() - tick, 3), "flops": spent,
+                 "budget_flops": None if r.tuning_budget is None else limit, "averaged": averaged}
         if history:
             entry["kept"] = min(history) < history[0]
             value = min(history)

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import math
-import time
 from contextlib import ExitStack, contextmanager
 from typing import Callable, Iterable, Iterator, NamedTuple
 
@@ -32,6 +31,7 @@ from .objective import Objective, batch_size, frozen
 from .parallel import sum_across
 from .probe import probe_plan, remove_proven
 from .surgery import add_output_bias, head_features, normalize_plan
+from .work import Budget
 
 
 def _rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -311,6 +311,7 @@ def _to(target, batch: dict):
 
 PATIENCE = 2  # epochs without a better held-out value before tuning stops
 AVERAGE = 0.9  # decay per step of the moving average that tuning checks beside its last step
+MIN_TUNING_FLOPS = 6e12  # tuning always gets this much work (about a minute on 2 CPU cores): small models tune fully
 
 
 def _copy(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -359,12 +360,14 @@ class _Average:
 
 
 class Tuning(NamedTuple):
-    """What `tune` did: the checked held-out values (the first before tuning), the steps taken, and whether
-    the parameters it left are the moving average of the steps (else the steps' own values)."""
+    """What `tune` did: the checked held-out values (the first before tuning), the steps taken, whether the
+    parameters it left are the moving average of the steps (else the steps' own values), and the FLOPs it
+    spent (0 without a budget to count them)."""
 
     history: list[float]
     steps: int
     averaged: bool
+    flops: float = 0.0
 
 
 def _readouts(check: Callable[[], float], params: list[torch.Tensor], averaged: _Average | None):
@@ -379,31 +382,32 @@ def _readouts(check: Callable[[], float], params: list[torch.Tensor], averaged: 
 
 def tune(forward: Callable[[dict], object], groups: list[dict], batches: list[dict], targets: list,
          objective: Objective, epochs: int, seed: int = 0, check: Callable[[], float] | None = None,
-         seconds: float | None = None, average: float = 0.0) -> Tuning:
+         budget: Budget | None = None, average: float = 0.0) -> Tuning:
     """Adam over the parameter `groups` so `forward`'s outputs match the targets (the objective's divergence),
     for `epochs` passes in a seeded order. With `average` in (0, 1), an exponential moving average of the
     parameters over the steps (that decay per step) is kept beside them: it smooths out Adam's step-to-step
     jitter. With `check` (a held-out divergence), it runs after every epoch, on the parameters and on their
     average, and the lower of the two counts: an epoch that does not improve on the best so far goes back
     to the best parameters and halves the learning rates, tuning stops after PATIENCE such epochs, and the
-    best parameters are kept. Without `check`, the average (when kept) is what tuning leaves. With `seconds`,
-    no step starts that would end (with the final check) past that many seconds; a cut epoch is checked
-    like a whole one."""
+    best parameters are kept. Without `check`, the average (when kept) is what tuning leaves. With `budget`
+    (counted FLOPs, never a clock), no step starts whose work and the final check's would pass its limit
+    (the first step always runs); a cut epoch is checked like a whole one."""
     params = [p for group in groups for p in group["params"]]
     optimizer = torch.optim.Adam(groups)
     averaged = _Average(params, average) if average else None
     generator = torch.Generator().manual_seed(seed)
-    start = time.perf_counter()
     history = [check()] if check else []
-    check_cost = (time.perf_counter() - start) * (2 if averaged else 1)
+    checks = (2 if averaged else 1) if check else 0  # held-out passes per check after a step
+    if budget is not None and check:
+        budget.spent += budget.check
     best, best_averaged = _copy(params), False
-    misses, steps, out_of_time = 0, 0, False
+    misses, steps, out_of_budget = 0, 0, False
     for _ in range(epochs):
         begun = steps
         for i in torch.randperm(len(batches), generator=generator).tolist():
-            elapsed = time.perf_counter() - start
-            if seconds is not None and steps and elapsed + (elapsed - check_cost) / steps + check_cost > seconds:
-                out_of_time = True
+            cost = budget.step(batches[i]) if budget is not None else 0.0
+            if budget is not None and steps and not budget.allows(cost + checks * budget.check):
+                out_of_budget = True
                 break
             loss = objective.divergence(forward(batches[i]), batches[i], _to(targets[i], batches[i])).mean()
             optimizer.zero_grad()
@@ -412,16 +416,20 @@ def tune(forward: Callable[[dict], object], groups: list[dict], batches: list[di
             if averaged:
                 averaged.update()
             steps += 1
-        if out_of_time and steps == begun:  # nothing new to check
+            if budget is not None:
+                budget.spent += cost
+        if out_of_budget and steps == begun:  # nothing new to check
             break
         improved = False
         if check:
             value, values, from_average = _readouts(check, params, averaged)
+            if budget is not None:
+                budget.spent += checks * budget.check
             history.append(value)
             improved = value < min(history[:-1])
             if improved:
                 best, best_averaged = values, from_average
-        if out_of_time:
+        if out_of_budget:
             break
         if not check or improved:
             continue
@@ -438,7 +446,7 @@ def tune(forward: Callable[[dict], object], groups: list[dict], batches: list[di
     if check or best_averaged:
         _load(params, best)
     optimizer.zero_grad(set_to_none=True)
-    return Tuning(history, steps, best_averaged)
+    return Tuning(history, steps, best_averaged, budget.spent if budget is not None else 0.0)
 
 
 def tune_gates(model: nn.Module, reference: nn.Module, dataloader: Iterable[dict], epochs: int = 2,

@@ -160,8 +160,9 @@ class Report:
             else:
                 by_epoch = " -> ".join(_number(v) for v in entry.get("heldout_by_epoch", []))
                 kept = "no" if not entry.get("kept", True) else "yes, moving average" if entry.get("averaged") else "yes"
-                lines.append(f"| {entry['step']} | {entry['epochs_run']} epochs, {entry['seconds']:.1f} s | "
-                             f"{by_epoch} | {kept} |")
+                budget = f" of {_tflops(entry['budget_flops'])}" if entry.get("budget_flops") is not None else ""
+                lines.append(f"| {entry['step']} | {entry['epochs_run']} epochs, {_tflops(entry.get('flops', 0))}"
+                             f"{budget} counted, {entry['seconds']:.1f} s | {by_epoch} | {kept} |")
         return lines
 
     @staticmethod
@@ -187,6 +188,10 @@ class Report:
 
 def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.5g}"
+
+
+def _tflops(flops: float) -> str:
+    return f"{flops / 1e12:.3g} TFLOPs"
 
 
 def compare(before: dict, after: dict, **extras: Any) -> Report:

@@ -7,6 +7,7 @@ import prune_heads as ph
 import tiny_models as tm
 from prune_heads.objective import Objective, neighbour_divergence
 from prune_heads.recovery import GatedModel, split_holdout, tune
+from prune_heads.work import Budget, Work
 
 
 def batches(name="bert", n=5, labels=True, batch=4):
@@ -199,12 +200,56 @@ def _scalar_problem():
 def test_tuning_stops_when_the_held_out_check_stops_improving():
     scale, forward, objective, data, target = _scalar_problem()
     checks = iter([1.0, 0.5, 0.7, 0.8, 0.1])  # improves once, then twice not: stop before the last value
-    history, steps, _ = tune(forward, [{"params": [scale], "lr": 0.1}], data, target, objective, epochs=10,
+    history, steps, *_ = tune(forward, [{"params": [scale], "lr": 0.1}], data, target, objective, epochs=10,
                              check=lambda: next(checks))
     assert history == [1.0, 0.5, 0.7, 0.8] and steps == 3
-    # out of time: the first step always runs, none after it
+    # out of budget: the first step always runs, none after it
+    budget = Budget(0.0, Work(1.0), check=0.0)
     assert tune(forward, [{"params": [scale], "lr": 0.1}], data * 4, target * 4, objective, epochs=10,
-                seconds=0.0)[1] == 1
+                budget=budget)[1] == 1
+    assert budget.spent == Work(1.0).forward_backward(data) == 4  # one step on 2 positions, forward and backward
+
+
+def test_tuning_budget_counts_work_and_spends_no_more_than_its_limit():
+    scale, forward, objective, data, target = _scalar_problem()
+    checks = iter([1.0 / k for k in range(1, 100)])  # always improving: only the budget stops it
+    budget = Budget(30.0, Work(1.0), check=2.0)  # a step costs 4, a check 2 (twice with the average)
+    history, steps, _, spent = tune(forward, [{"params": [scale], "lr": 0.1}], data * 3, target * 3, objective,
+                                    epochs=10, check=lambda: next(checks), budget=budget, average=0.5)
+    # 2 (first check) + 3 steps of 4 + 2 checks of 2 = 18; then 3 more steps would pass 30 with the check
+    assert (steps, spent, len(history)) == (5, 2 + 5 * 4 + 2 * 4, 3) and spent <= 30.0
+
+
+def _slow_clock(monkeypatch):
+    """Every clock the process can read jumps an hour per call: a limit that read one would bind at once."""
+    import time
+
+    for name in ("perf_counter", "monotonic", "time", "process_time"):
+        real = getattr(time, name)
+        monkeypatch.setattr(time, name, lambda real=real, jumps=iter(range(10**9)): real() + 3600.0 * next(jumps))
+
+
+def test_a_budget_that_binds_gives_the_same_weights_when_the_clock_is_slow(monkeypatch):
+    """No limit of the pruning flow reads a clock: the budget is counted work, so a slow or busy machine
+    tunes exactly as far as an idle one, and writes the same weights bit for bit."""
+    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4),
+                            recovery=ph.RecoveryConfig(min_tuning_flops=0.0, tuning_budget=3.0))
+    data = batches("llama", n=10, labels=False)
+    runs = []
+    for slow in (False, True):
+        if slow:
+            _slow_clock(monkeypatch)
+        model = tm.build("llama")
+        runs.append((model, ph.prune_model(model, data, config, progress=False)))
+    (fast, first), (slow, second) = runs
+    tuning = next(e for e in first.recovery if "tuning" in e["step"])
+    assert 0 < tuning["epochs_run"] < config.recovery.epochs  # the budget bound
+    assert tuning["flops"] <= tuning["budget_flops"] == first.work["tuning_budget"]
+    assert first.work == second.work and first.plan == second.plan
+    assert [e.get("tried", e.get("heldout_by_epoch")) for e in first.recovery] == \
+        [e.get("tried", e.get("heldout_by_epoch")) for e in second.recovery]
+    for (name, a), b in zip(fast.state_dict().items(), slow.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 def test_tuning_keeps_the_moving_average_or_the_last_step_whichever_checks_lower(monkeypatch):
@@ -226,7 +271,7 @@ def test_tuning_keeps_the_moving_average_or_the_last_step_whichever_checks_lower
     for wanted, is_average in ((mean, True), (last, False)):  # the same steps again; the check prefers one value
         scale.data.fill_(1.0)
         iterates.clear()
-        history, steps, averaged = tune(forward, [{"params": [scale], "lr": 0.1}], data * 3, target * 3, objective,
+        history, steps, averaged, _ = tune(forward, [{"params": [scale], "lr": 0.1}], data * 3, target * 3, objective,
                                         epochs=1, check=lambda: abs(scale.detach().item() - wanted), average=0.8)
         assert steps == 3 and averaged is is_average and history[-1] == pytest.approx(0.0, abs=1e-6)
         assert scale.detach().item() == pytest.approx(wanted, rel=1e-6)
