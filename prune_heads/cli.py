@@ -16,7 +16,7 @@ import click
 from .config import CHOICES, ConfigError, RecoveryConfig, ScoringConfig, SelectionConfig
 from .data import DataError
 from .evaluation import MetricError
-from .layers import UnsupportedModelError, require_attention, scan_attention
+from .layers import UnsupportedModelError, scan_required
 from .persistence import ModelNotFoundError, OutputExistsError, load_pruned
 from .recipes import load_recipe, parse_recipe, recipe_path, shipped_recipes
 from .scoring import METHODS
@@ -146,8 +146,8 @@ def inspect(model_path: str, gguf_file: str | None, as_json: bool) -> None:
     Example: prune-heads inspect ./pruned-fixture
     """
     model = load_pruned(model_path, **({"gguf_file": gguf_file} if gguf_file else {}))
-    layers = require_attention(model)
-    unsupported = [{"name": u.name, "class": u.class_name, "why": u.why} for u in scan_attention(model)[1]]
+    layers, skipped = scan_required(model)
+    unsupported = [{"name": u.name, "class": u.class_name, "why": u.why} for u in skipped]
     rows = [{"index": l.index, "name": l.name, "kind": l.kind, "family": l.spec.name, "heads": l.num_heads,
              "kv_heads": l.num_kv_heads, "head_dim": l.head_dim, "original_heads": l.original_num_heads,
              "kept": list(l.heads)} for l in layers]

@@ -319,14 +319,21 @@ def find_attention(model: nn.Module) -> list[AttentionLayer]:
     return _supported(*scan_attention(model))
 
 
+def scan_required(model: nn.Module) -> tuple[list[AttentionLayer], list[Unsupported]]:
+    """`scan_attention(model)` in one scan, refused (UnsupportedModelError) when the model has no attention
+    layer at all or none that prune_heads handles."""
+    layers, unsupported = scan_attention(model)
+    if not layers and not unsupported:
+        name = getattr(model, "name_or_path", "") or "the model"
+        raise UnsupportedModelError(f"no attention layers found in {name} ({type(model).__name__})")
+    return _supported(layers, unsupported), unsupported
+
+
 def require_attention(model: nn.Module) -> list[AttentionLayer]:
     """`find_attention(model)`, saying in one warning which attention modules are left as they are;
     UnsupportedModelError when the model has no attention layer at all."""
-    layers, unsupported = scan_attention(model)
+    layers, unsupported = scan_required(model)
     name = getattr(model, "name_or_path", "") or "the model"
-    if not layers and not unsupported:
-        raise UnsupportedModelError(f"no attention layers found in {name} ({type(model).__name__})")
-    _supported(layers, unsupported)
     if unsupported:
         listed = ", ".join(f"{u.name} ({u.class_name})" for u in unsupported[:3])
         more = f" and {len(unsupported) - 3} more" if len(unsupported) > 3 else ""

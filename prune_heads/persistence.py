@@ -144,20 +144,49 @@ def _umask() -> int:
     return mask
 
 
+def _temporary(target: Path, kind: str = "") -> str:
+    """The prefix of this process's hidden temporary folders for `target`: `.NAME.[old.]PID.`."""
+    return f".{target.name}.{kind}{os.getpid()}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale(target: Path) -> list[Path]:
+    """Remove the hidden temporary folders that a killed save to `target` left beside it (or inside it, for a
+    mount point): those of processes no longer running. A save still under way keeps its own. Returns them."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(?:old\.)?(\d+)\.[^/]+")
+    places = [target.parent] + ([target] if target.is_dir() and os.path.ismount(target) else [])
+    stale = [entry for place in places if place.is_dir() for entry in place.iterdir()
+             if (found := pattern.fullmatch(entry.name)) and entry.is_dir() and not _alive(int(found.group(1)))]
+    for entry in stale:
+        shutil.rmtree(entry, ignore_errors=True)
+    return stale
+
+
 def replace_folder(target: Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
     """Call `write(tmp_dir)` and put the result at `target` so that an interrupted save leaves the old folder
     or the new one, never a mix.
 
     The new folder is written beside `target` under a hidden temporary name (mode from the umask, as
     save_pretrained makes it) and swapped in with one atomic exchange (Linux) or two renames. A mount point
-    cannot be renamed: its entries are replaced one by one instead. Raises OutputExistsError when `target`
-    is not empty and `overwrite` is False (see ensure_free).
+    cannot be renamed: its entries are replaced one by one instead. The temporary folders a killed save left
+    for `target` are removed first (`remove_stale`). Raises OutputExistsError when `target` is not empty and
+    `overwrite` is False (see ensure_free).
     """
     target = Path(target)
     ensure_free(target, overwrite)
+    remove_stale(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     mount = target.is_dir() and os.path.ismount(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target if mount else target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_temporary(target), dir=target if mount else target.parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())
         write(tmp)
@@ -173,7 +202,7 @@ def replace_folder(target: Path, overwrite: bool, write: Callable[[Path], None])
         elif _exchange(tmp, target):
             shutil.rmtree(tmp)  # now holds the old folder
         else:
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+            old = Path(tempfile.mkdtemp(prefix=_temporary(target, "old."), dir=target.parent))
             os.replace(target, old / "replaced")
             os.replace(tmp, target)
             shutil.rmtree(old)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import copy
 import inspect
 import re
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -144,13 +145,34 @@ def probe_plan(model: nn.Module, layers: list[AttentionLayer], plan: dict[str, l
     class that the pass never reaches is trusted to the table, whose families are tested; one matched only by
     its structure must be proven. Raises PlanError naming the layer and the register_family fix. The
     families' one-time preparation runs first (it changes no output: T5 layers get their own copy of the
-    shared relative bias table), so the layers are captured as the surgery will see them; everything else
-    is left as it was.
+    shared relative bias table), so the layers are captured as the surgery will see them; a refused plan
+    undoes it, leaving parameters, buffers, hooks and outputs exactly as they were.
     """
     planned = [layer for layer in layers if plan.get(layer.name)]
     if not planned:
         return
-    prepare(model, layers, plan)  # families whose layers share per-head state get their own first
+    with restored_on_error(model):
+        prepare(model, layers, plan)  # families whose layers share per-head state get their own first
+        _prove(model, planned, plan, inputs)
+
+
+@contextmanager
+def restored_on_error(model: nn.Module) -> Iterator[None]:
+    """Put every module's attributes, children, parameters, buffers and hooks back as they were if the block
+    raises (a shallow restore: what a family's preparation adds, a bias table or a hook, goes again)."""
+    saved = [(module, {k: copy.copy(v) if isinstance(v, dict) else v for k, v in vars(module).items()})
+             for module in model.modules()]
+    try:
+        yield
+    except BaseException:
+        for module, state in saved:
+            vars(module).clear()
+            vars(module).update(state)
+        raise
+
+
+def _prove(model: nn.Module, planned: list[AttentionLayer], plan: dict[str, list[int]], inputs: dict | None) -> None:
+    """Raise PlanError for the first planned layer whose removal is not exact on a copy."""
     calls, failure = _capture(model, planned, inputs)
     for layer in planned:
         by_table = spec_for_type(type(layer.module).__name__) is layer.spec

@@ -126,8 +126,8 @@ def test_random_plans_are_exact_or_refused_untouched(case, tmp_path):
             ph.prune(model, plan)
         except ph.PlanError:
             assert not expected, f"{name} step {step}: refused a valid plan {plan}"
-            now = model.state_dict()  # a family's exact preparation may have run (T5: per-layer bias copies)
-            assert all(torch.equal(now[k], v) for k, v in state.items())
+            now = model.state_dict()  # nothing added either (T5's preparation makes per-layer bias copies)
+            assert now.keys() == state.keys() and all(torch.equal(now[k], v) for k, v in state.items())
             torch.testing.assert_close(_output(model, name), before, rtol=0, atol=0)
             continue
         assert expected, f"{name} step {step}: accepted an invalid plan {plan}"

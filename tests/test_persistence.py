@@ -103,6 +103,20 @@ def test_a_killed_save_leaves_the_old_folder_or_the_new_one(tmp_path):
         writer.wait()
         model = ph.load_pruned(target)  # complete, and config and weights from the same save
         assert model.embeddings.word_embeddings.weight[0, 0].item() == model.config.version, attempt
+    ph.save_pruned(model, target, overwrite=True)  # the next save removes what the killed ones left
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_the_next_save_removes_temporary_folders_of_dead_writers_only(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    left = [tmp_path / f".out.{dead}.k3j_x9a1", tmp_path / f".out.old.{dead}.q0w_e8r2"]
+    live = tmp_path / f".out.{os.getpid()}.writing"  # a save still under way in a live process
+    for folder in (*left, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_text("partial")
+    ph.save_pruned(tm.build("bert"), tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "out"])
 
 
 def test_interrupted_save_leaves_nothing(tmp_path, monkeypatch):

@@ -120,3 +120,25 @@ def test_layers_that_normalise_over_all_heads_are_refused_with_the_reason():
     model = Olmo2ForCausalLM(Olmo2Config(**{**tm.COMMON, "num_key_value_heads": 2})).eval()
     with pytest.raises(ph.PlanError, match="its q_norm normalises over all heads together"):
         ph.prune(model, {0: [0, 1]})
+
+
+def test_a_refused_plan_undoes_the_preparation(monkeypatch):
+    """T5's preparation gives each layer its own relative-bias table; a plan the probe then refuses leaves
+    no table, hook or attribute of it behind, and the outputs as they were."""
+    import prune_heads.probe as probe
+
+    model = tm.build("t5")
+    inputs = tm.make_inputs("t5", seed=3)
+    keys, hooks = model.state_dict().keys(), [len(m._forward_pre_hooks) for m in model.modules()]
+    with torch.no_grad():
+        before = model(**inputs).logits
+    monkeypatch.setattr(probe, "_differs", lambda layer, heads, call: "refused for the test")
+    with pytest.raises(ph.PlanError, match="refused for the test"):
+        ph.prune(model, {2: [0]})  # a later block's layer: its bias table would be a new copy
+    assert model.state_dict().keys() == keys and [len(m._forward_pre_hooks) for m in model.modules()] == hooks
+    assert not any(hasattr(m, "_ph_own_bias") for m in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, before, rtol=0, atol=0)
+    monkeypatch.undo()
+    ph.prune(model, {2: [0]})  # and the same plan, accepted, prepares and prunes as usual
+    assert len(model.state_dict()) > len(keys)
