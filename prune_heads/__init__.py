@@ -5,6 +5,7 @@ from .data import TaskData, load_task_data
 from .evaluation import evaluate_task
 from .families import FAMILIES, AttentionSpec, register_family
 from .gates import HeadGates, head_gates
+from .gguf_export import GgufError, check_gguf, save_gguf
 from .head_scores import HeadScores
 from .hub import model_card, push_pruned
 from .iterative import IterativeResult, prune_iteratively
@@ -20,11 +21,12 @@ from .speed import benchmark, benchmark_pair, heads_for_flops
 from .surgery import PlanError, RecordError
 
 __all__ = [
-    "FAMILIES", "METHODS", "AttentionLayer", "AttentionSpec", "HeadGates", "HeadScores", "IterativeResult",
-    "ModelNotFoundError", "OutputExistsError", "PlanError", "PruneConfig", "PruneResult", "RecordError",
-    "RecoveryConfig", "Report", "ScoringConfig",
-    "SelectionConfig", "TaskData", "UnsupportedModelError", "benchmark", "benchmark_pair", "check_budget",
-    "compare", "evaluate_task", "find_attention", "head_gates", "heads_for_flops", "load_pruned", "load_task_data",
-    "model_card", "plan_with_interactions", "probe_plan", "prune", "prune_iteratively", "prune_model", "push_pruned",
-    "reconstruct", "register_family", "save_pruned", "scan_attention", "score_heads", "select_heads", "tune_gates",
+    "AttentionLayer", "AttentionSpec", "FAMILIES", "GgufError", "HeadGates", "HeadScores", "IterativeResult",
+    "METHODS", "ModelNotFoundError", "OutputExistsError", "PlanError", "PruneConfig", "PruneResult",
+    "RecordError", "RecoveryConfig", "Report", "ScoringConfig", "SelectionConfig", "TaskData",
+    "UnsupportedModelError", "benchmark", "benchmark_pair", "check_budget", "check_gguf", "compare",
+    "evaluate_task", "find_attention", "head_gates", "heads_for_flops", "load_pruned", "load_task_data",
+    "model_card", "plan_with_interactions", "probe_plan", "prune", "prune_iteratively", "prune_model",
+    "push_pruned", "reconstruct", "register_family", "save_gguf", "save_pruned", "scan_attention",
+    "score_heads", "select_heads", "tune_gates",
 ]

@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -115,7 +116,8 @@ def data_options(command: Callable) -> Callable:
 
 def _recipe(model: str, opts: dict[str, Any], selection: dict[str, Any], scoring: dict[str, Any] | None = None,
             speed: bool = False, metrics: tuple[str, ...] = ("accuracy",), eval_split: str | None = None,
-            standalone: bool = False, recovery: dict[str, Any] | None = None, needs_data: bool = True):
+            standalone: bool = False, recovery: dict[str, Any] | None = None, needs_data: bool = True,
+            output: dict[str, Any] | None = None):
     task = opts["task"]
     if needs_data and not opts["source"]:
         raise click.UsageError("--data is required (a dataset: hub name, file or folder of split files)")
@@ -132,6 +134,7 @@ def _recipe(model: str, opts: dict[str, Any], selection: dict[str, Any], scoring
         "recovery": recovery if recovery is not None else {},
         "evaluation": {"metrics": [] if task in ("causal-lm", "feature-extraction") else list(metrics),
                        "speed": {} if speed else None},
+        "output": output,
     })
 
 
@@ -145,6 +148,9 @@ def inspect(model_path: str, gguf_file: str | None, as_json: bool) -> None:
 
     Example: prune-heads inspect ./pruned-fixture
     """
+    if model_path.endswith(".gguf") and Path(model_path).is_file() and not gguf_file:
+        _inspect_gguf(model_path, as_json)
+        return
     model = load_pruned(model_path, **({"gguf_file": gguf_file} if gguf_file else {}))
     layers, skipped = scan_required(model)
     unsupported = [{"name": u.name, "class": u.class_name, "why": u.why} for u in skipped]
@@ -168,6 +174,28 @@ def inspect(model_path: str, gguf_file: str | None, as_json: bool) -> None:
         return "\n".join(lines)
 
     _emit(summary, as_json, text)
+
+
+def _inspect_gguf(path: str, as_json: bool) -> None:
+    """`inspect` of a GGUF file: its architecture, per-layer heads and what prune-heads recorded in it."""
+    from .gguf_export import gguf_heads
+
+    found = gguf_heads(path)
+
+    def text() -> str:
+        record = found["record"] or {}
+        lines = [f"{path}: GGUF {found['architecture']}, {found['bytes'] / 2**20:.1f} MiB, {found['tensors']} tensors, "
+                 f"{sum(found['heads'])} heads" + (f", pruned by prune-heads from a source with sha256 "
+                                                   f"{found['source_sha256'][:16]}..." if found["source_sha256"] else ""),
+                 f"{'block':>5}  {'heads':>5} {'kv':>4}  removed (original indices)"]
+        removed = {int(re.search(r"\.(\d+)\.", name).group(1)): layer.get("removed", [])  # model.layers.N.*
+                   for name, layer in (record.get("layers") or {}).items() if re.search(r"\.(\d+)\.", name)}
+        for i, (heads, kv) in enumerate(zip(found["heads"], found["kv_heads"])):
+            gone = ",".join(map(str, removed.get(i, []))) or "-"
+            lines.append(f"{i:>5}  {heads:>5} {kv:>4}  {gone}")
+        return "\n".join(lines)
+
+    _emit(found, as_json, text)
 
 
 @main.command()
@@ -267,15 +295,23 @@ def _plan_file(path: str) -> dict:
               help="Fraction of the calibration examples held out to decide recovery (0: apply every step).")
 @click.option("--standalone", is_flag=True,
               help="Add a modeling file so from_pretrained(trust_remote_code=True) loads it without prune-heads.")
-@click.option("--output", "-o", required=True, help="Folder for the pruned model (must not exist, see --force).")
+@click.option("--output", "-o", required=True, help="Folder for the pruned model (must not exist, see --force), or "
+              "FILE.gguf with --output-format gguf.")
+@click.option("--output-format", type=click.Choice(CHOICES["output.format"]), default=None,
+              help="safetensors (a transformers folder) or gguf (one file for llama.cpp); default: gguf when -o ends "
+                   "in .gguf.")
+@click.option("--gguf-type", type=click.Choice(CHOICES["output.gguf_type"]), default=None,
+              help="GGUF type of the tensors written anew (default: the source's; f16 from Hugging Face weights).")
 @click.option("--force", is_flag=True, help="Overwrite the output folder.")
 @handle_errors
 def prune_command(model: str, sparsity: float | None, num_heads: int | None, keep_flops: float | None,
                   plan_file: str | None, method: str, steps: int, scope: str, min_heads_per_layer: int, gqa: str,
                   granularity: str, rounding: str | None, uniform: bool, recovery: bool, rearrange: bool,
                   bias_compensation: bool, gate_tuning: bool, bias_tuning: bool, epochs: int, holdout: float,
-                  standalone: bool, output: str, force: bool, **opts: Any) -> None:
-    """Score, select and remove heads (or apply --plan); saves a model that ph.load_pruned loads.
+                  standalone: bool, output: str, output_format: str | None, gguf_type: str | None, force: bool,
+                  **opts: Any) -> None:
+    """Score, select and remove heads (or apply --plan); saves a model that ph.load_pruned loads (or a GGUF
+    file that llama.cpp runs: --output-format gguf -o FILE.gguf).
 
     With no other flags this is the best measured path: fisher scores, then the plan and each recovery step
     decided on held-out calibration data. Example: prune-heads prune ./model --data reviews.jsonl --sparsity 0.5 -o ./pruned
@@ -293,8 +329,10 @@ def prune_command(model: str, sparsity: float | None, num_heads: int | None, kee
                     bias_tuning=bias_tuning)
     recovery_section = {**vars(RecoveryConfig.off()), "holdout": holdout, "epochs": epochs} if not recovery else \
         {**steps_on, "holdout": holdout, "epochs": epochs}
+    fmt = output_format or ("gguf" if output.endswith(".gguf") else "safetensors")
     recipe = _recipe(model, opts, selection, {"method": method, "steps": steps}, standalone=standalone,
-                     recovery=recovery_section, needs_data=plan is None)
+                     recovery=recovery_section, needs_data=plan is None,
+                     output={"path": output, "format": fmt, "gguf_type": gguf_type})
     report = run(recipe, output=output, force=force, plan=plan, evaluate=False)
     _emit(report.to_dict(), opts["as_json"], lambda: f"removed {report.summary()['heads']['removed']} heads; "
           f"saved the pruned model to {output}" + _asked(selection, report))
@@ -380,8 +418,37 @@ def run_command(recipe: str, overrides: tuple[str, ...], output: str | None, for
 
     parsed = load_recipe(recipe, [*overrides, *([f"model_kwargs.gguf_file={gguf_file}"] if gguf_file else [])])
     report = run(parsed, output=output, force=force)
-    target = output or parsed.output or "pruned-model"
+    target = output or parsed.written.path or "pruned-model"
     _emit(report.to_dict(), as_json, lambda: report.markdown() + f"\nSaved the model and report to {target}/")
+
+
+@main.command()
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.option("--output", "-o", required=True, help="The GGUF file to write.")
+@click.option("--gguf-source", default=None, help="The GGUF file the model came from (default: the one recorded "
+              "when it was loaded with --gguf-file); its unchanged tensors are copied byte for byte.")
+@click.option("--gguf-type", type=click.Choice(CHOICES["output.gguf_type"]), default=None,
+              help="GGUF type of the tensors written anew (default: the source's; f16 from Hugging Face weights).")
+@click.option("--force", is_flag=True, help="Overwrite the output file.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
+@handle_errors
+def export(folder: str, output: str, gguf_source: str | None, gguf_type: str | None, force: bool,
+           as_json: bool) -> None:
+    """Write a folder that `prune` or `run` saved (or any Llama/Qwen2 checkpoint) as one GGUF file for llama.cpp.
+
+    Example: prune-heads export ./pruned-smollm2 -o smollm2-pruned.gguf
+    """
+    from transformers import AutoTokenizer
+
+    from .gguf_export import save_gguf
+
+    model = load_pruned(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder) if (Path(folder) / "tokenizer_config.json").exists() else None
+    result = save_gguf(model, output, source=gguf_source, tokenizer=tokenizer, tensor_type=gguf_type, overwrite=force)
+    summary = {"path": str(result.path), "architecture": result.architecture, "heads": result.heads,
+               "kv_heads": result.kv_heads, "copied": len(result.copied), "written": result.written}
+    _emit(summary, as_json, lambda: f"wrote {output}: GGUF {result.architecture}, {sum(result.heads)} heads, "
+          f"{len(result.copied)} tensors copied byte for byte, {len(result.written)} written anew")
 
 
 @main.command()

@@ -13,6 +13,8 @@ GQA_MODES = ("groups", "even")  # whole KV groups, or the same number of query h
 GRANULARITIES = ("head", "layer")
 ROUNDING = ("down", "nearest", "up")
 DTYPES = ("float32", "float16", "bfloat16")
+FORMATS = ("safetensors", "gguf")  # a transformers folder, or one GGUF file for llama.cpp
+GGUF_TYPES = ("source", "f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # of tensors written anew
 
 
 class ConfigError(ValueError):
@@ -131,4 +133,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "selection.granularity": GRANULARITIES,
     "selection.round": ROUNDING,
     "dtype": DTYPES,
+    "output.format": FORMATS,
+    "output.gguf_type": GGUF_TYPES,
 }

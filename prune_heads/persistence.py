@@ -34,6 +34,7 @@ from .surgery import RECORD_KEY, RecordError, reapply_record
 logger = logging.getLogger("prune_heads")
 
 
+GGUF_SOURCE_KEY = "gguf_source"  # config key of the local GGUF file a model was loaded from
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -93,7 +94,8 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     """Load a model saved by `save_pruned` (or `model.save_pretrained` after `prune`).
 
     Works for unpruned checkpoints too, and for a GGUF file in the folder (`gguf_file=`; transformers
-    dequantizes it). Keyword arguments go to `from_pretrained` (dtype, device_map, revision, gguf_file, ...).
+    dequantizes it, and the file's path is kept in `config.gguf_source` for `save_gguf`). Keyword arguments
+    go to `from_pretrained` (dtype, device_map, revision, gguf_file, ...).
     The model comes back as an instance of its ordinary transformers class.
     """
     if not Path(path).expanduser().exists() and not HUB_ID.match(str(path)):
@@ -104,6 +106,9 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     with library_bars():
         model = _pruned_subclass(base, checkpoint_shapes(path)).from_pretrained(path, **from_pretrained_kwargs)
     model.__class__ = base
+    gguf_file = Path(path).expanduser() / from_pretrained_kwargs.get("gguf_file", "")
+    if "gguf_file" in from_pretrained_kwargs and gguf_file.is_file():  # what save_gguf copies tensors from
+        setattr(model.config, GGUF_SOURCE_KEY, str(gguf_file.resolve()))
     return model
 
 
@@ -138,6 +143,15 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
+def _link_unnamed(fd: int, path: Path) -> None:
+    """Give the unnamed (O_TMPFILE) file open as `fd` the name `path` (linkat through /proc, following it)."""
+    at_cwd, follow = -100, 0x400  # AT_FDCWD, AT_SYMLINK_FOLLOW
+    linkat = ctypes.CDLL(None, use_errno=True).linkat
+    if linkat(at_cwd, os.fsencode(f"/proc/self/fd/{fd}"), at_cwd, os.fsencode(path), follow) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(path))
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
@@ -160,15 +174,66 @@ def _alive(pid: int) -> bool:
 
 
 def remove_stale(target: Path) -> list[Path]:
-    """Remove the hidden temporary folders that a killed save to `target` left beside it (or inside it, for a
-    mount point): those of processes no longer running. A save still under way keeps its own. Returns them."""
+    """Remove the hidden temporary folders and files that a killed save to `target` left beside it (or inside
+    it, for a mount point): those of processes no longer running. A save still under way keeps its own.
+    Returns them."""
     pattern = re.compile(rf"\.{re.escape(target.name)}\.(?:old\.)?(\d+)\.[^/]+")
     places = [target.parent] + ([target] if target.is_dir() and os.path.ismount(target) else [])
     stale = [entry for place in places if place.is_dir() for entry in place.iterdir()
-             if (found := pattern.fullmatch(entry.name)) and entry.is_dir() and not _alive(int(found.group(1)))]
+             if (found := pattern.fullmatch(entry.name)) and not _alive(int(found.group(1)))]
     for entry in stale:
-        shutil.rmtree(entry, ignore_errors=True)
+        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
     return stale
+
+
+def ensure_file_free(target: Path, overwrite: bool) -> None:
+    """Raise OutputExistsError unless a file can be written at `target`: absent (or a file, with
+    `overwrite`), not a folder, in a folder this user may write to."""
+    target = Path(target)
+    if target.is_dir():
+        raise OutputExistsError(f"{target} is a folder; give a file path (for example {target / 'model.gguf'})")
+    if target.exists() and not overwrite:
+        raise OutputExistsError(f"{target} already exists; choose another file or pass overwrite=True (--force)")
+    parent = next(p for p in target.resolve().parents if p.exists())
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputExistsError(f"cannot write to {parent}: choose a folder you can write to")
+
+
+def replace_file(target: Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
+    """Call `write(path)` to write one file and put it at `target` in one step, so that an interrupted write
+    leaves the old file or none, never a partial one.
+
+    On Linux the file is written unnamed (O_TMPFILE) and linked into place when complete: a killed write
+    leaves nothing behind. Elsewhere it is written under a hidden temporary name and renamed; the temporary
+    files of killed writes are removed by the next write to `target` (`remove_stale`). Raises
+    OutputExistsError as `ensure_file_free` does.
+    """
+    target = Path(target)
+    ensure_file_free(target, overwrite)
+    remove_stale(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f"{_temporary(target)}{os.urandom(4).hex()}"
+    unnamed = getattr(os, "O_TMPFILE", None)
+    try:
+        fd = os.open(target.parent, unnamed | os.O_WRONLY, 0o666) if unnamed and Path("/proc/self/fd").is_dir() \
+            else None
+    except OSError:  # a file system without unnamed files
+        fd = None
+    try:
+        if fd is not None:
+            write(Path(f"/proc/self/fd/{fd}"))
+            _link_unnamed(fd, tmp)
+        else:
+            write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return target
 
 
 def replace_folder(target: Path, overwrite: bool, write: Callable[[Path], None]) -> Path:

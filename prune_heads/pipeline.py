@@ -16,8 +16,10 @@ from torch import nn
 from .config import PruneConfig
 from .data import DataError, TaskData, load_task_data
 from .evaluation import embed, evaluate_task
+from .gguf_export import check_gguf, save_gguf
 from .layers import find_attention, require_attention
-from .persistence import ModelNotFoundError, ensure_free, load_pruned, replace_folder, write_model
+from .persistence import (ModelNotFoundError, ensure_file_free, ensure_free, load_pruned, replace_folder,
+                          write_model)
 from .probe import prune
 from .pruner import PruneResult, prune_model, selection_budget
 from .recipes import Recipe, recipe_to_dict
@@ -132,11 +134,15 @@ def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, p
 
     Evaluates before, scores, selects and prunes (or applies `plan`), evaluates after, then writes the
     model, tokenizer, report (JSON, Markdown, PNGs), scores, plan and the recipe itself into a temporary
-    folder that is renamed into place, so nothing half-written is left. An existing output folder is an
-    OutputExistsError unless `force`.
+    folder that is renamed into place, so nothing half-written is left. With `output.format: gguf` the model
+    is one GGUF file (`save_gguf`): the output itself when its path ends in .gguf (then only that file is
+    written), else model.gguf in the folder. An existing output is an OutputExistsError unless `force`;
+    what no GGUF file can hold is refused (GgufError) before any data is read.
     """
-    target = Path(output or recipe.output or "pruned-model")
-    ensure_free(target, force)  # before any work
+    written = recipe.written
+    target = Path(output or written.path or "pruned-model")
+    gguf, gguf_file = written.format == "gguf", target.suffix == ".gguf"
+    (ensure_file_free if gguf and gguf_file else ensure_free)(target, force)  # before any work
     model = load_model(recipe)
     config = PruneConfig.from_recipe(recipe)
     length = recipe.evaluation.speed.seq_len if recipe.evaluation.speed else recipe.data.max_length
@@ -145,6 +151,9 @@ def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, p
     else:
         check_minimum(model, plan, recipe.selection.min_heads_per_layer)
     processor = load_processor(recipe)
+    if gguf:
+        check_gguf(model, processor, tensor_type=written.gguf_type, output=target if gguf_file else None,
+                   overwrite=force)
     d = recipe.data
     eval_data = task_data(recipe, model, processor, d.eval_split, d.eval_examples) if evaluate and d.eval_split \
         else None
@@ -171,8 +180,15 @@ def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, p
     report = compare(before, after, plan=found.plan, scores=found.scores, history=found.history, meta=meta,
                      recovery=found.recovery)
 
+    if gguf and gguf_file:
+        save_gguf(model, target, tokenizer=processor, tensor_type=written.gguf_type, overwrite=force)
+        return report
+
     def write(tmp: Path) -> None:
-        write_model(model, tmp, processor, standalone=recipe.standalone)
+        if gguf:
+            save_gguf(model, tmp / "model.gguf", tokenizer=processor, tensor_type=written.gguf_type)
+        else:
+            write_model(model, tmp, processor, standalone=recipe.standalone)
         report.write(tmp)
         (tmp / "plan.json").write_text(json.dumps(found.plan, indent=1))
         if found.scores is not None:

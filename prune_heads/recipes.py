@@ -67,6 +67,17 @@ class EvaluationConfig:
 
 
 @dataclass(frozen=True)
+class OutputConfig:
+    """Where and how the pruned model is written: `format` safetensors (a transformers folder, `save_pruned`)
+    or gguf (`save_gguf`: one GGUF file for llama.cpp, at `path` when it ends in .gguf, else as model.gguf in
+    the run's folder); `gguf_type` is the type of the tensors written anew (see `save_gguf`)."""
+
+    path: str | None = None
+    format: str = "safetensors"
+    gguf_type: str | None = None
+
+
+@dataclass(frozen=True)
 class Recipe:
     """A whole pruning run: model, data, scoring, selection, evaluation, output."""
 
@@ -77,12 +88,17 @@ class Recipe:
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
-    output: str | None = None
+    output: str | OutputConfig | None = None  # a path, or an output section
     standalone: bool = False  # ph.save_pruned(standalone=True): loadable without prune_heads
     device: str | None = None
     dtype: str | None = None
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     description: str = ""
+
+    @property
+    def written(self) -> OutputConfig:
+        """The output section (a bare path is an output in the default format)."""
+        return self.output if isinstance(self.output, OutputConfig) else OutputConfig(path=self.output)
 
 
 def _type_ok(value: Any, hint: Any) -> bool:

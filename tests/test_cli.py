@@ -130,7 +130,7 @@ def test_a_budget_the_structure_cannot_meet_is_refused_before_data(tmp_path):
 
 
 def test_smollm2_gguf_recipe_end_to_end(tmp_path):
-    """The shipped GGUF recipe, shortened: GGUF in, pruned by whole KV groups, safetensors out, reloaded."""
+    """The shipped GGUF recipe, shortened: GGUF in, pruned by whole KV groups, GGUF out; then as safetensors."""
     out = tmp_path / "smol"
     result = _invoke(["run", "smollm2-135m-gguf", "-o", str(out), "--set", "data.score_split=train[:24]",
                       "--set", "data.eval_split=train[24:32]", "--set", "data.max_length=64",
@@ -138,17 +138,24 @@ def test_smollm2_gguf_recipe_end_to_end(tmp_path):
                       "--set", "evaluation.speed.seq_len=8", "--set", "evaluation.speed.generate_tokens=4",
                       "--set", "evaluation.speed.repeats=1", "--set", "evaluation.speed.warmup=0"])
     assert result.exit_code == 0, result.output
-    config = json.loads((out / "config.json").read_text())
-    assert "quantization_config" not in config and (out / "model.safetensors").exists()
+    shown = json.loads(_invoke(["inspect", str(out / "model.gguf"), "--json"]).stdout)
+    assert sum(shown["heads"]) == 261 and sum(shown["kv_heads"]) == 87 and shown["source_sha256"]
     report = json.loads((out / "report.json").read_text())
     assert report["summary"]["heads"] == {"before": 270, "after": 261, "removed": 9}
     before, after = report["before"]["speed"]["generation"], report["after"]["speed"]["generation"]
     assert [g["batch_size"] for g in after] == [1, 8]
     assert all(a["kv_cache_bytes"] < b["kv_cache_bytes"] for a, b in zip(after, before))  # 3 of 90 KV heads gone
-    model = ph.load_pruned(out)
-    assert sum(l.num_kv_heads for l in ph.find_attention(model)) == 87
     assert "| generated tokens/s (batch 8, 4 new tokens)" in (out / "report.md").read_text()
-    result = _invoke(["inspect", str(out), "--json"])
+    result = _invoke(["run", "smollm2-135m-gguf", "-o", str(tmp_path / "st"), "--set", "output.format=safetensors",
+                      "--set", "data.score_split=train[:8]", "--set", "data.max_length=32", "--set",
+                      "selection.num_heads=9", "--set", "recovery=off", "--set", "evaluation.speed=null",
+                      "--set", "data.eval_split=null"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "st" / "config.json").read_text())
+    assert "quantization_config" not in config and (tmp_path / "st" / "model.safetensors").exists()
+    model = ph.load_pruned(tmp_path / "st")
+    assert sum(l.num_kv_heads for l in ph.find_attention(model)) == 87
+    result = _invoke(["inspect", str(tmp_path / "st"), "--json"])
     assert json.loads(result.stdout)["heads"] == 261
 
 

