@@ -3,26 +3,28 @@
 from __future__ import annotations
 
 import os
-import threading
+import re
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging
 
 from prune_heads.data import TaskData, load_task_data
-from prune_heads.evaluation import evaluate_task
+from prune_heads.evaluation import evaluate_task, evaluation
 from prune_heads.pruner import PruneResult
 
 FIXTURES = Path(os.environ.get("PH_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
 MODEL = FIXTURES / "minilm-movie-sentiment"
 DATA = FIXTURES / "movie-snippets"
-THIRD = Path(os.environ.get("PH_THIRD", Path(__file__).resolve().parent / ".third"))  # third_classifier.py
+THIRD = Path(os.environ.get("PH_THIRD", Path(__file__).resolve().parent / ".third"))  # extra_classifiers.py
 FIXTURES_BY_NAME = {"movie": ("minilm-movie-sentiment", "movie-snippets"),
                     "tweet": ("minilm-tweet-sentiment", "tweet-snippets"),
-                    "product": ("minilm-product-sentiment", "product-snippets")}
-ROOTS = {"product": THIRD}  # the others are shared fixtures
+                    "product": ("minilm-product-sentiment", "product-snippets"),
+                    "news": ("minilm-news-sentiment", "news-snippets")}
+ROOTS = {"product": THIRD, "news": THIRD}  # the others are shared fixtures
 logging.set_verbosity_error()
 logging.disable_progress_bar()
 
@@ -43,11 +45,11 @@ def load_model():
 
 
 def classifier(name: str) -> tuple[object, TaskData, TaskData]:
-    """A fresh copy of a fixture classifier ("movie", "tweet", or "product", which benchmarks/third_classifier.py
-    builds), its validation and test batches."""
+    """A fresh copy of a fixture classifier ("movie", "tweet", or "product" and "news", which
+    benchmarks/extra_classifiers.py builds), its validation and test batches."""
     model_dir, data_dir = (ROOTS.get(name, FIXTURES) / part for part in FIXTURES_BY_NAME[name])
     if not model_dir.exists():
-        build = " (run benchmarks/third_classifier.py)" if name in ROOTS else ""
+        build = f" (run benchmarks/extra_classifiers.py --name {name})" if name in ROOTS else ""
         raise SystemExit(f"the benchmarks need the classifier at {model_dir}{build}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     validation = load_task_data(str(data_dir), tokenizer, split="validation", batch_size=64, max_length=128)
@@ -58,6 +60,11 @@ def classifier(name: str) -> tuple[object, TaskData, TaskData]:
 def accuracy(model, test: TaskData) -> float:
     """Test accuracy through the evaluator."""
     return evaluate_task(model, test, ["accuracy"], progress=False)["accuracy"]
+
+
+def correctness(model, test: TaskData) -> np.ndarray:
+    """Which test examples the model gets right (bool per example), through the evaluator."""
+    return evaluation(model, test, ["accuracy"], progress=False).correct["accuracy"]
 
 
 class Timer:
@@ -106,24 +113,17 @@ def torch_threads() -> int:
 
 
 class PeakRSS:
-    """The peak resident memory of this process inside the block, above what it held when the block began."""
+    """The peak resident memory of this process inside the block, above what it held when the block began: the
+    kernel's high-water mark (VmHWM), reset on entry (/proc/self/clear_refs), so no short peak is missed."""
 
     def __enter__(self):
-        self.start = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
+        Path("/proc/self/clear_refs").write_text("5")
+        self.start = self._status("VmRSS")
         return self
 
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.bytes = self.peak - self.start
-
-    def _watch(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self._rss())
+        self.bytes = self._status("VmHWM") - self.start
 
     @staticmethod
-    def _rss() -> int:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+    def _status(key: str) -> int:
+        return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024

@@ -129,10 +129,11 @@ def first(output) -> torch.Tensor:
 
 
 def attention_like(model: nn.Module) -> bool:
-    """Whether a module's class name says attention and it owns a projection (Linear, Conv1D, ...)."""
-    return any("attention" in type(m).__name__.lower()
-               and any(getattr(getattr(c, "weight", None), "dim", lambda: 0)() == 2 for c in m.children())
-               for m in model.modules())
+    """Whether a module's class name says attention and it owns a projection (Linear, Conv1D, a 1x1
+    convolution, ...)."""
+    return any("attention" in type(m).__name__.lower() and any(
+        isinstance(getattr(c, "weight", None), torch.Tensor) and c.weight.dim() >= 2
+        and all(size == 1 for size in c.weight.shape[2:]) for c in m.children()) for m in model.modules())
 
 
 def plan_for(layer: ph.AttentionLayer, groups: int) -> list[int]:

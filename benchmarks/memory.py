@@ -1,18 +1,22 @@
-"""Peak memory and time of the default path (`ph.prune_model`) against one fisher scoring pass, on a
-random-weight Llama-style model with grouped-query attention large enough that its weights dominate
-(TinyLlama's layer shape: hidden 2048, 32 query and 4 KV heads; 16 layers, 0.8B parameters), and against
-the earlier flow that tuned a pruned model against a second, unpruned copy. On CUDA: peak allocated memory; on the CPU: peak resident memory (sampled). Each measurement is
-above the memory held before it (the weights), as a fraction of the weight bytes.
+"""Cost at scale: peak memory and time of the default path (`ph.prune_model`, 1/4 of the heads as whole KV
+groups) against one fisher scoring pass over the same batches, on random-weight Llama-shaped models from 135M
+to 1.2B parameters (the shapes of SmolLM2-135M, SmolLM2-360M and Llama-3.2-1B), float32 and bfloat16.
 
-Run: .venv/bin/python benchmarks/memory.py [--device cuda] [--dtype bfloat16] [--layers 16]
+Each run is a fresh process. On the CPU the peak is the kernel's resident high-water mark (VmHWM), reset once
+the model and the batches are loaded, minus the resident memory then; on CUDA, peak allocated memory above
+what was allocated. Both are set against the weights' bytes.
+
+Run: .venv/bin/python benchmarks/memory.py [--sizes 135m,360m,1b] [--dtypes float32,bfloat16]
+         [--batches 16 --batch-size 2 --length 256] [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
-from contextlib import contextmanager
+import json
+import subprocess
+import sys
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -20,85 +24,92 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import prune_heads as ph
 from common import PeakRSS, Timer, markdown_table, torch_threads
 
+SHAPES = {  # Hugging Face configs of the real models, weights random
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
+    "360m": dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
+                 num_key_value_heads=5, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, head_dim=64,
+               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}, rope_theta=500000.0),
+}
+CONFIG = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.25, round="nearest"))
 
-def llama(layers: int, dtype: torch.dtype, device: str) -> torch.nn.Module:
+
+def measure(kind: str, size: str, dtype: str, device: str, batches: int, batch_size: int, length: int) -> dict:
+    """One run in this process: the model and batches built, then `kind` ("fisher" or "default") timed with
+    its peak memory above what was held before it."""
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=32,
-                         num_key_value_heads=4, vocab_size=32000)
-    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
-
-
-def batches(device: str, count: int = 10, size: int = 1, length: int = 128) -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(count):
-        ids = torch.randint(3, 32000, (size, length), generator=g)
-        out.append({"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
-                    "labels": ids.to(device)})
-    return out
-
-
-@contextmanager
-def peak(device: str):
-    """Yields a dict whose "bytes" is set, on exit, to the peak memory above what was held on entry."""
-    result = {}
+    model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=4096, **SHAPES[size]))
+    model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    generator = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(batches):
+        ids = torch.randint(3, model.config.vocab_size, (batch_size, length), generator=generator)
+        data.append({"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
+                     "labels": ids.to(device)})
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     gc.collect()
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
-        yield result
+    with PeakRSS() as rss, Timer() as timer:
+        if kind == "fisher":
+            ph.score_heads(model, data, method="fisher", progress=False)
+        else:
+            result = ph.prune_model(model, data, CONFIG, progress=False)
+    if device == "cuda":
         torch.cuda.synchronize()
-        result["bytes"] = torch.cuda.max_memory_allocated() - start
-    else:
-        with PeakRSS() as rss:
-            yield result
-        result["bytes"] = rss.bytes
-
-
-def copy_then_tune(model, data, config):
-    """The earlier flow: a full unpruned copy as the reference, the pruned model tuned against it."""
-    reference = copy.deepcopy(model)
-    scores = ph.score_heads(model, data, method="fisher", progress=False)
-    ph.prune(model, ph.select_heads(scores, **config.selection.budget()))
-    ph.tune_gates(model, reference, data, epochs=1, bias_lr=0.01)
+    peak = torch.cuda.max_memory_allocated() - start if device == "cuda" else rss.bytes
+    out = {"seconds": timer.seconds, "peak": peak, "weights": weights, "parameters": model.num_parameters()}
+    if kind == "default":
+        out["work"] = result.work
+        out["epochs"] = next((e["epochs_run"] for e in result.recovery if "tuning" in e["step"]), 0)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="135m,360m,1b")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--batches", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # kind,size,dtype: one run, in-process
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
-    data = batches(args.device)
-    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=8 * args.layers))  # a KV group of 4 per layer
-    runs = {
-        "one fisher scoring pass": lambda m: ph.score_heads(m, data, method="fisher", progress=False),
-        "**default path** (`ph.prune_model`, tuned on the gated model)": lambda m: ph.prune_model(
-            m, data, config, progress=False),
-        "earlier flow: a copy of the model as the reference": lambda m: copy_then_tune(m, data, config),
-    }
-    rows, weights = [], None
-    warm = llama(1, dtype, args.device)  # the first pass in a process allocates kernels' workspaces: not ours
-    ph.score_heads(warm, data[:1], method="fisher", progress=False)
-    del warm
-    for name, run in runs.items():
-        model = llama(args.layers, dtype, args.device)
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        with peak(args.device) as memory, Timer() as t:
-            run(model)
-        rows.append([name, f"{memory['bytes'] / 2**20:.0f} MiB", f"{memory['bytes'] / weights:.1%}", f"{t.seconds:.1f}"])
-        print(rows[-1], flush=True)
-        del model
-    base = float(rows[0][2].rstrip("%")) / 100
-    for row in rows:
-        row.insert(3, f"{float(row[2].rstrip('%')) / 100 - base:+.1%}")
+    shape = (args.batches, args.batch_size, args.length)
+    if args.measure:
+        kind, size, dtype = args.measure.split(",")
+        print(json.dumps(measure(kind, size, dtype, args.device, *shape)))
+        return
+    rows = []
+    for size in args.sizes.split(","):
+        for dtype in args.dtypes.split(","):
+            found = {}
+            for kind in ("fisher", "default"):
+                command = [sys.executable, __file__, "--measure", f"{kind},{size},{dtype}", "--device", args.device,
+                           "--batches", str(args.batches), "--batch-size", str(args.batch_size), "--length",
+                           str(args.length)]
+                found[kind] = json.loads(subprocess.run(command, capture_output=True, text=True, check=True)
+                                         .stdout.strip().splitlines()[-1])
+                print(size, dtype, kind, found[kind], flush=True)
+            fisher, default = found["fisher"], found["default"]
+            weights = fisher["weights"]
+            rows.append([f"{fisher['parameters'] / 1e6:.0f}M", dtype, f"{weights / 2**30:.2f}",
+                         f"{fisher['seconds']:.0f}", f"{default['seconds']:.0f} ({default['epochs']} ep)",
+                         f"{default['seconds'] / fisher['seconds']:.2f}x",
+                         f"{fisher['peak'] / 2**20:.0f} MiB ({fisher['peak'] / weights:.1%})",
+                         f"{default['peak'] / 2**20:.0f} MiB ({default['peak'] / weights:.1%})",
+                         f"{(default['peak'] - fisher['peak']) / weights:+.1%}"])
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch_threads()} threads"
-    print(f"\nRandom-weight Llama ({args.layers} layers x 32 heads, 4 KV heads, hidden 2048; {weights / 2**30:.2f} GiB of "
-          f"{args.dtype} weights), 10 batches of 1 x 128 tokens, {device}; 1/4 of the KV groups removed:\n")
-    print(markdown_table(["run", "peak above the weights", "as a share of the weights", "vs one scoring pass",
-                          "seconds"], rows))
+    print(f"\nRandom-weight Llama shapes, {args.batches} batches of {args.batch_size} x {args.length} tokens, {device}; "
+          f"the default path removes 1/4 of the heads as whole KV groups (the nearest reachable count):\n")
+    print(markdown_table(["parameters", "dtype", "weights GiB", "fisher pass s", "default path s",
+                          "time vs the pass", "fisher pass peak above the weights", "default path peak",
+                          "difference, share of the weights"], rows))
 
 
 if __name__ == "__main__":

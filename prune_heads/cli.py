@@ -117,7 +117,7 @@ def data_options(command: Callable) -> Callable:
 def _recipe(model: str, opts: dict[str, Any], selection: dict[str, Any], scoring: dict[str, Any] | None = None,
             speed: bool = False, metrics: tuple[str, ...] = ("accuracy",), eval_split: str | None = None,
             standalone: bool = False, recovery: dict[str, Any] | None = None, needs_data: bool = True,
-            output: dict[str, Any] | None = None):
+            output: dict[str, Any] | None = None, labels: bool = False, lm_eval: dict[str, Any] | None = None):
     task = opts["task"]
     if needs_data and not opts["source"]:
         raise click.UsageError("--data is required (a dataset: hub name, file or folder of split files)")
@@ -126,14 +126,14 @@ def _recipe(model: str, opts: dict[str, Any], selection: dict[str, Any], scoring
         "model_kwargs": {"gguf_file": opts["gguf_file"]} if opts["gguf_file"] else {},
         "data": {"source": opts["source"] or "", "score_split": opts["split"], "eval_split": eval_split,
                  "text_column": opts["text_column"], "text_pair_column": opts["text_pair_column"],
-                 "label_column": None if task == "feature-extraction" else opts["label_column"],
+                 "label_column": None if task == "feature-extraction" and not labels else opts["label_column"],
                  "max_length": opts["max_length"], "batch_size": opts["batch_size"],
                  "score_examples": opts["examples"], "eval_examples": opts["examples"]},
         "scoring": {"seed": opts["seed"], **(scoring or {})},
         "selection": selection,
         "recovery": recovery if recovery is not None else {},
         "evaluation": {"metrics": [] if task in ("causal-lm", "feature-extraction") else list(metrics),
-                       "speed": {} if speed else None},
+                       "speed": {} if speed else None, "lm_eval": lm_eval},
         "output": output,
     })
 
@@ -370,24 +370,49 @@ def push(folder: str, repo_id: str, base_model: str | None, private: bool, token
 @click.option("--metric", "metrics", multiple=True, default=("accuracy",), show_default=True,
               help="evaluate metric (repeatable): accuracy, f1, matthews_correlation or any hub metric.")
 @click.option("--speed/--no-speed", default=True, show_default=True, help="Also measure latency and FLOPs.")
+@click.option("--train-split", default=None, help="Embedding models (--task feature-extraction) with labelled "
+              "data: train a logistic regression and a k-NN classifier on this split's embeddings and report "
+              "their accuracy on --split.")
+@click.option("--lm-eval", "lm_eval_tasks", default=None, help="lm-evaluation-harness tasks (comma list) for a "
+              "causal LM, e.g. sentence_endings (shipped, offline) or arc_easy,hellaswag (their data from the hub).")
+@click.option("--lm-eval-include", default=None, help="A folder of lm-eval task YAMLs (lm-eval's own format).")
+@click.option("--lm-eval-limit", type=click.IntRange(min=1), default=None, help="At most this many examples a task.")
+@click.option("--lm-eval-fewshot", type=click.IntRange(min=0), default=None, help="Few-shot examples per prompt.")
+@click.pass_context
 @handle_errors
-def evaluate_command(model: str, metrics: tuple[str, ...], speed: bool, **opts: Any) -> None:
-    """Print the task metric and speed of a (pruned) model.
+def evaluate_command(ctx: click.Context, model: str, metrics: tuple[str, ...], speed: bool, train_split: str | None,
+                     lm_eval_tasks: str | None, lm_eval_include: str | None, lm_eval_limit: int | None,
+                     lm_eval_fewshot: int | None, **opts: Any) -> None:
+    """Print the task metrics and speed of a (pruned) model; with --lm-eval, lm-eval tasks with their
+    standard errors (then --data is optional and the task is causal-lm).
 
     Example: prune-heads evaluate ./pruned --data reviews.jsonl --split test --metric accuracy --metric f1
     """
     from .pipeline import load_model, load_processor, measure, measure_speed, task_data
 
-    recipe = _recipe(model, opts, {"sparsity": 0.0}, speed=speed, metrics=metrics, eval_split=opts["split"])
+    if lm_eval_tasks:
+        if ctx.get_parameter_source("task") == click.core.ParameterSource.DEFAULT:
+            opts["task"] = "causal-lm"
+        elif opts["task"] != "causal-lm":
+            raise click.UsageError("--lm-eval evaluates causal language models: use --task causal-lm")
+    harness = {"tasks": [t.strip() for t in lm_eval_tasks.split(",") if t.strip()], "include": lm_eval_include,
+               "limit": lm_eval_limit, "num_fewshot": lm_eval_fewshot} if lm_eval_tasks else None
+    recipe = _recipe(model, opts, {"sparsity": 0.0}, speed=speed, metrics=metrics, eval_split=opts["split"],
+                     labels=train_split is not None, needs_data=harness is None, lm_eval=harness)
     loaded = load_model(recipe)
     processor = load_processor(recipe)
-    data = task_data(recipe, loaded, processor, opts["split"], opts["examples"])
-    result = measure(loaded, data, recipe)
+    train = task_data(recipe, loaded, processor, train_split, opts["examples"]) if train_split else None
+    data = task_data(recipe, loaded, processor, opts["split"], opts["examples"], like=train) if opts["source"] \
+        else None
+    result, _ = measure(loaded, data, recipe, train=train, tokenizer=processor)
     if speed:
         result["speed"] = measure_speed([loaded], recipe)[0]
 
     def text() -> str:
-        lines = [f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in result["metrics"].items()]
+        found = result["metrics"]
+        lines = [f"{k}: {v:.4f}" + (f" ± {found[k + '_stderr']:.4f}" if isinstance(found.get(k + "_stderr"), float)
+                                    else "") if isinstance(v, float) else f"{k}: {v}"
+                 for k, v in found.items() if not k.endswith("_stderr")]
         lines.append(f"heads: {sum(result['heads'].values())}")
         if speed:
             s = result["speed"]

@@ -61,7 +61,8 @@ class SelectionConfig:
 class RecoveryConfig:
     """Retraining-free recovery, each step decided on held-out calibration data (`holdout` of the scoring
     batches, at least one batch, never the evaluation split): a step is kept only if it lowers the held-out
-    divergence from the unpruned model. `rearrange` adds Kwon et al.'s Fisher-block selection as a candidate
+    divergence from the unpruned model by more than one standard error of the paired per-example differences
+    (Breiman's rule: not on noise). `rearrange` adds Kwon et al.'s Fisher-block selection as a candidate
     plan beside the plain one; `bias_compensation` adds the removed heads' mean output to the output bias
     (FLAP, An et al. 2024); `gate_tuning` tunes one scale per kept head to the unpruned model's outputs, and
     `bias_tuning` the output biases with them, for at most `epochs` epochs, stopping when the held-out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import os
@@ -14,8 +15,8 @@ from typing import Any, Iterable, Iterator
 
 import datasets
 import torch
+from tqdm import std as tqdm_std
 from tqdm.auto import tqdm
-from transformers.utils import logging as hf_logging
 
 TASKS = ("classification", "causal-lm", "feature-extraction", "image-classification")
 _BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
@@ -27,13 +28,15 @@ class DataError(ValueError):
 
 @dataclass
 class TaskData:
-    """Batches ready for the model (dicts of tensors, with `labels` where the task has them)."""
+    """Batches ready for the model (dicts of tensors, with `labels` where the task has them; an embedding
+    model's labels, for task metrics, in `targets`)."""
 
     task: str
     batches: list[dict[str, torch.Tensor]]
     num_examples: int
     label_names: list[str] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    targets: list[int] | None = None  # labels of a feature-extraction task, in batch order (the model takes none)
 
     def __iter__(self):
         return iter(self.batches)
@@ -61,23 +64,25 @@ def progress_bar(iterable: Iterable, desc: str, total: int | None = None, enable
     return tqdm(iterable, desc=desc, total=total, leave=False, disable=not (enabled and bars_wanted()))
 
 
-_LIBRARY_BARS = ((hf_logging.is_progress_bar_enabled, hf_logging.disable_progress_bar,
-                  hf_logging.enable_progress_bar),
-                 (datasets.is_progress_bar_enabled, datasets.disable_progress_bars, datasets.enable_progress_bars))
-
-
 @contextlib.contextmanager
 def library_bars() -> Iterator[None]:
-    """transformers' and datasets' own bars (weight shards, split generation) off inside, unless
-    `bars_wanted()`. Also a decorator."""
-    off = [] if bars_wanted() else [(disable, enable) for is_on, disable, enable in _LIBRARY_BARS if is_on()]
-    for disable, _ in off:
-        disable()
+    """Other libraries' tqdm bars (transformers' weight loading and GGUF dequantization, datasets' split
+    generation, lm-eval's requests) off inside, unless `bars_wanted()`. tqdm reads TQDM_DISABLE only when it
+    is imported, so for the duration its constructor is made to disable every bar. Also a decorator."""
+    if bars_wanted():
+        yield
+        return
+    original = tqdm_std.tqdm.__init__
+
+    @functools.wraps(original)
+    def disabled(self, *args, **kwargs):
+        original(self, *args, **{**kwargs, "disable": True})
+
+    tqdm_std.tqdm.__init__ = disabled
     try:
         yield
     finally:
-        for _, enable in off:
-            enable()
+        tqdm_std.tqdm.__init__ = original
 
 
 def _sub_config(config: Any, key: str, default: Any = None) -> Any:
@@ -203,7 +208,8 @@ def load_task_data(source: str, tokenizer: Any = None, task: str = "classificati
 
     Tasks: "classification" (single text or a pair, labels), "causal-lm" (the texts joined and cut into
     windows of `max_length` tokens; `stride` < max_length overlaps them and masks the overlap, as for
-    sliding-window perplexity), "feature-extraction" (texts only), "image-classification" (images through
+    sliding-window perplexity), "feature-extraction" (texts, and with `label_column` their labels in
+    `targets` for task metrics), "image-classification" (images through
     `image_processor`, labels). String labels map through `label2id` (the model config's). Batches are
     padded to their own longest example; with `by_length` (default) text examples are batched in order of
     their token count, so a batch holds examples of similar length and padding costs little. Missing splits and columns are DataError with what exists.
@@ -234,7 +240,7 @@ def load_task_data(source: str, tokenizer: Any = None, task: str = "classificati
         _column(dataset, text_pair_column, "text pair")
         pairs = list(dataset[text_pair_column])
     labels, names = None, None
-    if task == "classification":
+    if task == "classification" or task == "feature-extraction" and label_column:
         _column(dataset, label_column, "label")
         labels, names = _labels(dataset, label_column, label2id)
     encoded = tokenizer(texts, pairs, truncation=True, max_length=max_length)
@@ -245,10 +251,11 @@ def load_task_data(source: str, tokenizer: Any = None, task: str = "classificati
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         batch = dict(tokenizer.pad({k: [v[i] for i in rows] for k, v in encoded.items()}, return_tensors="pt"))
-        if labels is not None:
+        if labels is not None and task == "classification":
             batch["labels"] = torch.tensor([labels[i] for i in rows])
         batches.append(batch)
-    return TaskData(task, batches, len(texts), names)
+    targets = [labels[i] for i in order] if labels is not None and task == "feature-extraction" else None
+    return TaskData(task, batches, len(texts), names, targets=targets)
 
 
 def _lm_windows(texts: list[str], tokenizer: Any, max_length: int, stride: int, batch_size: int) -> TaskData:

@@ -329,6 +329,8 @@ def _unchanged(name: str, value: np.ndarray | None, tensors: dict, blocks: dict[
     if tensor is None:
         return None
     raw = _candidate(tensor, *_rows(name, blocks, interleave))
+    if raw is not None and raw[0].size == 0:  # nothing of the source is kept (deci's zero first projection)
+        return None
     if value is None or raw is None:
         return raw
     values = _values(*raw)
@@ -388,12 +390,13 @@ def _copy_fields(writer, reader, old: str, new: str, replaced: set[str]) -> None
         writer.add_key_value(key, f.contents(), vtype, sub_type=sub)
 
 
-def _config_fields(writer, model: nn.Module, arch: str, tokenizer: Any, targets: dict) -> None:
+def _config_fields(writer, model: nn.Module, tokenizer: Any, targets: dict, head_dim: int) -> None:
     """The metadata of a file written from Hugging Face weights: sizes, rope, and the tokenizer."""
     import gguf
 
     config = model.config
     rope = dict(getattr(config, "rope_parameters", None) or {})
+    writer.add_rope_dimension_count(head_dim)
     writer.add_name(Path(str(getattr(config, "_name_or_path", "") or "model")).name or "model")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -407,7 +410,7 @@ def _config_fields(writer, model: nn.Module, arch: str, tokenizer: Any, targets:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
     elif kind == "llama3":
-        targets["rope_freqs.weight"] = _llama3_factors(rope, targets, config)
+        targets["rope_freqs.weight"] = _llama3_factors(rope, head_dim)
     elif kind != "default":
         raise GgufError(f"rope scaling {kind!r} is not written from Hugging Face weights; give the source GGUF file")
     size = targets["token_embd.weight"].shape[0]
@@ -441,17 +444,14 @@ def _vocabulary(tokenizer: Any, size: int) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def _llama3_factors(rope: dict, targets: dict, config) -> np.ndarray:
+def _llama3_factors(rope: dict, head_dim: int) -> np.ndarray:
     """Llama 3's per-frequency rope divisors (what llama.cpp reads from rope_freqs.weight)."""
-    dim = targets["blk.0.attn_q.weight"].shape[0] // config.num_attention_heads if "blk.0.attn_q.weight" in \
-        targets else config.hidden_size // config.num_attention_heads
-    dim = getattr(config, "head_dim", None) or dim
     theta = float(rope.get("rope_theta", 10000.0))
     factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
     old = float(rope["original_max_position_embeddings"])
     factors = []
-    for i in range(0, dim, 2):
-        wavelength = 2 * math.pi * theta ** (i / dim)
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * theta ** (i / head_dim)
         if wavelength < old / high:
             factors.append(1.0)
         elif wavelength > old / low:
@@ -506,8 +506,7 @@ def save_gguf(model: nn.Module, path: str | Path, source: str | Path | None = No
             ours[DIGEST_FIELD] = _sha256(source)
             _copy_fields(writer, reader, arch.source, architecture, set(counts) | set(ours))
         else:
-            _config_fields(writer, model, architecture, tokenizer, targets)
-            writer.add_rope_dimension_count(head_dim)
+            _config_fields(writer, model, tokenizer, targets, head_dim)
         for key, value in {**counts, **ours}.items():
             if isinstance(value, list):
                 writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT32)

@@ -286,8 +286,7 @@ def scan_attention(model: nn.Module) -> tuple[list[AttentionLayer], list[Unsuppo
             taken.append(name)
     for name, module in unmatched:
         inside = any(n.startswith(name + ".") or not name for n, _, _ in found)
-        owns_projection = any(isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
-                              and not isinstance(m, nn.Embedding) for m in module.modules())  # also quantized
+        owns_projection = any(_projects(m) for m in module.modules())
         if owns_projection and not inside and not any(name.startswith(u.name + ".") for u in unsupported):
             unsupported.append(Unsupported(name, type(module).__name__, "an attention module of no registered family"))
     layers = []
@@ -297,6 +296,14 @@ def scan_attention(model: nn.Module) -> tuple[list[AttentionLayer], list[Unsuppo
         except UnsupportedModelError as error:
             unsupported.append(Unsupported(name, type(module).__name__, str(error).split(": ", 1)[-1]))
     return layers, unsupported
+
+
+def _projects(module: nn.Module) -> bool:
+    """Whether a module maps features to features: a weight [out, in] (Linear, Conv1D, quantized ones) or a
+    pointwise convolution's [out, in, 1, ...] (MobileViTV2's attention projects with 1x1 convolutions)."""
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and not isinstance(module, nn.Embedding) and weight.dim() >= 2 \
+        and all(size == 1 for size in weight.shape[2:])
 
 
 def _supported(layers: list[AttentionLayer], unsupported: list[Unsupported]) -> list[AttentionLayer]:

@@ -15,8 +15,10 @@ from torch import nn
 
 from .config import PruneConfig
 from .data import DataError, TaskData, load_task_data
-from .evaluation import embed, evaluate_task
+from .confidence import compare as compare_paired
+from .evaluation import Evaluation, embed, evaluation
 from .gguf_export import check_gguf, save_gguf
+from .harness import lm_eval
 from .layers import find_attention, require_attention
 from .persistence import (ModelNotFoundError, ensure_file_free, ensure_free, load_pruned, replace_folder,
                           write_model)
@@ -93,15 +95,19 @@ def load_processor(recipe: Recipe) -> Any:
     return processor
 
 
-def task_data(recipe: Recipe, model: nn.Module, processor: Any, split: str, examples: int | None) -> TaskData:
-    """Batches of one split, as the recipe describes them."""
+def task_data(recipe: Recipe, model: nn.Module, processor: Any, split: str, examples: int | None,
+              like: TaskData | None = None) -> TaskData:
+    """Batches of one split, as the recipe describes them (string labels numbered as in `like`, for an
+    embedding model's task metrics, else as in the model's config)."""
     d = recipe.data
     image = recipe.task == "image-classification"
+    label2id = {name: i for i, name in enumerate(like.label_names)} if like is not None and like.label_names \
+        else getattr(model.config, "label2id", None) if recipe.task in ("classification", "image-classification") \
+        else None
     return load_task_data(resolve_source(d.source), tokenizer=None if image else processor, task=recipe.task,
                           split=split, text_column=d.text_column, text_pair_column=d.text_pair_column,
                           label_column=d.label_column, image_column=d.image_column, max_length=d.max_length,
-                          batch_size=d.batch_size, max_examples=examples, name=d.name,
-                          label2id=getattr(model.config, "label2id", None) if recipe.task != "causal-lm" else None,
+                          batch_size=d.batch_size, max_examples=examples, name=d.name, label2id=label2id,
                           stride=d.stride, image_processor=processor if image else None)
 
 
@@ -111,13 +117,34 @@ def heads_kept(model: nn.Module) -> dict[str, int]:
 
 
 def measure(model: nn.Module, data: TaskData | None, recipe: Recipe, reference: torch.Tensor | None = None,
-            progress: bool = True) -> dict[str, Any]:
-    """Task metric and heads of `model` (speed is timed separately, see `measure_speed`)."""
+            train: TaskData | None = None, tokenizer: Any = None,
+            progress: bool = True) -> tuple[dict[str, Any], Evaluation | None]:
+    """Task metrics and heads of `model` (speed is timed separately, see `measure_speed`) and, with
+    `evaluation.lm_eval`, its lm-eval tasks; and the per-example evaluation behind the metrics (None without
+    either)."""
     result: dict[str, Any] = {"heads": heads_kept(model)}
-    if data is not None:
-        result["metrics"] = evaluate_task(model, data, recipe.evaluation.metrics, reference=reference,
-                                          progress=progress)
-    return result
+    found = evaluation(model, data, recipe.evaluation.metrics, reference=reference, train=train, progress=progress) \
+        if data is not None else None
+    harness = recipe.evaluation.lm_eval
+    if harness is not None and harness.tasks:
+        tasks = lm_eval(model, tokenizer, harness.tasks, harness.include, harness.limit, harness.num_fewshot,
+                        harness.batch_size, recipe.scoring.seed)
+        found = tasks if found is None else Evaluation({**found.metrics, **tasks.metrics},
+                                                       {**found.statistics, **tasks.statistics},
+                                                       {**found.correct, **tasks.correct})
+    if found is not None:
+        result["metrics"] = found.metrics
+    return result, found
+
+
+def changes(before: Evaluation | None, after: Evaluation | None, seed: int) -> dict[str, dict]:
+    """Each metric's before/after difference on the same examples, with its paired bootstrap interval and,
+    for accuracies, McNemar's p-value (`prune_heads.confidence`)."""
+    if before is None or after is None:
+        return {}
+    return {name: compare_paired(before.statistics[name], after.statistics[name], seed,
+                                 (before.correct[name], after.correct[name]) if name in after.correct else None)
+            for name in after.statistics if name in before.statistics}
 
 
 def measure_speed(models: list[nn.Module], recipe: Recipe) -> list[dict[str, Any]]:
@@ -155,30 +182,33 @@ def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, p
         check_gguf(model, processor, tensor_type=written.gguf_type, output=target if gguf_file else None,
                    overwrite=force)
     d = recipe.data
-    eval_data = task_data(recipe, model, processor, d.eval_split, d.eval_examples) if evaluate and d.eval_split \
-        else None
+    embedding_labels = recipe.task == "feature-extraction" and d.label_column is not None
+    score_data = task_data(recipe, model, processor, d.score_split, d.score_examples) \
+        if plan is None or embedding_labels and evaluate else None
+    train = score_data if embedding_labels else None  # an embedding model's task metrics train on it
+    eval_data = task_data(recipe, model, processor, d.eval_split, d.eval_examples, like=train) \
+        if evaluate and d.eval_split else None
     reference = embed(model, eval_data, progress) if eval_data is not None and recipe.task == "feature-extraction" \
         else None
-    before = measure(model, eval_data, recipe, reference, progress)  # heads only without eval data
+    before, evaluated = measure(model, eval_data, recipe, reference, train, processor, progress)
     timed = evaluate and recipe.evaluation.speed is not None
     original = copy.deepcopy(model) if timed else None  # timed beside the pruned one, in turns
     if plan is None:
-        score_data = task_data(recipe, model, processor, d.score_split, d.score_examples)
         found = prune_model(model, score_data, config, progress=progress)
         examples = score_data.num_examples
     else:
         tick = time.perf_counter()
         prune(model, plan)
         found, examples = PruneResult(plan=plan, seconds=time.perf_counter() - tick), 0
-    after = measure(model, eval_data, recipe, reference, progress)
+    after, evaluated_after = measure(model, eval_data, recipe, reference, train, processor, progress)
     if timed:
         before["speed"], after["speed"] = measure_speed([original, model], recipe)
     del original
     meta = {"model": recipe.model, "task": recipe.task, "method": recipe.scoring.method,
             "steps": recipe.scoring.steps, "pruning_seconds": round(found.seconds, 2), "score_examples": examples,
-            "timings": found.timings, "heldout": found.heldout, "asked_heads": found.asked}
+            "timings": found.timings, "heldout": found.heldout, "asked_heads": found.asked, "work": found.work}
     report = compare(before, after, plan=found.plan, scores=found.scores, history=found.history, meta=meta,
-                     recovery=found.recovery)
+                     recovery=found.recovery, changes=changes(evaluated, evaluated_after, recipe.scoring.seed))
 
     if gguf and gguf_file:
         save_gguf(model, target, tokenizer=processor, tensor_type=written.gguf_type, overwrite=force)

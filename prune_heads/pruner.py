@@ -222,9 +222,12 @@ def _decide(gated: GatedModel, plans: dict, recorder: Recorder | None, calib: li
         entry = {"step": step, "epochs_run": round(steps / len(calib), 2), "heldout_by_epoch": history,
                  "seconds": round(time.perf_counter() - tick, 3), "flops": spent,
                  "budget_flops": None if r.tuning_budget is None else limit, "averaged": averaged}
-        if history:
-            entry["kept"] = min(history) < history[0]
-            value = min(history)
+        if history:  # kept only when it beats the untuned state by more than one standard error (not on noise)
+            tuned = gated.divergences(heldout, targets, objective)
+            entry["kept"] = one_standard_error({"untuned": values, "tuned": tuned}) == "tuned"
+            value = float((tuned if entry["kept"] else values).mean())
+            if not entry["kept"]:
+                gated.use(plan, biases)
         result.recovery.append(entry)
         timings["tuning"] = time.perf_counter() - tick
     result.heldout["final"] = value

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from .config import CHOICES, ConfigError, RecoveryConfig, ScoringConfig, SelectionConfig
+from .harness import LmEvalConfig
 
 
 SHIPPED = Path(__file__).parent / "shipped_recipes"
@@ -60,10 +61,12 @@ class SpeedConfig:
 
 @dataclass(frozen=True)
 class EvaluationConfig:
-    """What is measured before and after; `speed: null` skips the speed measurement."""
+    """What is measured before and after; `speed: null` skips the speed measurement; `lm_eval` runs
+    lm-evaluation-harness tasks on a causal LM (`ph.lm_eval`)."""
 
     metrics: list[str] = field(default_factory=lambda: ["accuracy"])
     speed: SpeedConfig | None = field(default_factory=SpeedConfig)
+    lm_eval: LmEvalConfig | None = None
 
 
 @dataclass(frozen=True)

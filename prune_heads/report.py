@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .confidence import RESAMPLES, describe
 from .head_scores import HeadScores
 
 
@@ -65,14 +67,21 @@ class Report:
     history: list[dict] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
     recovery: list[dict] = field(default_factory=list)
+    changes: dict[str, dict] = field(default_factory=dict)  # metric -> paired interval (prune_heads.confidence)
 
     def summary(self) -> dict[str, Any]:
-        """Derived numbers: metric deltas, speed-up, the FLOPs ceiling and how close to it the speed-up is."""
+        """Derived numbers: metric deltas (with their paired 95% interval, McNemar p for accuracies, and whether
+        the change is within noise), speed-up, the FLOPs ceiling and how close to it the speed-up is."""
         out: dict[str, Any] = {"metrics": {}}
-        for key, value in self.before.get("metrics", {}).items():
-            new = self.after.get("metrics", {}).get(key)
-            if isinstance(value, (int, float)) and isinstance(new, (int, float)) and key != "examples":
-                out["metrics"][key] = {"before": value, "after": new, "delta": new - value}
+        before, after = self.before.get("metrics", {}), self.after.get("metrics", {})
+        for key, value in before.items():
+            new = after.get(key)
+            if isinstance(value, (int, float)) and isinstance(new, (int, float)) and key not in ("examples", "tokens") \
+                    and not key.endswith("_stderr"):
+                change = {k: v for k, v in self.changes.get(key, {}).items() if k not in ("delta", "examples")}
+                errors = {f"stderr_{when}": found[f"{key}_stderr"] for when, found in (("before", before),
+                          ("after", after)) if isinstance(found.get(f"{key}_stderr"), (int, float))}
+                out["metrics"][key] = {"before": value, "after": new, "delta": new - value, **errors, **change}
         sb, sa = self.before.get("speed", {}), self.after.get("speed", {})
         if sb and sa:
             speedup = sb["latency_ms"] / sa["latency_ms"]
@@ -89,7 +98,7 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """Everything, JSON-ready."""
         return {"meta": self.meta, "summary": self.summary(), "before": self.before, "after": self.after,
-                "plan": self.plan, "history": self.history, "recovery": self.recovery,
+                "plan": self.plan, "history": self.history, "recovery": self.recovery, "changes": self.changes,
                 "scores": self.scores.to_dict() if self.scores is not None else None}
 
     @classmethod
@@ -98,18 +107,22 @@ class Report:
         data = json.loads(Path(path).read_text())
         scores = HeadScores.from_dict(data["scores"]) if data.get("scores") else None
         return cls(before=data["before"], after=data["after"], plan=data.get("plan", {}), scores=scores,
-                   history=data.get("history", []), meta=data.get("meta", {}), recovery=data.get("recovery", []))
+                   history=data.get("history", []), meta=data.get("meta", {}), recovery=data.get("recovery", []),
+                   changes=data.get("changes", {}))
 
     def markdown(self) -> str:
         """A summary a person reads: metric, delta, speed-up, parameters, FLOPs, heads kept per layer."""
         s = self.summary()
         lines = [f"# Pruning report: {self.meta.get('model', '')}", ""]
         if self.meta:
-            lines += [", ".join(f"{k}: {v}" for k, v in self.meta.items() if k not in ("model", "heldout", "timings")),
-                      ""]
+            lines += [", ".join(f"{k}: {v}" for k, v in self.meta.items()
+                                if k not in ("model", "heldout", "timings", "work")), ""]
         lines += ["| | before | after | change |", "|---|---|---|---|"]
         for key, m in s["metrics"].items():
-            lines.append(f"| {key} | {m['before']:.4f} | {m['after']:.4f} | {m['delta']:+.4f} |")
+            change = describe(self.changes[key]) if key in self.changes else f"{m['delta']:+.4f}"
+            cells = [f"{m[when]:.4f}" + (f" ± {m[f'stderr_{when}']:.4f}" if f"stderr_{when}" in m else "")
+                     for when in ("before", "after")]
+            lines.append(f"| {key} | {cells[0]} | {cells[1]} | {change} |")
         lines.append(f"| attention heads | {s['heads']['before']} | {s['heads']['after']} | "
                      f"-{s['heads']['removed']} |")
         sb, sa = self.before.get("speed", {}), self.after.get("speed", {})
@@ -136,6 +149,15 @@ class Report:
             lines += ["", f"FLOPs ceiling: removing these heads can make the forward pass at most {ceiling:.2f}x "
                           f"faster; measured {sp['speedup']:.2f}x "
                           f"({self._ceiling_note(sp)}). Settings: {sb['settings']}."]
+        if self.changes:
+            level = next(iter(self.changes.values()))["level"]
+            lines += ["", f"Changes are after - before on the same examples, with a paired bootstrap interval "
+                          f"({RESAMPLES} resamples, seeded) and, for accuracies, McNemar's exact p-value; 'within "
+                          f"noise' when the interval holds 0 (and p >= {1 - level:.2g}). ± is lm-eval's standard error."
+                          if any(k.endswith("_stderr") for k in self.before.get("metrics", {})) else
+                          f"Changes are after - before on the same examples, with a paired bootstrap interval "
+                          f"({RESAMPLES} resamples, seeded) and, for accuracies, McNemar's exact p-value; 'within "
+                          f"noise' when the interval holds 0 (and p >= {1 - level:.2g})."]
         lines += self._recovery_lines()
         lines += ["", "| layer | heads kept |", "|---|---|"]
         for name, kept in self.after.get("heads", {}).items():
@@ -163,6 +185,13 @@ class Report:
                 budget = f" of {_tflops(entry['budget_flops'])}" if entry.get("budget_flops") is not None else ""
                 lines.append(f"| {entry['step']} | {entry['epochs_run']} epochs, {_tflops(entry.get('flops', 0))}"
                              f"{budget} counted, {entry['seconds']:.1f} s | {by_epoch} | {kept} |")
+        work = self.meta.get("work") or {}
+        if "calibration_pass" in work:
+            budget = work.get("tuning_budget")
+            limit = f" of its {_tflops(budget)} budget" if budget is not None and math.isfinite(budget) else ""
+            lines += ["", f"Work, counted in FLOPs (the limits never read a clock): one forward and backward pass over "
+                          f"the calibration batches {_tflops(work['calibration_pass'])}; candidate trials "
+                          f"{_tflops(work.get('selection', 0))}; tuning {_tflops(work.get('tuning', 0))}{limit}."]
         return lines
 
     @staticmethod

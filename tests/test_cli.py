@@ -34,6 +34,12 @@ def test_run_writes_a_loadable_model_and_a_true_report(fixture_run, fixture_mode
     assert report["after"]["metrics"]["f1"] == pytest.approx(fresh["f1"], abs=1e-12)
     assert report["summary"]["heads"] == {"before": 72, "after": 36, "removed": 36}
     assert report["after"]["speed"]["flops"] < report["before"]["speed"]["flops"]
+    accuracy = report["summary"]["metrics"]["accuracy"]  # with its paired interval and McNemar's p-value
+    assert accuracy["low"] <= accuracy["delta"] <= accuracy["high"] and 0 <= accuracy["p_value"] <= 1
+    assert report["changes"]["f1"]["examples"] == 300 and isinstance(accuracy["noise"], bool)
+    markdown = (out / "report.md").read_text()
+    assert "95% CI" in markdown and "McNemar p = " in markdown and ("within noise" in markdown or "real, " in markdown)
+    assert "Work, counted in FLOPs" in markdown and report["meta"]["work"]["calibration_pass"] > 0
 
 
 def test_existing_output_is_refused_and_left_alone(fixture_run):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from prune_heads.data import DataError, load_split, load_task_data
+from prune_heads.data import DataError, library_bars, load_split, load_task_data
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +84,15 @@ def test_no_library_bars_when_stderr_is_not_a_terminal(tmp_path, monkeypatch, ca
     assert len(load_split(str(tmp_path))) == 1
     assert capfd.readouterr().err == ""  # datasets printed "Generating validation split" bars here
     assert datasets.is_progress_bar_enabled()  # switched back on afterwards
+
+
+def test_library_bars_silences_plain_tqdm_and_restores_it(capfd):
+    """Libraries that call tqdm themselves (transformers' GGUF dequantization, lm-eval) print nothing inside;
+    tqdm read TQDM_DISABLE when it was imported, so only the scoped constructor can stop them."""
+    from tqdm.auto import tqdm
+
+    with library_bars():
+        list(tqdm(range(3), desc="a library's own bar"))
+    assert "a library's own bar" not in capfd.readouterr().err
+    list(tqdm(range(3), desc="outside"))
+    assert "outside" in capfd.readouterr().err

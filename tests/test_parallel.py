@@ -18,7 +18,7 @@ def test_a_single_process_is_left_alone():
 
 # 72 examples in batches of 16: five batches, shared 3 / 2 between the two processes
 @pytest.mark.parametrize("extra", [["--method", "fisher"], ["--method", "gradient", "--label-free"]])
-def test_two_gloo_processes_give_the_single_process_scores(extra, fixture_model_path, fixture_data_path, tmp_path):
+def test_two_gloo_processes_give_the_single_process_scores_and_plans(extra, fixture_model_path, fixture_data_path, tmp_path):
     common = ["score", str(fixture_model_path), "--data", str(fixture_data_path), "--split", "validation",
               "--examples", "72", "--batch-size", "16", *extra]
     result = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "one")])
@@ -29,4 +29,8 @@ def test_two_gloo_processes_give_the_single_process_scores(extra, fixture_model_
     assert one.num_examples == two.num_examples == 72
     for name in one.layers:
         torch.testing.assert_close(two.scores[name], one.scores[name], rtol=1e-5, atol=1e-12)
+    for sparsity in (0.25, 0.5, 0.75):  # and the same plans, the plain ranking and the Fisher blocks
+        assert ph.select_heads(two, sparsity=sparsity) == ph.select_heads(one, sparsity=sparsity)
+        if extra[1] == "fisher":
+            assert ph.plan_with_interactions(two, sparsity=sparsity) == ph.plan_with_interactions(one, sparsity=sparsity)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # one writer, nothing half-written

