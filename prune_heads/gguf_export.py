@@ -484,6 +484,9 @@ def save_gguf(model: nn.Module, path: str | Path, source: str | Path | None = No
     wanted = tensor_type or ("source" if source is not None else "f16")
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, model.config.num_hidden_layers)
     blocks = _blocks(model, names)
+    if not any(b.kv_heads for b in blocks):
+        raise GgufError("the plan leaves no attention head in any layer: llama.cpp cannot run a model without a KV "
+                        "cache (it fails to allocate one); keep at least one KV group")
     architecture = _architecture(blocks)
     targets = _targets(model, names, blocks)
     if architecture == UNEVEN:

@@ -359,6 +359,15 @@ def _as_qwen2_file(llama_file: Path, target: Path, head_dim: int) -> Path:
     return target
 
 
+def test_a_model_without_any_head_is_refused(tmp_path, bpe_tokenizer):
+    """llama.cpp cannot allocate a KV cache of size zero: a file with every layer emptied would not run."""
+    model = tiny_llama(len(bpe_tokenizer), 2)
+    ph.prune(model, {layer.index: list(layer.heads) for layer in ph.find_attention(model)})
+    with pytest.raises(ph.GgufError, match="no attention head in any layer"):
+        ph.save_gguf(model, tmp_path / "m.gguf", tokenizer=bpe_tokenizer)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("plan, architecture", [({i: [2, 3] for i in range(3)}, "llama"), ({0: [0, 1], 2: [1, 3]},
                                                                                              "deci")])
 def test_qwen2_is_written_as_llama_or_deci_and_equals_transformers(tmp_path, bpe_tokenizer, plan, architecture):
