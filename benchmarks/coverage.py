@@ -62,15 +62,30 @@ TINY = {  # attribute: value, wherever a (sub-)config has it
 PARAMETER_CAP = 30_000_000
 
 
-def tiny_overrides(config: PretrainedConfig) -> dict:
+LAYER_COUNTS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+                "num_decoder_layers"}
+STAGES = frozenset({"out_features", "out_indices", "stage_names"})  # a backbone's: derived again when named
+LADDER = (  # (sizes left at the default or derived again, tokens): tried in turn until a model builds and runs
+    (frozenset(), 8),
+    (STAGES, 8),
+    (STAGES | {"image_size", "patch_size", "window_size", "rotary_dim", "max_position_embeddings"}, 32),
+    (STAGES | frozenset(TINY) - LAYER_COUNTS - {"vocab_size"}, 64),  # default widths, 2 layers, under the cap
+)
+
+
+def tiny_overrides(config: PretrainedConfig, kept: frozenset = frozenset()) -> dict:
     """Constructor arguments that make every size the config has small, sub-configs too (passed to the
-    constructor, not set afterwards, so that derived fields such as layer types follow)."""
+    constructor, not set afterwards, so that derived fields such as layer types follow); sizes named in
+    `kept` stay at the default, and a sub-config's stages named there are derived again from its layers."""
     out: dict = {}
     for key, value in vars(config).items():
         if isinstance(value, PretrainedConfig):
             layers = getattr(value, "num_hidden_layers", None)
-            kept = {k: v for k, v in value.to_dict().items() if not (isinstance(v, list) and len(v) == layers)}
-            out[key] = {**kept, **tiny_overrides(value)}  # per-layer lists are derived again
+            known = {k: v for k, v in value.to_dict().items() if not (isinstance(v, list) and len(v) == layers)
+                     and k not in kept & STAGES}
+            out[key] = {**known, **tiny_overrides(value, kept)}  # per-layer lists are derived again
+        elif key in kept:
+            continue
         elif key in TINY and isinstance(value, int) and not isinstance(value, bool):
             out[key] = TINY[key]
         elif key in ("num_heads", "depths") and isinstance(value, (list, tuple)) and value:
@@ -80,9 +95,9 @@ def tiny_overrides(config: PretrainedConfig) -> dict:
     return out
 
 
-def shrink(config: PretrainedConfig) -> PretrainedConfig:
+def shrink(config: PretrainedConfig, kept: frozenset = frozenset()) -> PretrainedConfig:
     """A small config of the same type (see tiny_overrides)."""
-    return type(config)(**tiny_overrides(config))
+    return type(config)(**tiny_overrides(config, kept))
 
 
 def model_class(config: PretrainedConfig) -> type | None:
@@ -146,8 +161,27 @@ def plan_for(layer: ph.AttentionLayer, groups: int) -> list[int]:
 
 
 def build(model_type: str) -> tuple[nn.Module, dict] | str:
-    """The tiny model and its inputs, or why there is none."""
-    config = shrink(CONFIG_MAPPING[model_type]())
+    """The tiny model and its inputs from the first rung of LADDER that builds and runs, or why none did (the
+    first rung's reason)."""
+    reasons = []
+    for kept, tokens in LADDER:
+        try:
+            built = build_one(model_type, kept, tokens)
+        except TimeoutError:
+            raise
+        except Exception as error:
+            built = reason(error)
+        if not isinstance(built, str):
+            return built
+        reasons.append(built)
+        if built == "no auto model class":
+            break
+    return reasons[0]
+
+
+def build_one(model_type: str, kept: frozenset, tokens: int) -> tuple[nn.Module, dict] | str:
+    """The model of one rung and its inputs (it raises if either fails), or why there is none."""
+    config = shrink(CONFIG_MAPPING[model_type](), kept)
     config._attn_implementation = "eager"
     cls = model_class(config)
     if cls is None:
@@ -158,7 +192,7 @@ def build(model_type: str) -> tuple[nn.Module, dict] | str:
         return f"{size / 1e6:.0f}M parameters after shrinking"
     torch.manual_seed(0)
     model = cls(config).eval()
-    inputs = dummy_inputs(model, batch_size=2, seq_len=8)
+    inputs = dummy_inputs(model, batch_size=2, seq_len=tokens)
     if "use_cache" in inspect.signature(model.forward).parameters:
         inputs["use_cache"] = False
     try:
@@ -171,12 +205,16 @@ def build(model_type: str) -> tuple[nn.Module, dict] | str:
     return model, inputs
 
 
+def reason(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:160]
+
+
 def classify(model_type: str, seconds: int) -> tuple[str, str]:
     try:
         with deadline(seconds):
             built = build(model_type)
     except Exception as error:
-        return "not built", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:160]
+        return "not built", reason(error)
     if isinstance(built, str):
         return "not built", built
     model, inputs = built

@@ -349,6 +349,22 @@ def drop_gguf_quantizer(model: nn.Module) -> bool:
     return True
 
 
+def head_bound(model: nn.Module) -> bool:
+    """Whether transformers' conversion back to the checkpoint's original layout reads the config's head count
+    (the RoPE row permutations of fused or interleaved checkpoints): it cannot hold for layers that lost heads,
+    so such a pruned model is saved in transformers' own layout, which transformers loads as it is."""
+    try:
+        from transformers import core_model_loading
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # a transformers 5 without weight conversions
+        return False
+    kinds = tuple(getattr(core_model_loading, name) for name in
+                  ("PermuteForRope", "VisionFuseAndPermuteForRope", "VisionUnfuseAndPermuteForRope")
+                  if hasattr(core_model_loading, name))
+    conversions = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model, add_legacy=False)
+    return any(isinstance(op, kinds) for conversion in conversions or [] for op in getattr(conversion, "operations", []))
+
+
 def write_model(model: nn.Module, folder: Path, tokenizer: Any = None, standalone: bool = False) -> None:
     """Write the model (with a stock config when `stock_config` gives one, else with remote code when
     `standalone`) and its tokenizer into an existing folder; `save_pruned` and the pipeline write through here.
@@ -363,9 +379,10 @@ def write_model(model: nn.Module, folder: Path, tokenizer: Any = None, standalon
     fill = stock_fill(model, config) if config is not None and not standalone_code else None
     if config is not None:
         model.config = config
+    layout = {"save_original_format": False} if getattr(model.config, RECORD_KEY, None) and head_bound(model) else {}
     try:
         with library_bars():
-            model.save_pretrained(folder, state_dict={**model.state_dict(), **fill} if fill else None)
+            model.save_pretrained(folder, state_dict={**model.state_dict(), **fill} if fill else None, **layout)
     finally:
         model.config = original
     if tokenizer is not None:

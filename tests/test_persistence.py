@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import prune_heads as ph
@@ -255,3 +256,23 @@ def test_a_missing_folder_is_not_sent_to_the_hub(tmp_path):
     for path in (tmp_path / "nope", "./nope", "~/nope"):
         with pytest.raises(ph.ModelNotFoundError, match=r"no folder .*nope, and not a hub id"):
             ph.load_pruned(path)
+
+
+@pytest.mark.skipif(not hasattr(transformers, "GradiumPhononTTSModel"), reason="a transformers without Gradium")
+def test_a_model_whose_original_layout_permutes_rows_by_head_count_saves_and_loads(tmp_path):
+    """Gradium's checkpoint layout fuses q/k/v and interleaves RoPE pairs; transformers' conversion back to it
+    permutes rows by the config's head count, which a pruned layer no longer has: saved in transformers' own
+    layout instead, it loads with the same outputs."""
+    config = transformers.GradiumPhononTTSConfig(num_hidden_layers=2, intermediate_size=64, vocab_size=128)
+    torch.manual_seed(0)
+    model = transformers.GradiumPhononTTSModel(config).eval()
+    assert ph.persistence.head_bound(model)
+    ids = torch.randint(8, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    ph.prune(model, {0: [0, 1], 1: [5]})
+    with torch.no_grad():
+        expected = model(input_ids=ids).last_hidden_state
+    ph.save_pruned(model, tmp_path / "m")
+    loaded = ph.load_pruned(tmp_path / "m").eval()
+    assert [layer.num_heads for layer in ph.find_attention(loaded)] == [10, 11]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).last_hidden_state, expected, rtol=0, atol=1e-5)
