@@ -14,7 +14,7 @@ layer has one KV group), and land in one of:
   not found   attention modules present (class name says attention, owns a Linear) but find_attention lists none
   not run     random inputs reach none of the layers find_attention lists (counted apart, like "not built")
 
-Usage: python benchmarks/coverage.py [--types llama,gpt_neox] [--json coverage.json] [--seconds 60]
+Usage: python benchmarks/coverage.py [--types llama,gpt_neox] [--json coverage.json] [--seconds 60] [--memory-gib 8]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import collections
 import contextlib
 import inspect
 import json
+import resource
 import signal
 import sys
 import tempfile
@@ -68,8 +69,10 @@ STAGES = frozenset({"out_features", "out_indices", "stage_names"})  # a backbone
 LADDER = (  # (sizes left at the default or derived again, tokens): tried in turn until a model builds and runs
     (frozenset(), 8),
     (STAGES, 8),
-    (STAGES | {"image_size", "patch_size", "window_size", "rotary_dim", "max_position_embeddings"}, 32),
-    (STAGES | frozenset(TINY) - LAYER_COUNTS - {"vocab_size"}, 64),  # default widths, 2 layers, under the cap
+    (STAGES | {"image_size", "patch_size", "window_size", "rotary_dim"}, 32),
+    # default widths, 2 layers, under the cap (positions and vocabulary stay small: tables of the default
+    # length outgrow the machine's memory for some types)
+    (STAGES | frozenset(TINY) - LAYER_COUNTS - {"vocab_size", "max_position_embeddings"}, 64),
 )
 
 
@@ -278,7 +281,10 @@ def main() -> None:
     parser.add_argument("--types", default=None, help="comma-separated model types (default: all)")
     parser.add_argument("--json", default=None, help="write every type's outcome here")
     parser.add_argument("--seconds", type=int, default=60, help="time limit per type and stage")
+    parser.add_argument("--memory-gib", type=float, default=8, help="address-space limit of the sweep")
     args = parser.parse_args()
+    limit = int(args.memory_gib * 2**30)  # a rung whose default sizes outgrow it fails, not the machine
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     types = args.types.split(",") if args.types else sorted(CONFIG_MAPPING.keys())
     results: dict[str, tuple[str, str]] = {}
     start = time.time()
