@@ -67,6 +67,16 @@ TASK_SPARSITIES = (0.5, 0.75)
 ALLOWED = 1.0  # accuracy points the default may lose at 50% (issue 22)
 
 
+def pruned_copy(base, data, sparsity: float, recovery: ph.RecoveryConfig) -> tuple:
+    """A copy of `base` pruned label-free at `sparsity` with `recovery`, its PruneResult and the seconds it took."""
+    model = copy.deepcopy(base)
+    config = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=sparsity),
+                            scoring=ph.ScoringConfig(objective="label-free"), recovery=recovery)
+    with Timer() as t:
+        result = ph.prune_model(model, data, config, progress=False)
+    return model, result, t.seconds
+
+
 def task_accuracy(sparsities) -> None:
     """The default path and fisher one-shot against the unpruned encoder, in task accuracy on both fixtures."""
     recipe = load_recipe("demo-minilm-embeddings")
@@ -82,11 +92,7 @@ def task_accuracy(sparsities) -> None:
         for name, recovery in ROWS.items():
             cells, seconds = [], []
             for sparsity in sparsities:
-                model = copy.deepcopy(base)
-                config = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=sparsity),
-                                        scoring=ph.ScoringConfig(objective="label-free"), recovery=recovery)
-                with Timer() as t:
-                    ph.prune_model(model, split["validation"], config, progress=False)
+                model, _, took = pruned_copy(base, split["validation"], sparsity, recovery)
                 after = evaluation(model, split["test"], train=split["train"], progress=False)
                 parts = []
                 for metric in ("logreg_accuracy", "knn_accuracy"):
@@ -100,8 +106,8 @@ def task_accuracy(sparsities) -> None:
                         print(f"goal {fixture} 50%: {100 * found['delta']:+.2f} points ({100 * found['low']:+.2f} to "
                               f"{100 * found['high']:+.2f}): {met}", file=sys.stderr, flush=True)
                 cells.append(" / ".join(parts))
-                seconds.append(t.seconds)
-                print(fixture, name, sparsity, cells[-1], f"{t.seconds:.0f} s", file=sys.stderr, flush=True)
+                seconds.append(took)
+                print(fixture, name, sparsity, cells[-1], f"{took:.0f} s", file=sys.stderr, flush=True)
             rows.append([f"{fixture}: {name}", *cells, seconds_range(seconds)])
     print(f"all-MiniLM-L6-v2 (72 heads), pruned label-free on each fixture's validation sentences; cells: test accuracy "
           f"of a logistic regression / a {NEIGHBOURS}-NN classifier trained on the train split's embeddings (change in "
@@ -131,16 +137,12 @@ def main() -> None:
     for name, recovery in ROWS.items():
         cells, seconds = [], []
         for sparsity in sparsities:
-            model = copy.deepcopy(base)
-            config = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=sparsity),
-                                    scoring=ph.ScoringConfig(objective="label-free"), recovery=recovery)
-            with Timer() as t:
-                result = ph.prune_model(model, calibration, config, progress=False)
+            model, result, took = pruned_copy(base, calibration, sparsity, recovery)
             f = fidelity(reference, embed(model, evaluation, progress=False))
             kept = f" ({decisions(result)})" if recovery.enabled else ""
             cells.append(f"{f['cosine']:.3f} / {f['nn_agreement']:.2f}{kept}")
-            seconds.append(t.seconds)
-            print(name, sparsity, cells[-1], f"{t.seconds:.0f} s", file=sys.stderr, flush=True)
+            seconds.append(took)
+            print(name, sparsity, cells[-1], f"{took:.0f} s", file=sys.stderr, flush=True)
             if "default" in name and sparsity == 0.5:
                 pruned_default = model
         rows.append([name, *cells, seconds_range(seconds)])
