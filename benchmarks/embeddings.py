@@ -16,6 +16,8 @@ test split's, before and after (`ph.evaluate_task`), with the change's 95% paire
 
 Run: .venv/bin/python benchmarks/embeddings.py   (about 6 minutes on 2 CPU cores)
      .venv/bin/python benchmarks/embeddings.py --task   (about 15 minutes)
+     .venv/bin/python benchmarks/embeddings.py --task --candidates --sparsity 0.5   (the default's steps
+         without its held-out decisions beside it: which of them task accuracy would pick)
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ SPARSITIES = (0.1, 0.25, 0.5)
 ROWS = {
     "fisher one-shot (label-free)": ph.RecoveryConfig.off(),
     "**default** (`ph.prune_model`)": ph.RecoveryConfig(),
+}
+CANDIDATES = {  # with --task --candidates: the default's own steps applied without its held-out decisions
+    "interactions + bias compensation, untuned (no hold-out)": ph.RecoveryConfig(holdout=0, gate_tuning=False,
+                                                                                 bias_tuning=False),
+    "full recovery, fixed (no hold-out)": ph.RecoveryConfig(holdout=0),
+    "default tuned to its end (`tuning_budget: null`)": ph.RecoveryConfig(tuning_budget=None),
 }
 
 
@@ -77,8 +85,9 @@ def pruned_copy(base, data, sparsity: float, recovery: ph.RecoveryConfig) -> tup
     return model, result, t.seconds
 
 
-def task_accuracy(sparsities) -> None:
-    """The default path and fisher one-shot against the unpruned encoder, in task accuracy on both fixtures."""
+def task_accuracy(sparsities, rows_run: dict) -> None:
+    """The `rows_run` configurations (fisher one-shot, the default, ...) against the unpruned encoder, in task
+    accuracy on both fixtures."""
     recipe = load_recipe("demo-minilm-embeddings")
     base, tokenizer = load_model(recipe), load_processor(recipe)
     rows = []
@@ -89,7 +98,7 @@ def task_accuracy(sparsities) -> None:
         before = evaluation(base, split["test"], train=split["train"], progress=False)
         rows.append([f"{fixture}: unpruned", *[f"{before.metrics['logreg_accuracy']:.3f} / "
                                                f"{before.metrics['knn_accuracy']:.3f}"] * len(sparsities), ""])
-        for name, recovery in ROWS.items():
+        for name, recovery in rows_run.items():
             cells, seconds = [], []
             for sparsity in sparsities:
                 model, _, took = pruned_copy(base, split["validation"], sparsity, recovery)
@@ -100,7 +109,7 @@ def task_accuracy(sparsities) -> None:
                                     correct=(before.correct[metric], after.correct[metric]))
                     parts.append(f"{after.metrics[metric]:.3f} ({100 * found['delta']:+.1f}, {100 * found['low']:+.1f}"
                                  f" to {100 * found['high']:+.1f})")
-                    if metric == "logreg_accuracy" and "default" in name and sparsity == 0.5:
+                    if metric == "logreg_accuracy" and "**default**" in name and sparsity == 0.5:
                         met = "MET" if found["low"] >= -ALLOWED / 100 else "NOT MET" if found["high"] < -ALLOWED / 100 \
                             else "within noise"
                         print(f"goal {fixture} 50%: {100 * found['delta']:+.2f} points ({100 * found['low']:+.2f} to "
@@ -119,9 +128,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sparsity", type=float, action="append")
     parser.add_argument("--task", action="store_true", help="task accuracy on the labelled fixtures instead")
+    parser.add_argument("--candidates", action="store_true", help="with --task: also the default's own steps "
+                        "without its held-out decisions")
     args = parser.parse_args()
     if args.task:
-        task_accuracy(tuple(args.sparsity or TASK_SPARSITIES))
+        task_accuracy(tuple(args.sparsity or TASK_SPARSITIES), ROWS | (CANDIDATES if args.candidates else {}))
         return
     sparsities = tuple(args.sparsity or SPARSITIES)
     recipe = load_recipe("demo-minilm-embeddings")

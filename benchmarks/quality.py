@@ -65,7 +65,7 @@ def verdict(points: dict, allowed: float) -> str:
     return "MET" if points["low"] >= -allowed else "NOT MET" if points["high"] < -allowed else "within noise"
 
 
-def main() -> Nonedef main() -> None:
+def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fixture", choices=sorted(FIXTURES_BY_NAME), action="append")
     parser.add_argument("--only", action="append", help="run only the configurations whose name contains this "

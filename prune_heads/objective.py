@@ -9,6 +9,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from .memory import release_freed_memory
+
 Loss = Callable[[object, dict], torch.Tensor]
 TOP_K = 64  # classes kept per token in a reference distribution (the rest share one bin)
 
@@ -189,6 +191,7 @@ class Objective:
             if embedding is not None:
                 embeddings.append(embedding.detach().cpu())
                 references.append(reference.cpu())
+            release_freed_memory()
         values = torch.cat(values)
         if embeddings:
             values += neighbour_divergence(torch.cat(references), torch.cat(embeddings))

@@ -27,6 +27,7 @@ from .data import input_device, to_device, without_labels
 from .gates import head_gates
 from .hooks import hooks
 from .layers import AttentionLayer, Projection, find_attention, resolve
+from .memory import release_freed_memory
 from .objective import Objective, batch_size, frozen
 from .parallel import sum_across
 from .probe import probe_plan, remove_proven
@@ -228,6 +229,7 @@ def record(model: nn.Module, batches: list[dict], objective: Objective) -> Recor
     with frozen(model), Recorder(model, find_attention(model), objective) as recorder:
         for batch in batches:
             model(**batch)
+            release_freed_memory()
     return recorder
 
 
@@ -413,6 +415,7 @@ def tune(forward: Callable[[dict], object], groups: list[dict], batches: list[di
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            release_freed_memory()
             if averaged:
                 averaged.update()
             steps += 1

@@ -21,6 +21,7 @@ from .gates import head_gates
 from .head_scores import HeadScores
 from .layers import AttentionLayer, Projection, qkv_parts, require_attention, resolve
 from .hooks import hooks
+from .memory import release_freed_memory
 from .objective import Loss, Objective, batch_size, frozen
 from .parallel import distributed, rank_and_size, sum_across
 from .recovery import Recorder
@@ -45,7 +46,7 @@ class ScoringRun:
     def iterate(self, desc: str) -> Iterator[dict]:
         """This process's batches (every one, or every N-th of N data-parallel processes) moved to the device,
         with a progress bar. The sampling generator is re-seeded per batch, so the scores do not depend on how
-        the batches are shared out. Once all are seen, `examples` holds the count over all processes."""
+        the batches are shared out; freed memory goes back to the system after each one. Once all are seen, `examples` holds the count over all processes."""
         rank, size = rank_and_size()
         total = -(-(len(self.batches) - rank) // size) if hasattr(self.batches, "__len__") else None
         self.examples = 0
@@ -54,6 +55,7 @@ class ScoringRun:
             self.generator.manual_seed(self.seed * 1_000_003 + index)
             self.examples += batch_size(batch)
             yield to_device(batch, self.device)
+            release_freed_memory()
         self.examples = int(sum_across([torch.tensor(float(self.examples))])[0])
 
     def forward(self, batch: dict):
