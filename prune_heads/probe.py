@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .data import dummy_inputs, input_device, to_device
 from .families import spec_for_type
@@ -102,14 +102,31 @@ def _shared_norm(layer: AttentionLayer) -> str | None:
     return None
 
 
+def _half(module: nn.Module) -> bool:
+    return any(p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters())
+
+
+def _float32_copy(module: nn.Module) -> nn.Module:
+    """A copy of the layer, in float32 where it is in half precision: removal is proven on the structure, not
+    on rounding (one unit in the last place of bfloat16 is 0.8%, far over TOLERANCE)."""
+    return copy.deepcopy(module).float() if _half(module) else copy.deepcopy(module)
+
+
+def _in_float32(module: nn.Module, call: tuple) -> tuple:
+    """The captured (args, kwargs), their floating tensors in float32 where the layer is in half precision."""
+    if not _half(module):
+        return call
+    return tree_map(lambda x: x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x, call)
+
+
 def _differs(layer: AttentionLayer, heads: list[int], call: tuple) -> str | None:
     """Why removing `heads` from a copy of the layer does not give the gated layer's output (None: it does)."""
     shared = _shared_norm(layer)
     if shared is not None:
         return shared
-    args, kwargs = call
+    args, kwargs = _in_float32(layer.module, call)
     kept = torch.tensor([0.0 if h in heads else 1.0 for h in layer.heads])
-    reference = copy.deepcopy(layer.module)
+    reference = _float32_copy(layer.module)
     o_proj = resolve(reference, layer.spec.o)
     try:
         with torch.no_grad(), hooks([(o_proj, "forward_pre", gate_hook([kept.to(o_proj.weight.device)], 0,
@@ -117,7 +134,7 @@ def _differs(layer: AttentionLayer, heads: list[int], call: tuple) -> str | None
             expected = _first_tensor(reference(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
     except Exception as failure:  # the module's own forward, with gates
         return f"it fails with gates on its inputs ({_reason(failure)})"
-    pruned = copy.deepcopy(layer.module)
+    pruned = _float32_copy(layer.module)
     try:
         after = remove_heads(describe(pruned, layer.spec, layer.name, layer.index), heads)
         with torch.no_grad():

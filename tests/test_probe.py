@@ -142,3 +142,17 @@ def test_a_refused_plan_undoes_the_preparation(monkeypatch):
     monkeypatch.undo()
     ph.prune(model, {2: [0]})  # and the same plan, accepted, prepares and prunes as usual
     assert len(model.state_dict()) > len(keys)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_is_proven_on_its_structure_not_its_rounding(dtype):
+    """bfloat16 rounding alone is over the probe's float32 tolerance: the copies are proven in float32, and the
+    model itself stays in its dtype."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=576, intermediate_size=64, num_hidden_layers=12,
+                                         num_attention_heads=9, num_key_value_heads=3, vocab_size=128)).to(dtype)
+    layers = ph.find_attention(model)
+    ph.probe_plan(model, layers, {layer.name: [0, 1, 2] for layer in layers})  # raises if not exact
+    assert all(p.dtype == dtype for p in model.parameters())
