@@ -3,9 +3,10 @@
 For each type in transformers' config mapping, the config is shrunk (2 layers, 4 heads, 2 KV heads where the
 config has them, width 32, small vocabulary and images), the model class is taken from the auto mappings
 (causal LM first, then the base model), and it is run on random inputs; a type that fails is tried again up
-LADDER (configs that keep more of the default). Types that cannot be built or run any way are counted apart. The rest get an uneven plan on the first and last attention layers the forward
-pass reaches (one KV group from the first, two from the last where it has three or more; query heads where a
-layer has one KV group), and land in one of:
+LADDER (configs that keep more of the default). Types that cannot be built or run any way are counted apart.
+The rest get an uneven plan on the first and last attention layers the forward pass reaches (one KV group
+from the first, two from the last where it has three or more; query heads where a layer has one KV group),
+and land in one of:
 
   exact       zeroed gates equal removal, and save -> load gives the same outputs
   refused     PlanError / UnsupportedModelError at prune time, model untouched (a clear error)

@@ -8,7 +8,7 @@ import ctypes
 def _malloc_trim():
     try:
         return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc (macOS, Windows, musl): nothing to do
+    except (OSError, AttributeError, TypeError):  # not glibc (macOS, Windows, musl): nothing to do
         return None
 
 

@@ -103,20 +103,13 @@ def _shared_norm(layer: AttentionLayer) -> str | None:
 
 
 def _half(module: nn.Module) -> bool:
+    """Whether the layer is in half precision: its removal is then proven in float32, on the structure, not on
+    rounding (one unit in the last place of bfloat16 is 0.8%, far over TOLERANCE)."""
     return any(p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters())
 
 
-def _float32_copy(module: nn.Module) -> nn.Module:
-    """A copy of the layer, in float32 where it is in half precision: removal is proven on the structure, not
-    on rounding (one unit in the last place of bfloat16 is 0.8%, far over TOLERANCE)."""
-    return copy.deepcopy(module).float() if _half(module) else copy.deepcopy(module)
-
-
-def _in_float32(module: nn.Module, call: tuple) -> tuple:
-    """The captured (args, kwargs), their floating tensors in float32 where the layer is in half precision."""
-    if not _half(module):
-        return call
-    return tree_map(lambda x: x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x, call)
+def _to_float32(x: Any) -> Any:
+    return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
 def _differs(layer: AttentionLayer, heads: list[int], call: tuple) -> str | None:
@@ -124,9 +117,10 @@ def _differs(layer: AttentionLayer, heads: list[int], call: tuple) -> str | None
     shared = _shared_norm(layer)
     if shared is not None:
         return shared
-    args, kwargs = _in_float32(layer.module, call)
+    half = _half(layer.module)
+    args, kwargs = tree_map(_to_float32, call) if half else call
     kept = torch.tensor([0.0 if h in heads else 1.0 for h in layer.heads])
-    reference = _float32_copy(layer.module)
+    reference = copy.deepcopy(layer.module).float() if half else copy.deepcopy(layer.module)
     o_proj = resolve(reference, layer.spec.o)
     try:
         with torch.no_grad(), hooks([(o_proj, "forward_pre", gate_hook([kept.to(o_proj.weight.device)], 0,
@@ -134,7 +128,7 @@ def _differs(layer: AttentionLayer, heads: list[int], call: tuple) -> str | None
             expected = _first_tensor(reference(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
     except Exception as failure:  # the module's own forward, with gates
         return f"it fails with gates on its inputs ({_reason(failure)})"
-    pruned = _float32_copy(layer.module)
+    pruned = copy.deepcopy(layer.module).float() if half else copy.deepcopy(layer.module)
     try:
         after = remove_heads(describe(pruned, layer.spec, layer.name, layer.index), heads)
         with torch.no_grad():

@@ -46,7 +46,8 @@ class ScoringRun:
     def iterate(self, desc: str) -> Iterator[dict]:
         """This process's batches (every one, or every N-th of N data-parallel processes) moved to the device,
         with a progress bar. The sampling generator is re-seeded per batch, so the scores do not depend on how
-        the batches are shared out; freed memory goes back to the system after each one. Once all are seen, `examples` holds the count over all processes."""
+        the batches are shared out; freed memory goes back to the system after each one. Once all are seen,
+        `examples` holds the count over all processes."""
         rank, size = rank_and_size()
         total = -(-(len(self.batches) - rank) // size) if hasattr(self.batches, "__len__") else None
         self.examples = 0
