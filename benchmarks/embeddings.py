@@ -10,8 +10,9 @@ learns from this calibration set can get. Cells: mean cosine to the unpruned emb
 sentences whose nearest neighbour (among the 200) is unchanged.
 
 With `--task`: task accuracy as MTEB measures it, on the movie and tweet sentiment fixtures (their labels;
-the encoder was tuned on neither): the demo encoder pruned label-free on each fixture's validation sentences,
-then a logistic regression and a k-NN classifier trained on the train split's embeddings and tested on the
+the encoder was tuned on neither): the demo encoder pruned on each fixture's validation sentences, label-free
+or scored with their labels (the default: a logistic regression fitted on the unpruned embeddings gives the
+task loss), then a logistic regression and a k-NN classifier trained on the train split's embeddings and tested on the
 test split's, before and after (`ph.evaluate_task`), with the change's 95% paired interval.
 
 Run: .venv/bin/python benchmarks/embeddings.py   (about 6 minutes on 2 CPU cores)
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import sys
 
 import torch
@@ -39,15 +41,22 @@ from prune_heads.pipeline import load_model, load_processor, task_data
 from prune_heads.recipes import load_recipe
 
 SPARSITIES = (0.1, 0.25, 0.5)
+LABEL_FREE = ph.ScoringConfig(objective="label-free")
 ROWS = {
-    "fisher one-shot (label-free)": ph.RecoveryConfig.off(),
-    "**default** (`ph.prune_model`)": ph.RecoveryConfig(),
+    "fisher one-shot (label-free)": ph.PruneConfig(scoring=LABEL_FREE, recovery=ph.RecoveryConfig.off()),
+    "**default** (`ph.prune_model`)": ph.PruneConfig(),
+}
+TASK_ROWS = {  # with --task, where the calibration sentences have labels (which the default scores with)
+    "fisher one-shot (label-free)": ROWS["fisher one-shot (label-free)"],
+    "fisher one-shot (labels, through a linear probe)": ph.PruneConfig(recovery=ph.RecoveryConfig.off()),
+    "default with label-free scoring": ph.PruneConfig(scoring=LABEL_FREE),
+    "**default** (`ph.prune_model`)": ph.PruneConfig(),
 }
 CANDIDATES = {  # with --task --candidates: the default's own steps applied without its held-out decisions
-    "interactions + bias compensation, untuned (no hold-out)": ph.RecoveryConfig(holdout=0, gate_tuning=False,
-                                                                                 bias_tuning=False),
-    "full recovery, fixed (no hold-out)": ph.RecoveryConfig(holdout=0),
-    "default tuned to its end (`tuning_budget: null`)": ph.RecoveryConfig(tuning_budget=None),
+    "interactions + bias compensation, untuned (no hold-out)": ph.PruneConfig(recovery=ph.RecoveryConfig(
+        holdout=0, gate_tuning=False, bias_tuning=False)),
+    "full recovery, fixed (no hold-out)": ph.PruneConfig(recovery=ph.RecoveryConfig(holdout=0)),
+    "default tuned to its end (`tuning_budget: null`)": ph.PruneConfig(recovery=ph.RecoveryConfig(tuning_budget=None)),
 }
 
 
@@ -75,11 +84,10 @@ TASK_SPARSITIES = (0.5, 0.75)
 ALLOWED = 1.0  # accuracy points the default may lose at 50% (issue 22)
 
 
-def pruned_copy(base, data, sparsity: float, recovery: ph.RecoveryConfig) -> tuple:
-    """A copy of `base` pruned label-free at `sparsity` with `recovery`, its PruneResult and the seconds it took."""
+def pruned_copy(base, data, sparsity: float, config: ph.PruneConfig) -> tuple:
+    """A copy of `base` pruned at `sparsity` with `config`, its PruneResult and the seconds it took."""
     model = copy.deepcopy(base)
-    config = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=sparsity),
-                            scoring=ph.ScoringConfig(objective="label-free"), recovery=recovery)
+    config = dataclasses.replace(config, selection=ph.SelectionConfig(sparsity=sparsity))
     with Timer() as t:
         result = ph.prune_model(model, data, config, progress=False)
     return model, result, t.seconds
@@ -98,10 +106,10 @@ def task_accuracy(sparsities, rows_run: dict) -> None:
         before = evaluation(base, split["test"], train=split["train"], progress=False)
         rows.append([f"{fixture}: unpruned", *[f"{before.metrics['logreg_accuracy']:.3f} / "
                                                f"{before.metrics['knn_accuracy']:.3f}"] * len(sparsities), ""])
-        for name, recovery in rows_run.items():
+        for name, config in rows_run.items():
             cells, seconds = [], []
             for sparsity in sparsities:
-                model, _, took = pruned_copy(base, split["validation"], sparsity, recovery)
+                model, _, took = pruned_copy(base, split["validation"], sparsity, config)
                 after = evaluation(model, split["test"], train=split["train"], progress=False)
                 parts = []
                 for metric in ("logreg_accuracy", "knn_accuracy"):
@@ -118,7 +126,7 @@ def task_accuracy(sparsities, rows_run: dict) -> None:
                 seconds.append(took)
                 print(fixture, name, sparsity, cells[-1], f"{took:.0f} s", file=sys.stderr, flush=True)
             rows.append([f"{fixture}: {name}", *cells, seconds_range(seconds)])
-    print(f"all-MiniLM-L6-v2 (72 heads), pruned label-free on each fixture's validation sentences; cells: test accuracy "
+    print(f"all-MiniLM-L6-v2 (72 heads), pruned on each fixture's validation sentences (with their labels unless the row says label-free); cells: test accuracy "
           f"of a logistic regression / a {NEIGHBOURS}-NN classifier trained on the train split's embeddings (change in "
           f"points against the unpruned encoder, 95% paired interval); {torch_threads()} CPU threads.\n")
     print(markdown_table(sparsity_header(sparsities), rows))
@@ -132,7 +140,7 @@ def main() -> None:
                         "without its held-out decisions")
     args = parser.parse_args()
     if args.task:
-        task_accuracy(tuple(args.sparsity or TASK_SPARSITIES), ROWS | (CANDIDATES if args.candidates else {}))
+        task_accuracy(tuple(args.sparsity or TASK_SPARSITIES), TASK_ROWS | (CANDIDATES if args.candidates else {}))
         return
     sparsities = tuple(args.sparsity or SPARSITIES)
     recipe = load_recipe("demo-minilm-embeddings")
@@ -145,12 +153,12 @@ def main() -> None:
     with torch.no_grad():
         targets = [Objective(base).reference(base(**b), b) for b in batches]
     rows, pruned_default = [], None
-    for name, recovery in ROWS.items():
+    for name, config in ROWS.items():
         cells, seconds = [], []
         for sparsity in sparsities:
-            model, result, took = pruned_copy(base, calibration, sparsity, recovery)
+            model, result, took = pruned_copy(base, calibration.without_labels(), sparsity, config)
             f = fidelity(reference, embed(model, evaluation, progress=False))
-            kept = f" ({decisions(result)})" if recovery.enabled else ""
+            kept = f" ({decisions(result)})" if config.recovery.enabled else ""
             cells.append(f"{f['cosine']:.3f} / {f['nn_agreement']:.2f}{kept}")
             seconds.append(took)
             print(name, sparsity, cells[-1], f"{took:.0f} s", file=sys.stderr, flush=True)

@@ -49,6 +49,19 @@ class TaskData:
         return [without_labels(b) for b in self.batches]
 
 
+def with_targets(data: TaskData | Iterable[dict]) -> list[dict]:
+    """The batches of `data` as a list; those of a feature-extraction `TaskData` with `targets` carry their
+    examples' class labels as `labels` (which only the scoring objective's probe reads, never the model)."""
+    batches = list(data)
+    if not isinstance(data, TaskData) or data.targets is None:
+        return batches
+    labels, start = torch.tensor(data.targets), 0
+    for i, batch in enumerate(batches):
+        rows = next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
+        batches[i], start = {**batch, "labels": labels[start:start + rows]}, start + rows
+    return batches
+
+
 def without_labels(batch: dict) -> dict:
     """The batch without its `labels` (for the label-free objective)."""
     return {k: v for k, v in batch.items() if k != "labels"}

@@ -17,7 +17,7 @@ from torch import nn
 
 from .data import TaskData, input_device, progress_bar, to_device
 from .confidence import Statistic, mean_of, min_of, ratio_of
-from .objective import neighbour_changes, pooled
+from .objective import fit_probe, neighbour_changes, pooled
 
 _SHIPPED = Path(__file__).parent / "metrics"
 SHIPPED_METRICS = sorted(p.name for p in _SHIPPED.iterdir() if (p / f"{p.name}.py").exists())
@@ -109,23 +109,9 @@ NEIGHBOURS = 5  # k of the k-NN classifier
 
 
 def logistic_regression(train: torch.Tensor, labels: torch.Tensor, test: torch.Tensor, steps: int = 100) -> torch.Tensor:
-    """The classes a multinomial logistic regression trained on (`train`, `labels`) predicts for `test`: the
-    objective of scikit-learn's default (summed log-loss + ||W||^2 / 2, C = 1, MTEB's classifier), fitted
-    with L-BFGS from zeros in float64 (deterministic)."""
-    x, y = train.double(), labels.long()
-    weight = torch.zeros(x.shape[1], int(y.max()) + 1, dtype=torch.float64, requires_grad=True)
-    bias = torch.zeros(weight.shape[1], dtype=torch.float64, requires_grad=True)
-    optimizer = torch.optim.LBFGS([weight, bias], max_iter=steps, line_search_fn="strong_wolfe")
-
-    def loss() -> torch.Tensor:
-        optimizer.zero_grad()
-        value = nn.functional.cross_entropy(x @ weight + bias, y, reduction="sum") + (weight ** 2).sum() / 2
-        value.backward()
-        return value
-
-    with torch.enable_grad():
-        optimizer.step(loss)
-    return (test.double() @ weight + bias).argmax(-1).detach()
+    """The classes a multinomial logistic regression trained on (`train`, `labels`) predicts for `test`
+    (`fit_probe`: scikit-learn's default objective, MTEB's classifier)."""
+    return fit_probe(train, labels, steps)(test.double()).argmax(-1)
 
 
 def nearest_vote(train: torch.Tensor, labels: torch.Tensor, test: torch.Tensor, k: int = NEIGHBOURS) -> torch.Tensor:

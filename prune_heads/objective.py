@@ -9,6 +9,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from .data import to_device, without_labels
 from .memory import release_freed_memory
 
 Loss = Callable[[object, dict], torch.Tensor]
@@ -79,26 +80,68 @@ def neighbour_divergence(reference: torch.Tensor, embeddings: torch.Tensor) -> t
     return torch.cat(values).cpu()
 
 
+def fit_probe(embeddings: torch.Tensor, labels: torch.Tensor, steps: int = 100) -> nn.Linear:
+    """A multinomial logistic regression from embeddings [examples, hidden] to class labels [examples], float64:
+    the objective of scikit-learn's default (summed log-loss + ||W||^2 / 2, C = 1, MTEB's classifier), fitted
+    with L-BFGS from zeros (deterministic). The task head an encoder without one is judged by."""
+    x, y = embeddings.detach().double().cpu(), labels.long().cpu()
+    probe = nn.Linear(x.shape[1], int(y.max()) + 1, dtype=torch.float64)
+    nn.init.zeros_(probe.weight)
+    nn.init.zeros_(probe.bias)
+    optimizer = torch.optim.LBFGS(probe.parameters(), max_iter=steps, line_search_fn="strong_wolfe")
+
+    def loss() -> torch.Tensor:
+        optimizer.zero_grad()
+        value = nn.functional.cross_entropy(probe(x), y, reduction="sum") + (probe.weight ** 2).sum() / 2
+        value.backward()
+        return value
+
+    with torch.enable_grad():
+        optimizer.step(loss)
+    return probe.requires_grad_(False)
+
+
+@torch.no_grad()
+def encoder_probe(model: nn.Module, batches: Iterable[dict], device: torch.device) -> nn.Linear | None:
+    """For a list of batches with class `labels` and a model whose outputs have no logits (an encoder
+    without a head), `fit_probe` on its embeddings of them; else None (the labels are then the model's own)."""
+    if not isinstance(batches, list) or not batches or "labels" not in batches[0]:
+        return None
+    embeddings = []
+    for batch in batches:
+        inputs = to_device(without_labels(batch), device)
+        embedding = Objective.embedding(model(**inputs), inputs)
+        if embedding is None:
+            return None
+        embeddings.append(embedding)
+    return fit_probe(torch.cat(embeddings), torch.cat([b["labels"] for b in batches]))
+
+
 class Objective:
     """The per-example loss that importance is measured against.
 
     With labels in the batch: the model's task loss per example (classification, regression, causal or
-    seq2seq LM). Without labels: the divergence of the gated model's outputs from the ungated model's (KL on
-    logits, 1 - cosine of mean-pooled hidden states for encoders without a head). That divergence has zero
-    gradient at gates = 1, so the gradient methods use sampled surrogates whose per-example squared
-    gradients equal its curvature in expectation: labels drawn from the model's own softmax (the Fisher of
+    seq2seq LM; for an encoder without a head, the cross-entropy of `probe`, a logistic regression fitted on
+    its unpruned embeddings of the labelled calibration examples). Without labels: the divergence of the
+    gated model's outputs from the ungated model's (KL on logits, 1 - cosine of mean-pooled hidden states
+    for encoders without a head). That divergence has zero gradient at gates = 1, so the gradient methods
+    use sampled surrogates whose per-example squared gradients equal its curvature in expectation: labels drawn from the model's own softmax (the Fisher of
     the KL), or a random Gaussian projection of the normalised embedding (the Gauss-Newton diagonal of
     1 - cosine). `reference` and `divergence` give the exact divergence, used by ablation.
     A custom `loss(outputs, batch) -> scalar` replaces all of this; it is then not split per example.
     """
 
-    def __init__(self, model: nn.Module, loss: Loss | None = None) -> None:
-        self.model, self.custom = model, loss
+    def __init__(self, model: nn.Module, loss: Loss | None = None, probe: nn.Linear | None = None) -> None:
+        self.model, self.custom, self.probe = model, loss, probe
         name = type(model).__name__
         self.shift = name.endswith("ForCausalLM") or "LMHead" in name
 
     def has_labels(self, batch: dict) -> bool:
         return self.custom is None and "labels" in batch
+
+    def inputs(self, batch: dict) -> dict:
+        """What the model is called with: the batch, less the labels that only the probe takes."""
+        return {k: v for k, v in batch.items() if k != "labels"} if self.probe is not None else batch
 
     def per_example(self, outputs, batch: dict, generator: torch.Generator) -> torch.Tensor:
         """Per-example losses [batch] (a custom loss gives a single value)."""
@@ -106,7 +149,7 @@ class Objective:
             return self.custom(outputs, batch).reshape(1)
         logits = getattr(outputs, "logits", None)
         if "labels" in batch:
-            return self._task_loss(logits, batch["labels"], batch)
+            return self._task_loss(outputs, batch)
         if logits is not None:
             with torch.no_grad():
                 probs = torch.softmax(logits.detach().float(), -1)
@@ -119,8 +162,13 @@ class Objective:
         z = torch.randn(unit.shape, generator=generator).to(unit.device)
         return (unit * z).sum(-1)
 
-    def _task_loss(self, logits: torch.Tensor, labels: torch.Tensor, batch: dict) -> torch.Tensor:
-        logits = logits.float()
+    def _task_loss(self, outputs, batch: dict) -> torch.Tensor:
+        labels = batch["labels"]
+        if self.probe is not None:
+            embedding = self.embedding(outputs, batch)
+            logits = self.probe.to(embedding.device)(embedding.double())
+            return nn.functional.cross_entropy(logits, labels, reduction="none").to(embedding.dtype)
+        logits = outputs.logits.float()
         if logits.dim() == 2 and logits.shape[-1] == 1 and labels.is_floating_point():
             return (logits.squeeze(-1) - labels.float()) ** 2
         if logits.dim() == 2 and labels.dim() == 2:  # multi-label
@@ -202,7 +250,7 @@ class Objective:
         if self.custom is not None:
             return self.custom(outputs, batch).reshape(1)
         if "labels" in batch:
-            return self._task_loss(outputs.logits, batch["labels"], batch)
+            return self._task_loss(outputs, batch)
         return self.divergence(outputs, batch, reference)
 
 

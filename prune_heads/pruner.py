@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, PruneConfig
-from .data import DataError, TaskData, input_device, to_device, without_labels
+from .data import DataError, TaskData, input_device, to_device, with_targets, without_labels
 from .head_scores import HeadScores
 from .iterative import prune_iteratively
 from .layers import require_attention
@@ -123,7 +123,7 @@ def prune_model(model: nn.Module, data: TaskData | Iterable[dict], config: Prune
     config = config or PruneConfig()
     start = time.perf_counter()
     s, r = config.scoring, config.recovery
-    batches = list(data)
+    batches = list(data) if s.steps > 1 else with_targets(data)  # an encoder's labels score one-shot only
     if not batches:
         raise DataError("no calibration batches: give data with at least one example")
     seq_len = next((v.shape[-1] for v in batches[0].values() if torch.is_tensor(v) and v.dim() > 1), 128)

@@ -16,13 +16,13 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from .data import input_device, progress_bar, to_device
+from .data import TaskData, input_device, progress_bar, to_device, with_targets
 from .gates import head_gates
 from .head_scores import HeadScores
 from .layers import AttentionLayer, Projection, qkv_parts, require_attention, resolve
 from .hooks import hooks
 from .memory import release_freed_memory
-from .objective import Loss, Objective, batch_size, frozen
+from .objective import Loss, Objective, batch_size, encoder_probe, frozen
 from .parallel import distributed, rank_and_size, sum_across
 from .recovery import Recorder
 
@@ -62,7 +62,7 @@ class ScoringRun:
     def forward(self, batch: dict):
         ctx = torch.autocast(self.device.type, self.autocast) if self.autocast else nullcontext()
         with ctx:
-            return self.model(**batch)
+            return self.model(**self.objective.inputs(batch))
 
 
 METHODS: dict[str, Callable[[ScoringRun], tuple[list[torch.Tensor], list[torch.Tensor] | None]]] = {}
@@ -235,8 +235,9 @@ def score_heads(model: nn.Module, dataloader: Iterable[dict], method: str = "gra
     """Measure the importance of every present head of `model` on the batches of `dataloader`.
 
     Batches are dicts of tensors as the model takes them (with `labels` where the task has them). `loss=None`
-    uses the model's task loss with labels, and without labels the divergence from the ungated model (see
-    Objective). Methods: see `METHODS` (gradient, taylor, fisher, activation, magnitude, ablation, random).
+    uses the model's task loss with labels (for an encoder without a head, that of a logistic regression
+    fitted on its embeddings of the labelled batches: a feature-extraction `TaskData`'s targets are used so),
+    and without labels the divergence from the ungated model (see Objective). Methods: see `METHODS` (gradient, taylor, fisher, activation, magnitude, ablation, random).
     Parameters are frozen while scoring (only gate gradients are computed) and restored after. `normalize`
     (default: on for gradient, as Michel et al.) divides each layer's scores by their L2 norm. `device`
     moves the model there (leave it unset for a model loaded with `device_map`, layers on several devices or
@@ -257,10 +258,13 @@ def score_heads(model: nn.Module, dataloader: Iterable[dict], method: str = "gra
     target = torch.device(device) if device is not None else input_device(model)
     layers = require_attention(model)
     generator = torch.Generator().manual_seed(seed)
-    run = ScoringRun(model=model, layers=layers, batches=dataloader, objective=Objective(model, loss), device=target,
-                     autocast=autocast, generator=generator, progress=progress, seed=seed)
+    if isinstance(dataloader, TaskData):
+        dataloader = with_targets(dataloader)
     torch.manual_seed(seed)
     with frozen(model):
+        probe = encoder_probe(model, dataloader, target) if loss is None else None
+        run = ScoringRun(model=model, layers=layers, batches=dataloader, objective=Objective(model, loss, probe),
+                         device=target, autocast=autocast, generator=generator, progress=progress, seed=seed)
         scores, variances = METHODS[method](run)
     if normalize if normalize is not None else method == "gradient":
         norms = [s.norm() for s in scores]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from prune_heads.data import DataError, library_bars, load_split, load_task_data
+from prune_heads.data import DataError, TaskData, library_bars, load_split, load_task_data, with_targets
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +96,12 @@ def test_library_bars_silences_plain_tqdm_and_restores_it(capfd):
     assert "a library's own bar" not in capfd.readouterr().err
     list(tqdm(range(3), desc="outside"))
     assert "outside" in capfd.readouterr().err
+
+
+def test_with_targets_gives_each_batch_its_examples_labels_and_leaves_other_data_alone():
+    batches = [{"input_ids": torch.zeros(n, 4, dtype=torch.long)} for n in (3, 2, 4)]
+    data = TaskData("feature-extraction", batches, 9, ["a", "b"], targets=[0, 1, 1, 0, 0, 1, 1, 1, 0])
+    labelled = with_targets(data)
+    assert [b["labels"].tolist() for b in labelled] == [[0, 1, 1], [0, 0], [1, 1, 1, 0]]
+    assert all("labels" not in b for b in data.batches)  # the data itself is not changed
+    assert with_targets(batches) == batches and with_targets(TaskData("feature-extraction", batches, 9)) == batches

@@ -63,3 +63,21 @@ def test_heldout_adds_the_neighbour_divergence_for_embeddings_only():
     targets = [objective.reference(SequenceClassifierOutput(logits=torch.randn(3, 4, generator=g)), b) for b in batches]
     plain = torch.cat([objective.divergence(o, b, t).double() for o, b, t in zip(logits, batches, targets)])
     assert torch.equal(objective.heldout(zip(logits, batches, targets)), plain)
+
+
+def test_the_probe_is_a_deterministic_logistic_regression_and_gives_the_encoders_task_loss():
+    g = torch.Generator().manual_seed(0)
+    labels = torch.arange(60) % 3
+    embeddings = unit(torch.eye(8)[labels] * 3 + 0.3 * torch.randn(60, 8, generator=g))  # three separable classes
+    probe = objective_module.fit_probe(embeddings, labels)
+    again = objective_module.fit_probe(embeddings, labels)
+    assert torch.equal(probe.weight, again.weight) and not probe.weight.requires_grad
+    assert bool((probe(embeddings.double()).argmax(-1) == labels).all())
+    hidden = torch.randn(4, 5, 8, generator=g)
+    batch = {"attention_mask": torch.ones(4, 5, dtype=torch.long), "labels": torch.tensor([0, 1, 2, 0])}
+    outputs = BaseModelOutput(last_hidden_state=hidden)
+    objective = Objective(torch.nn.Identity(), probe=probe)
+    expected = torch.nn.functional.cross_entropy(probe(unit(hidden.mean(1)).double()), batch["labels"], reduction="none").float()
+    assert torch.allclose(objective.per_example(outputs, batch, g), expected)
+    assert torch.allclose(objective.value(outputs, batch, None), expected)
+    assert "labels" not in objective.inputs(batch) and "labels" in Objective(torch.nn.Identity()).inputs(batch)

@@ -192,3 +192,26 @@ def test_models_loaded_with_a_device_map_score_and_refuse_pruning_offloaded_laye
     inputs = tm.make_inputs("llama")
     assert torch.equal(auto.generate(**inputs, max_new_tokens=4, do_sample=False),
                        model.generate(**inputs, max_new_tokens=4, do_sample=False))
+
+
+def test_an_encoder_without_a_head_is_scored_on_its_labels_through_a_probe():
+    """A feature-extraction TaskData with targets: the heads are scored on a logistic regression's loss fitted
+    on the unpruned embeddings (the model is never given the labels), deterministically, and the scores differ
+    from the label-free ones; prune_model uses it too, and iterative pruning stays label-free."""
+    encoder = tm.build("bert").bert
+    batches = [tm.make_inputs("bert", batch=6, seed=s) for s in range(4)]
+    targets = [int(b["input_ids"][i, 1]) % 2 for b in batches for i in range(6)]
+    data = ph.TaskData("feature-extraction", batches, 24, ["even", "odd"], targets=targets)
+    labelled = ph.score_heads(encoder, data, method="fisher", progress=False)
+    again = ph.score_heads(encoder, data, method="fisher", progress=False)
+    label_free = ph.score_heads(encoder, data.without_labels(), method="fisher", progress=False)
+    assert all(torch.equal(labelled.scores[n], again.scores[n]) for n in labelled.layers)
+    assert not all(torch.allclose(labelled.scores[n], label_free.scores[n]) for n in labelled.layers)
+    config = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.5), recovery=ph.RecoveryConfig.off())
+    found = ph.prune_model(tm.build("bert").bert, data, config, progress=False)
+    assert found.plan == ph.select_heads(labelled, sparsity=0.5)
+    steps = ph.PruneConfig(scoring=ph.ScoringConfig(steps=2), selection=ph.SelectionConfig(sparsity=0.5),
+                           recovery=ph.RecoveryConfig.off())
+    assert ph.prune_model(tm.build("bert").bert, data, steps, progress=False).heads_removed == 6
+    default = ph.prune_model(tm.build("bert").bert, data, ph.PruneConfig(), progress=False)
+    assert default.heads_removed == 6 and default.recovery[0]["step"] == "selection"
