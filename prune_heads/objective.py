@@ -104,8 +104,13 @@ def fit_probe(embeddings: torch.Tensor, labels: torch.Tensor, steps: int = 100) 
 @torch.no_grad()
 def encoder_probe(model: nn.Module, batches: Iterable[dict], device: torch.device) -> nn.Linear | None:
     """For a list of batches with class `labels` and a model whose outputs have no logits (an encoder
-    without a head), `fit_probe` on its embeddings of them; else None (the labels are then the model's own)."""
+    without a head), `fit_probe` on its embeddings of them; else None (the labels are then the model's own).
+    A transformers model with a head (its `base_model` is another module, or it has output embeddings) is
+    known without a forward pass."""
     if not isinstance(batches, list) or not batches or "labels" not in batches[0]:
+        return None
+    output_embeddings = getattr(model, "get_output_embeddings", lambda: None)()
+    if getattr(model, "base_model", model) is not model or output_embeddings is not None:
         return None
     embeddings = []
     for batch in batches:
