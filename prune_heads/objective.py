@@ -130,9 +130,10 @@ class Objective:
     its unpruned embeddings of the labelled calibration examples). Without labels: the divergence of the
     gated model's outputs from the ungated model's (KL on logits, 1 - cosine of mean-pooled hidden states
     for encoders without a head). That divergence has zero gradient at gates = 1, so the gradient methods
-    use sampled surrogates whose per-example squared gradients equal its curvature in expectation: labels drawn from the model's own softmax (the Fisher of
-    the KL), or a random Gaussian projection of the normalised embedding (the Gauss-Newton diagonal of
-    1 - cosine). `reference` and `divergence` give the exact divergence, used by ablation.
+    use sampled surrogates whose per-example squared gradients equal its curvature in expectation: labels
+    drawn from the model's own softmax (the Fisher of the KL), or a random Gaussian projection of the
+    normalised embedding (the Gauss-Newton diagonal of 1 - cosine). `reference` and `divergence` give the
+    exact divergence, used by ablation.
     A custom `loss(outputs, batch) -> scalar` replaces all of this; it is then not split per example.
     """
 

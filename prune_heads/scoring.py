@@ -237,7 +237,8 @@ def score_heads(model: nn.Module, dataloader: Iterable[dict], method: str = "gra
     Batches are dicts of tensors as the model takes them (with `labels` where the task has them). `loss=None`
     uses the model's task loss with labels (for an encoder without a head, that of a logistic regression
     fitted on its embeddings of the labelled batches: a feature-extraction `TaskData`'s targets are used so),
-    and without labels the divergence from the ungated model (see Objective). Methods: see `METHODS` (gradient, taylor, fisher, activation, magnitude, ablation, random).
+    and without labels the divergence from the ungated model (see Objective). Methods: see `METHODS`
+    (gradient, taylor, fisher, activation, magnitude, ablation, random).
     Parameters are frozen while scoring (only gate gradients are computed) and restored after. `normalize`
     (default: on for gradient, as Michel et al.) divides each layer's scores by their L2 norm. `device`
     moves the model there (leave it unset for a model loaded with `device_map`, layers on several devices or
