@@ -108,6 +108,12 @@ def sparsity_header(sparsities) -> list[str]:
     return ["method", *[f"{s:.0%} removed" for s in sparsities], "prune_model time"]
 
 
+def verdict(points: dict, allowed: float) -> str:
+    """A loss of at most `allowed` points: MET when the whole interval is above -allowed, NOT MET when it is
+    below, else within noise (the test set cannot tell)."""
+    return "MET" if points["low"] >= -allowed else "NOT MET" if points["high"] < -allowed else "within noise"
+
+
 def torch_threads() -> int:
     return torch.get_num_threads()
 

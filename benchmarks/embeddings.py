@@ -12,8 +12,8 @@ sentences whose nearest neighbour (among the 200) is unchanged.
 With `--task`: task accuracy as MTEB measures it, on the movie and tweet sentiment fixtures (their labels;
 the encoder was tuned on neither): the demo encoder pruned on each fixture's validation sentences, label-free
 or scored with their labels (the default: a logistic regression fitted on the unpruned embeddings gives the
-task loss), then a logistic regression and a k-NN classifier trained on the train split's embeddings and tested on the
-test split's, before and after (`ph.evaluate_task`), with the change's 95% paired interval.
+task loss), then a logistic regression and a k-NN classifier trained on the train split's embeddings and
+tested on the test split's, before and after (`ph.evaluate_task`), with the change's 95% paired interval.
 
 Run: .venv/bin/python benchmarks/embeddings.py   (about 6 minutes on 2 CPU cores)
      .venv/bin/python benchmarks/embeddings.py --task   (about 15 minutes)
@@ -32,7 +32,7 @@ import torch
 
 import prune_heads as ph
 from common import (FIXTURES, FIXTURES_BY_NAME, Timer, decisions, markdown_table, seconds_range, sparsity_header,
-                    torch_threads)
+                    torch_threads, verdict)
 from prune_heads.confidence import compare
 from prune_heads.data import without_labels
 from prune_heads.evaluation import NEIGHBOURS, embed, evaluation, fidelity
@@ -118,17 +118,17 @@ def task_accuracy(sparsities, rows_run: dict) -> None:
                     parts.append(f"{after.metrics[metric]:.3f} ({100 * found['delta']:+.1f}, {100 * found['low']:+.1f}"
                                  f" to {100 * found['high']:+.1f})")
                     if metric == "logreg_accuracy" and "**default**" in name and sparsity == 0.5:
-                        met = "MET" if found["low"] >= -ALLOWED / 100 else "NOT MET" if found["high"] < -ALLOWED / 100 \
-                            else "within noise"
-                        print(f"goal {fixture} 50%: {100 * found['delta']:+.2f} points ({100 * found['low']:+.2f} to "
-                              f"{100 * found['high']:+.2f}): {met}", file=sys.stderr, flush=True)
+                        points = {k: 100 * found[k] for k in ("delta", "low", "high")}
+                        print(f"goal {fixture} 50%: {points['delta']:+.2f} points ({points['low']:+.2f} to "
+                              f"{points['high']:+.2f}): {verdict(points, ALLOWED)}", file=sys.stderr, flush=True)
                 cells.append(" / ".join(parts))
                 seconds.append(took)
                 print(fixture, name, sparsity, cells[-1], f"{took:.0f} s", file=sys.stderr, flush=True)
             rows.append([f"{fixture}: {name}", *cells, seconds_range(seconds)])
-    print(f"all-MiniLM-L6-v2 (72 heads), pruned on each fixture's validation sentences (with their labels unless the row says label-free); cells: test accuracy "
-          f"of a logistic regression / a {NEIGHBOURS}-NN classifier trained on the train split's embeddings (change in "
-          f"points against the unpruned encoder, 95% paired interval); {torch_threads()} CPU threads.\n")
+    print(f"all-MiniLM-L6-v2 (72 heads), pruned on each fixture's validation sentences (with their labels unless "
+          f"the row says label-free); cells: test accuracy of a logistic regression / a {NEIGHBOURS}-NN classifier "
+          f"trained on the train split's embeddings (change in points against the unpruned encoder, 95% paired "
+          f"interval); {torch_threads()} CPU threads.\n")
     print(markdown_table(sparsity_header(sparsities), rows))
 
 
@@ -156,7 +156,7 @@ def main() -> None:
     for name, config in ROWS.items():
         cells, seconds = [], []
         for sparsity in sparsities:
-            model, result, took = pruned_copy(base, calibration.without_labels(), sparsity, config)
+            model, result, took = pruned_copy(base, batches, sparsity, config)
             f = fidelity(reference, embed(model, evaluation, progress=False))
             kept = f" ({decisions(result)})" if config.recovery.enabled else ""
             cells.append(f"{f['cosine']:.3f} / {f['nn_agreement']:.2f}{kept}")

@@ -28,7 +28,7 @@ import numpy as np
 
 import prune_heads as ph
 from common import (FIXTURES_BY_NAME, Timer, classifier, correctness, decisions, markdown_table, seconds_range,
-                    sparsity_header, torch_threads)
+                    sparsity_header, torch_threads, verdict)
 from prune_heads.confidence import compare, mean_of
 
 SPARSITIES = (0.25, 0.5, 0.75, 0.9)
@@ -57,12 +57,6 @@ def change(before: np.ndarray, after: np.ndarray) -> dict:
     """after - before in accuracy points (per-example correctness, averaged over seeds), paired 95% interval."""
     found = compare(mean_of(before), mean_of(after))
     return {k: 100 * v if k in ("delta", "low", "high") else v for k, v in found.items()}
-
-
-def verdict(points: dict, allowed: float) -> str:
-    """A loss of at most `allowed` points: MET when the whole interval is above -allowed, NOT MET when it is
-    below, else within noise (the test set cannot tell)."""
-    return "MET" if points["low"] >= -allowed else "NOT MET" if points["high"] < -allowed else "within noise"
 
 
 def main() -> None:

@@ -49,6 +49,11 @@ class TaskData:
         return [without_labels(b) for b in self.batches]
 
 
+def batch_size(batch: dict) -> int:
+    """Number of examples in a batch (the leading dimension of its first tensor)."""
+    return next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
+
+
 def with_targets(data: TaskData | Iterable[dict]) -> list[dict]:
     """The batches of `data` as a list; those of a feature-extraction `TaskData` with `targets` carry their
     examples' class labels as `labels` (which only the scoring objective's probe reads, never the model)."""
@@ -57,7 +62,7 @@ def with_targets(data: TaskData | Iterable[dict]) -> list[dict]:
         return batches
     labels, start = torch.tensor(data.targets), 0
     for i, batch in enumerate(batches):
-        rows = next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
+        rows = batch_size(batch)
         batches[i], start = {**batch, "labels": labels[start:start + rows]}, start + rows
     return batches
 

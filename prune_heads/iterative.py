@@ -8,9 +8,9 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from .data import input_device, to_device
+from .data import batch_size, input_device, to_device
 from .head_scores import HeadScores
-from .objective import Loss, Objective, batch_size, frozen
+from .objective import Loss, Objective, frozen
 from .scoring import score_heads
 from .selection import select_heads
 from .probe import prune

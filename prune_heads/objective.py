@@ -21,11 +21,6 @@ def _log_rest(log_top: torch.Tensor) -> torch.Tensor:
     return torch.log1p(-torch.logsumexp(log_top, -1).exp().clamp(max=1 - 1e-6))
 
 
-def batch_size(batch: dict) -> int:
-    """Number of examples in a batch (the leading dimension of its first tensor)."""
-    return next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
-
-
 def pooled(outputs, batch: dict) -> torch.Tensor:
     """Mean of the last hidden state over the attended tokens, [batch, hidden] in float32."""
     hidden = outputs.last_hidden_state if getattr(outputs, "last_hidden_state", None) is not None \
@@ -147,7 +142,7 @@ class Objective:
 
     def inputs(self, batch: dict) -> dict:
         """What the model is called with: the batch, less the labels that only the probe takes."""
-        return {k: v for k, v in batch.items() if k != "labels"} if self.probe is not None else batch
+        return without_labels(batch) if self.probe is not None else batch
 
     def per_example(self, outputs, batch: dict, generator: torch.Generator) -> torch.Tensor:
         """Per-example losses [batch] (a custom loss gives a single value)."""

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from .config import ConfigError, PruneConfig
-from .data import DataError, TaskData, input_device, to_device, with_targets, without_labels
+from .data import DataError, TaskData, batch_size, input_device, to_device, with_targets, without_labels
 from .head_scores import HeadScores
 from .iterative import prune_iteratively
 from .layers import require_attention
-from .objective import Objective, batch_size, frozen
+from .objective import Objective, frozen
 from .probe import probe_layers
 from .recovery import GatedModel, Recorder, record, split_holdout, tune
 from .scoring import fluctuation, head_scores, score_heads

@@ -23,12 +23,12 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 import torch
 from torch import nn
 
-from .data import input_device, to_device, without_labels
+from .data import batch_size, input_device, to_device, without_labels
 from .gates import head_gates
 from .hooks import hooks
 from .layers import AttentionLayer, Projection, find_attention, resolve
 from .memory import release_freed_memory
-from .objective import Objective, batch_size, frozen
+from .objective import Objective, frozen
 from .parallel import sum_across
 from .probe import probe_plan, remove_proven
 from .surgery import add_output_bias, head_features, normalize_plan

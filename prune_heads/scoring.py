@@ -16,13 +16,13 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from .data import TaskData, input_device, progress_bar, to_device, with_targets
+from .data import TaskData, batch_size, input_device, progress_bar, to_device, with_targets
 from .gates import head_gates
 from .head_scores import HeadScores
 from .layers import AttentionLayer, Projection, qkv_parts, require_attention, resolve
 from .hooks import hooks
 from .memory import release_freed_memory
-from .objective import Loss, Objective, batch_size, encoder_probe, frozen
+from .objective import Loss, Objective, encoder_probe, frozen
 from .parallel import distributed, rank_and_size, sum_across
 from .recovery import Recorder
 
