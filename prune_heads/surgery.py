@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.cache_utils import EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache
 
 from .layers import AttentionLayer, Projection, describe, find_attention, qkv_parts, resolve
 
@@ -41,6 +41,39 @@ class ConfigView:
         return getattr(self._base, name)
 
 
+class HeadlessLayer(DynamicLayer):
+    """The cache of a layer without heads: its keys and values hold no numbers ([batch, 0, tokens, head_dim]), so
+    its length is their shape, where DynamicLayer reports 0 for any empty tensor. Without it a model whose first
+    layer lost every head would tell `generate` that nothing is cached (transformers reads layer 0's length)."""
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+
+_CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")  # by transformers version and family
+
+
+def self_cache(args: tuple, kwargs: dict) -> Cache | None:
+    """The self-attention cache an attention module was called with, under any of its names, else None."""
+    cache = next((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), None)
+    cache = cache if cache is not None else next((a for a in args if isinstance(a, Cache)), None)
+    return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+
+
+def mark_headless(cache: Cache, layer_idx: int) -> None:
+    """Let a layer's cache count its tokens although it holds no heads (see HeadlessLayer)."""
+    layers = getattr(cache, "layers", ())
+    if layer_idx < len(layers) and type(layers[layer_idx]) is DynamicLayer:
+        layers[layer_idx].__class__ = HeadlessLayer
+
+
+def _headless_after_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    """A forward hook for an emptied layer that runs its own attention code: its cache counts its tokens."""
+    cache = self_cache(args, kwargs)
+    if cache is not None and getattr(module, "layer_idx", None) is not None:
+        mark_headless(cache, module.layer_idx)
+
+
 class NoHeads:
     """Forward of an attention module that lost every head: no attention, only the output projection's bias.
 
@@ -55,12 +88,11 @@ class NoHeads:
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple:
         context = hidden_states.new_zeros(*hidden_states.shape[:-1], 0)
-        cache = kwargs.get("past_key_values")
-        if isinstance(cache, EncoderDecoderCache):
-            cache = cache.self_attention_cache
+        cache = self_cache(args, kwargs)
         if cache is not None and not self.cross and self.layer_idx is not None:
             empty = hidden_states.new_zeros(hidden_states.shape[0], 0, hidden_states.shape[1], self.head_dim)
             cache.update(empty, empty, self.layer_idx)
+            mark_headless(cache, self.layer_idx)
         if self.project is None:
             return (context,) + (None,) * (self.outputs - 1)
         width = Projection(self.project).features("out")
@@ -191,6 +223,9 @@ def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
         projects = spec.no_heads == "" or spec.o.startswith(spec.no_heads + ".")
         owner.forward = NoHeads(o_proj.module if projects else None, spec.no_heads_outputs, dim,
                                 getattr(module, "layer_idx", None), layer.kind == "cross")
+    elif not kept and layer.kind == "self" and not getattr(module, "_ph_headless_hook", False):
+        module.register_forward_hook(_headless_after_forward, with_kwargs=True)
+        module._ph_headless_hook = True
     module._ph_record = {**getattr(module, "_ph_record", {}), "num_heads": layer.original_num_heads,
                          "num_kv_heads": layer.original_num_kv_heads,
                          "removed": sorted(set(range(layer.original_num_heads)) - set(kept))}

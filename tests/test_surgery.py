@@ -47,6 +47,22 @@ def test_generate_after_pruning_matches_gated_model(name):
     assert torch.equal(expected, produced)
 
 
+@pytest.mark.parametrize("name", DECODERS)
+def test_generate_with_the_first_layer_emptied_matches_gated_model(name):
+    # transformers reads the cached length from layer 0: an emptied first layer must still count its tokens
+    model, inputs = tm.build(name), tm.make_inputs(name)
+    layers = ph.find_attention(model)
+    first = next(l for l in layers if l.kind == "self")
+    if type(first.module).__name__ in tm.CANNOT_EMPTY:
+        pytest.skip(f"{type(first.module).__name__} must keep a head")
+    plan = {first.index: list(first.heads)}
+    with ph.head_gates(model) as gates:
+        _gate_off(gates, layers, plan)
+        expected = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    ph.prune(model, plan)
+    assert torch.equal(expected, model.generate(**inputs, max_new_tokens=8, do_sample=False))
+
+
 def test_layer_without_heads_adds_only_its_output_bias():
     model = tm.build("gpt2")
     ph.prune(model, {0: [0, 1, 2, 3]})
