@@ -7,10 +7,11 @@ import torch
 
 import prune_heads as ph
 from prune_heads.data import input_device, to_device, without_labels
-from prune_heads.hooks import hooks
-from prune_heads.objective import Objective
-from prune_heads.recovery import GatedModel, record
-from prune_heads.scoring import fluctuation, head_scores
+from prune_heads.model.hooks import hooks
+from prune_heads.recovery.gated import GatedModel
+from prune_heads.scoring.methods import fluctuation, head_scores
+from prune_heads.scoring.objective import Objective
+from prune_heads.scoring.recording import record
 
 
 def flap(model, batches: list[dict], num_heads: int, gqa: str = "groups") -> dict:
@@ -22,8 +23,9 @@ def flap(model, batches: list[dict], num_heads: int, gqa: str = "groups") -> dic
     batches = [to_device(without_labels(b), device) for b in batches]
     layers = ph.find_attention(model)
     recorder = record(model, batches, Objective(model))
-    scores = head_scores("fluctuation", layers, fluctuation(layers, recorder.variances(), gqa == "groups"),
-                         len(batches))
+    scores = head_scores(
+        "fluctuation", layers, fluctuation(layers, recorder.variances(), gqa == "groups"), len(batches)
+    )
     plan = ph.select_heads(scores, num_heads=num_heads, gqa=gqa)
     gated = GatedModel(model, layers)
     gated.use(plan, gated.compensation(plan, recorder.means()))
@@ -44,6 +46,7 @@ def layer_drop(model, batches: list[dict], num_heads: int) -> dict:
     def before(i):
         def hook(module, args, kwargs):
             inputs[i] = (args[0] if args else kwargs["hidden_states"]).detach()
+
         return hook
 
     def after(i, mask):
@@ -54,6 +57,7 @@ def layer_drop(model, batches: list[dict], num_heads: int) -> dict:
             keep = mask()
             similarity[i] += float(cosine[keep.bool()].double().sum()) if keep is not None else float(cosine.sum())
             tokens[i] += float(keep.sum()) if keep is not None else cosine.numel()
+
         return hook
 
     current = {}
@@ -67,8 +71,9 @@ def layer_drop(model, batches: list[dict], num_heads: int) -> dict:
             current["mask"] = batch.get("attention_mask")
             model(**batch)
     mean = (similarity / tokens.clamp(min=1)).float()
-    scores = head_scores("layer-drop", layers, [(1 - m).expand(l.num_heads).clone() for l, m in zip(layers, mean)],
-                         len(batches))
+    scores = head_scores(
+        "layer-drop", layers, [(1 - m).expand(l.num_heads).clone() for l, m in zip(layers, mean)], len(batches)
+    )
     plan = ph.select_heads(scores, num_heads=num_heads, granularity="layer")
     ph.prune(model, plan)
     return plan

@@ -13,17 +13,19 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging
 
 from prune_heads.data import TaskData, load_task_data
-from prune_heads.evaluation import evaluate_task, evaluation
+from prune_heads.evaluation.task import evaluate_task, evaluation
 from prune_heads.pruner import PruneResult
 
 FIXTURES = Path(os.environ.get("PH_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
 MODEL = FIXTURES / "minilm-movie-sentiment"
 DATA = FIXTURES / "movie-snippets"
 THIRD = Path(os.environ.get("PH_THIRD", Path(__file__).resolve().parent / ".third"))  # extra_classifiers.py
-FIXTURES_BY_NAME = {"movie": ("minilm-movie-sentiment", "movie-snippets"),
-                    "tweet": ("minilm-tweet-sentiment", "tweet-snippets"),
-                    "product": ("minilm-product-sentiment", "product-snippets"),
-                    "news": ("minilm-news-sentiment", "news-snippets")}
+FIXTURES_BY_NAME = {
+    "movie": ("minilm-movie-sentiment", "movie-snippets"),
+    "tweet": ("minilm-tweet-sentiment", "tweet-snippets"),
+    "product": ("minilm-product-sentiment", "product-snippets"),
+    "news": ("minilm-news-sentiment", "news-snippets"),
+}
 ROOTS = {"product": THIRD, "news": THIRD}  # the others are shared fixtures
 logging.set_verbosity_error()
 logging.disable_progress_bar()
@@ -80,6 +82,7 @@ class Timer:
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
     """A Markdown table; floats get 3 decimals."""
+
     def cell(v):
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 

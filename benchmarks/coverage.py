@@ -42,30 +42,75 @@ from transformers.utils import logging
 
 import prune_heads as ph
 from prune_heads.data import dummy_inputs
-from prune_heads.hooks import hooks
+from prune_heads.model.hooks import hooks
 
 logging.set_verbosity_error()
 logging.disable_progress_bar()
 warnings.filterwarnings("ignore")
 
 TINY = {  # attribute: value, wherever a (sub-)config has it
-    "hidden_size": 32, "d_model": 32, "n_embd": 32, "dim": 32, "embed_dim": 32, "embedding_size": 32,
-    "num_hidden_layers": 2, "num_layers": 2, "n_layer": 2, "n_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
-    "num_decoder_layers": 2, "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
-    "encoder_attention_heads": 4, "decoder_attention_heads": 4, "num_key_value_heads": 2, "n_kv_heads": 2,
-    "num_kv_heads": 2, "head_dim": 8, "d_kv": 8, "kv_channels": 8, "intermediate_size": 64, "ffn_dim": 64,
-    "d_ff": 64, "n_inner": 64, "hidden_dim": 64, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
-    "rotary_dim": 4, "window_size": 4, "vocab_size": 128, "image_size": 32, "patch_size": 8,
+    "hidden_size": 32,
+    "d_model": 32,
+    "n_embd": 32,
+    "dim": 32,
+    "embed_dim": 32,
+    "embedding_size": 32,
+    "num_hidden_layers": 2,
+    "num_layers": 2,
+    "n_layer": 2,
+    "n_layers": 2,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "num_decoder_layers": 2,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "n_heads": 4,
+    "num_heads": 4,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "n_kv_heads": 2,
+    "num_kv_heads": 2,
+    "head_dim": 8,
+    "d_kv": 8,
+    "kv_channels": 8,
+    "intermediate_size": 64,
+    "ffn_dim": 64,
+    "d_ff": 64,
+    "n_inner": 64,
+    "hidden_dim": 64,
+    "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64,
+    "rotary_dim": 4,
+    "window_size": 4,
+    "vocab_size": 128,
+    "image_size": 32,
+    "patch_size": 8,
     "max_position_embeddings": 128,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "top_k": 2,
-    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "projection_dim": 32,
-    "projection_size": 32, "text_embed_dim": 32, "vision_embed_dim": 32,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "top_k": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "projection_dim": 32,
+    "projection_size": 32,
+    "text_embed_dim": 32,
+    "vision_embed_dim": 32,
 }
 PARAMETER_CAP = 30_000_000
 
 
-LAYER_COUNTS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
-                "num_decoder_layers"}
+LAYER_COUNTS = {
+    "num_hidden_layers",
+    "num_layers",
+    "n_layer",
+    "n_layers",
+    "encoder_layers",
+    "decoder_layers",
+    "num_decoder_layers",
+}
 STAGES = frozenset({"out_features", "out_indices", "stage_names"})  # a backbone's: derived again when named
 LADDER = (  # (sizes left at the default or derived again, tokens): tried in turn until a model builds and runs
     (frozenset(), 8),
@@ -85,8 +130,11 @@ def tiny_overrides(config: PretrainedConfig, kept: frozenset = frozenset()) -> d
     for key, value in vars(config).items():
         if isinstance(value, PretrainedConfig):
             layers = getattr(value, "num_hidden_layers", None)
-            known = {k: v for k, v in value.to_dict().items() if not (isinstance(v, list) and len(v) == layers)
-                     and k not in kept & STAGES}
+            known = {
+                k: v
+                for k, v in value.to_dict().items()
+                if not (isinstance(v, list) and len(v) == layers) and k not in kept & STAGES
+            }
             out[key] = {**known, **tiny_overrides(value, kept)}  # per-layer lists are derived again
         elif key in kept:
             continue
@@ -143,22 +191,32 @@ def first(output) -> torch.Tensor:
         value = getattr(output, key, None)
         if isinstance(value, torch.Tensor):
             return value
-    return next(t for t in tree_leaves(output.to_tuple() if hasattr(output, "to_tuple") else output)
-                if isinstance(t, torch.Tensor))
+    return next(
+        t
+        for t in tree_leaves(output.to_tuple() if hasattr(output, "to_tuple") else output)
+        if isinstance(t, torch.Tensor)
+    )
 
 
 def attention_like(model: nn.Module) -> bool:
     """Whether a module's class name says attention and it owns a projection (Linear, Conv1D, a 1x1
     convolution, ...)."""
-    return any("attention" in type(m).__name__.lower() and any(
-        isinstance(getattr(c, "weight", None), torch.Tensor) and c.weight.dim() >= 2
-        and all(size == 1 for size in c.weight.shape[2:]) for c in m.children()) for m in model.modules())
+    return any(
+        "attention" in type(m).__name__.lower()
+        and any(
+            isinstance(getattr(c, "weight", None), torch.Tensor)
+            and c.weight.dim() >= 2
+            and all(size == 1 for size in c.weight.shape[2:])
+            for c in m.children()
+        )
+        for m in model.modules()
+    )
 
 
 def plan_for(layer: ph.AttentionLayer, groups: int) -> list[int]:
     """`groups` whole KV groups (never every one), or `groups` query heads of a single-group layer."""
     if layer.num_kv_heads == 1:
-        return list(layer.heads[:min(groups, layer.num_heads - 1)])
+        return list(layer.heads[: min(groups, layer.num_heads - 1)])
     size = layer.group_size
     chosen = list(range(min(groups, max(layer.num_kv_heads - 1, 1))))
     return [h for g in chosen for h in range(g * size, (g + 1) * size)]
@@ -294,11 +352,16 @@ def main() -> None:
             results[model_type] = classify(model_type, args.seconds)
         except Exception as error:  # the harness itself: never stop the sweep
             results[model_type] = ("not built", f"harness: {type(error).__name__}: {error}"[:160])
-        print(f"[{i + 1}/{len(types)}] {model_type}: {' - '.join(filter(None, results[model_type]))}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{i + 1}/{len(types)}] {model_type}: {' - '.join(filter(None, results[model_type]))}",
+            file=sys.stderr,
+            flush=True,
+        )
     counts = collections.Counter(outcome for outcome, _ in results.values())
-    print(f"\ntransformers {transformers.__version__}, torch {torch.__version__}: {len(types)} model types, "
-          f"{time.time() - start:.0f} s\n")
+    print(
+        f"\ntransformers {transformers.__version__}, torch {torch.__version__}: {len(types)} model types, "
+        f"{time.time() - start:.0f} s\n"
+    )
     print("| outcome | types |\n|---|---|")
     for outcome in ("exact", "refused", "wrong", "crash", "not found", "no attention", "not run", "not built"):
         names = sorted(t for t, (o, _) in results.items() if o == outcome)

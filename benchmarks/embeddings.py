@@ -29,16 +29,25 @@ import dataclasses
 import sys
 
 import torch
+from common import (
+    FIXTURES,
+    FIXTURES_BY_NAME,
+    Timer,
+    decisions,
+    markdown_table,
+    seconds_range,
+    sparsity_header,
+    torch_threads,
+    verdict,
+)
 
 import prune_heads as ph
-from common import (FIXTURES, FIXTURES_BY_NAME, Timer, decisions, markdown_table, seconds_range, sparsity_header,
-                    torch_threads, verdict)
-from prune_heads.confidence import compare
 from prune_heads.data import without_labels
-from prune_heads.evaluation import NEIGHBOURS, embed, evaluation, fidelity
-from prune_heads.objective import Objective
+from prune_heads.evaluation.confidence import compare
+from prune_heads.evaluation.task import NEIGHBOURS, embed, evaluation, fidelity
 from prune_heads.pipeline import load_model, load_processor, task_data
 from prune_heads.recipes import load_recipe
+from prune_heads.scoring.objective import Objective
 
 SPARSITIES = (0.1, 0.25, 0.5)
 LABEL_FREE = ph.ScoringConfig(objective="label-free")
@@ -53,15 +62,17 @@ TASK_ROWS = {  # with --task, where the calibration sentences have labels (which
     "**default** (`ph.prune_model`)": ph.PruneConfig(),
 }
 CANDIDATES = {  # with --task --candidates: the default's own steps applied without its held-out decisions
-    "interactions + bias compensation, untuned (no hold-out)": ph.PruneConfig(recovery=ph.RecoveryConfig(
-        holdout=0, gate_tuning=False, bias_tuning=False)),
+    "interactions + bias compensation, untuned (no hold-out)": ph.PruneConfig(
+        recovery=ph.RecoveryConfig(holdout=0, gate_tuning=False, bias_tuning=False)
+    ),
     "full recovery, fixed (no hold-out)": ph.PruneConfig(recovery=ph.RecoveryConfig(holdout=0)),
     "default tuned to its end (`tuning_budget: null`)": ph.PruneConfig(recovery=ph.RecoveryConfig(tuning_budget=None)),
 }
 
 
-def ceiling(model, batches: list[dict], targets: list, evaluation, reference: torch.Tensor, epochs: int = 8,
-            lr: float = 1e-4) -> dict:
+def ceiling(
+    model, batches: list[dict], targets: list, evaluation, reference: torch.Tensor, epochs: int = 8, lr: float = 1e-4
+) -> dict:
     """Train every weight of `model` towards the unpruned model's embeddings of the calibration `batches`
     (`targets`); the fidelity on the evaluation sentences of the epoch with the best neighbour agreement."""
     objective = Objective(model)
@@ -101,11 +112,26 @@ def task_accuracy(sparsities, rows_run: dict) -> None:
     rows = []
     for fixture in ("movie", "tweet"):
         source = str(FIXTURES / FIXTURES_BY_NAME[fixture][1])
-        split = {name: ph.load_task_data(source, tokenizer, task="feature-extraction", split=name, label_column="label",
-                                         max_length=128, batch_size=64) for name in ("validation", "train", "test")}
+        split = {
+            name: ph.load_task_data(
+                source,
+                tokenizer,
+                task="feature-extraction",
+                split=name,
+                label_column="label",
+                max_length=128,
+                batch_size=64,
+            )
+            for name in ("validation", "train", "test")
+        }
         before = evaluation(base, split["test"], train=split["train"], progress=False)
-        rows.append([f"{fixture}: unpruned", *[f"{before.metrics['logreg_accuracy']:.3f} / "
-                                               f"{before.metrics['knn_accuracy']:.3f}"] * len(sparsities), ""])
+        rows.append(
+            [
+                f"{fixture}: unpruned",
+                *[f"{before.metrics['logreg_accuracy']:.3f} / {before.metrics['knn_accuracy']:.3f}"] * len(sparsities),
+                "",
+            ]
+        )
         for name, config in rows_run.items():
             cells, seconds = [], []
             for sparsity in sparsities:
@@ -113,22 +139,33 @@ def task_accuracy(sparsities, rows_run: dict) -> None:
                 after = evaluation(model, split["test"], train=split["train"], progress=False)
                 parts = []
                 for metric in ("logreg_accuracy", "knn_accuracy"):
-                    found = compare(before.statistics[metric], after.statistics[metric],
-                                    correct=(before.correct[metric], after.correct[metric]))
-                    parts.append(f"{after.metrics[metric]:.3f} ({100 * found['delta']:+.1f}, {100 * found['low']:+.1f}"
-                                 f" to {100 * found['high']:+.1f})")
+                    found = compare(
+                        before.statistics[metric],
+                        after.statistics[metric],
+                        correct=(before.correct[metric], after.correct[metric]),
+                    )
+                    parts.append(
+                        f"{after.metrics[metric]:.3f} ({100 * found['delta']:+.1f}, {100 * found['low']:+.1f}"
+                        f" to {100 * found['high']:+.1f})"
+                    )
                     if metric == "logreg_accuracy" and "**default**" in name and sparsity == 0.5:
                         points = {k: 100 * found[k] for k in ("delta", "low", "high")}
-                        print(f"goal {fixture} 50%: {points['delta']:+.2f} points ({points['low']:+.2f} to "
-                              f"{points['high']:+.2f}): {verdict(points, ALLOWED)}", file=sys.stderr, flush=True)
+                        print(
+                            f"goal {fixture} 50%: {points['delta']:+.2f} points ({points['low']:+.2f} to "
+                            f"{points['high']:+.2f}): {verdict(points, ALLOWED)}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                 cells.append(" / ".join(parts))
                 seconds.append(took)
                 print(fixture, name, sparsity, cells[-1], f"{took:.0f} s", file=sys.stderr, flush=True)
             rows.append([f"{fixture}: {name}", *cells, seconds_range(seconds)])
-    print(f"all-MiniLM-L6-v2 (72 heads), pruned on each fixture's validation sentences (with their labels unless "
-          f"the row says label-free); cells: test accuracy of a logistic regression / a {NEIGHBOURS}-NN classifier "
-          f"trained on the train split's embeddings (change in points against the unpruned encoder, 95% paired "
-          f"interval); {torch_threads()} CPU threads.\n")
+    print(
+        f"all-MiniLM-L6-v2 (72 heads), pruned on each fixture's validation sentences (with their labels unless "
+        f"the row says label-free); cells: test accuracy of a logistic regression / a {NEIGHBOURS}-NN classifier "
+        f"trained on the train split's embeddings (change in points against the unpruned encoder, 95% paired "
+        f"interval); {torch_threads()} CPU threads.\n"
+    )
     print(markdown_table(sparsity_header(sparsities), rows))
 
 
@@ -136,8 +173,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sparsity", type=float, action="append")
     parser.add_argument("--task", action="store_true", help="task accuracy on the labelled fixtures instead")
-    parser.add_argument("--candidates", action="store_true", help="with --task: also the default's own steps "
-                        "without its held-out decisions")
+    parser.add_argument(
+        "--candidates",
+        action="store_true",
+        help="with --task: also the default's own steps without its held-out decisions",
+    )
     args = parser.parse_args()
     if args.task:
         task_accuracy(tuple(args.sparsity or TASK_SPARSITIES), TASK_ROWS | (CANDIDATES if args.candidates else {}))
@@ -168,12 +208,18 @@ def main() -> None:
     if pruned_default is not None:
         with Timer() as t:
             f = ceiling(pruned_default, batches, targets, evaluation, reference)
-        rows.append(["ceiling: default, then all weights trained on the 800 sentences (best of 8 epochs)",
-                     *["-" if s != 0.5 else f"{f['cosine']:.3f} / {f['nn_agreement']:.2f}" for s in sparsities],
-                     f"+{t.seconds:.0f} s"])
-    print(f"all-MiniLM-L6-v2 (72 heads), label-free, calibrated on {calibration.num_examples} demo sentences, "
-          f"measured on {evaluation.num_examples} others; cells: cosine to the unpruned embeddings / nearest-"
-          f"neighbour agreement; {torch_threads()} CPU threads.\n")
+        rows.append(
+            [
+                "ceiling: default, then all weights trained on the 800 sentences (best of 8 epochs)",
+                *["-" if s != 0.5 else f"{f['cosine']:.3f} / {f['nn_agreement']:.2f}" for s in sparsities],
+                f"+{t.seconds:.0f} s",
+            ]
+        )
+    print(
+        f"all-MiniLM-L6-v2 (72 heads), label-free, calibrated on {calibration.num_examples} demo sentences, "
+        f"measured on {evaluation.num_examples} others; cells: cosine to the unpruned embeddings / nearest-"
+        f"neighbour agreement; {torch_threads()} CPU threads.\n"
+    )
     print(markdown_table(sparsity_header(sparsities), rows))
 
 

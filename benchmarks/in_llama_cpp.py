@@ -13,7 +13,8 @@ in llama.cpp on the CPU, and the measured speed-ups pass that bound.)
 
 Run: .venv/bin/python benchmarks/in_llama_cpp.py --build   (the pruned files, default path, cached in benchmarks/.gguf;
                                                     about 20 minutes on 2 cores)
-     .venv/bin/python benchmarks/in_llama_cpp.py           (the measurements in llama.cpp, about 25 minutes; a quiet machine)
+     .venv/bin/python benchmarks/in_llama_cpp.py           (the measurements in llama.cpp, about 25 minutes;
+                                                    a quiet machine)
      .venv/bin/python benchmarks/in_llama_cpp.py --table   (the table again from the saved runs)
 """
 
@@ -31,12 +32,12 @@ import gguf
 import llama_cpp
 import numpy as np
 import torch
+from common import FIXTURES, markdown_table
 from llama_cpp import Llama
+from llm import GGUF, perplexity, smollm2_folder, windows
 from transformers import AutoTokenizer
 
 import prune_heads as ph
-from common import FIXTURES, markdown_table
-from llm import GGUF, perplexity, smollm2_folder, windows
 
 OUT = Path(__file__).resolve().parent / ".gguf"
 RATIOS = {"1/6 of KV groups": 45, "1/3 of KV groups": 90, "1/2 of KV groups": 135}
@@ -49,20 +50,29 @@ def build() -> None:
     perplexity of every model on the movie test windows goes beside them (cache.json)."""
     OUT.mkdir(exist_ok=True)
     folder = smollm2_folder()
-    source, tokenizer = ph.load_pruned(folder, gguf_file=GGUF).eval(), AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
+    source, tokenizer = (
+        ph.load_pruned(folder, gguf_file=GGUF).eval(),
+        AutoTokenizer.from_pretrained(folder, gguf_file=GGUF),
+    )
     calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
     test = windows(tokenizer, "movie-snippets", "test[:1000]")
     cache = {"unpruned": {"file": source.config.gguf_source, "transformers": perplexity(source, test)}}
     for name, heads in RATIOS.items():
         model = ph.load_pruned(folder, gguf_file=GGUF).eval()
         tick = time.perf_counter()
-        result = ph.prune_model(model, calibration, ph.PruneConfig(selection=ph.SelectionConfig(num_heads=heads)),
-                                progress=False)
+        result = ph.prune_model(
+            model, calibration, ph.PruneConfig(selection=ph.SelectionConfig(num_heads=heads)), progress=False
+        )
         seconds = time.perf_counter() - tick
         written = ph.save_gguf(model, OUT / f"smollm2-{heads}.gguf", overwrite=True)
-        cache[name] = {"file": str(written.path), "transformers": perplexity(model, test), "seconds": seconds,
-                       "architecture": written.architecture, "written": written.written,
-                       "kept": [e.get("kept") for e in result.recovery]}
+        cache[name] = {
+            "file": str(written.path),
+            "transformers": perplexity(model, test),
+            "seconds": seconds,
+            "architecture": written.architecture,
+            "written": written.written,
+            "kept": [e.get("kept") for e in result.recovery],
+        }
         print(name, cache[name], flush=True)
     reference()
     (OUT / "cache.json").write_text(json.dumps(cache, indent=1))
@@ -73,7 +83,7 @@ def reference() -> Path:
     time of everything but attention, for the ceilings."""
     model = ph.load_pruned(smollm2_folder(), gguf_file=GGUF).eval()
     layers = ph.find_attention(model)
-    ph.prune(model, {l.index: list(l.heads[l.group_size if l.index == 0 else 0:]) for l in layers})
+    ph.prune(model, {l.index: list(l.heads[l.group_size if l.index == 0 else 0 :]) for l in layers})
     return ph.save_gguf(model, OUT / "smollm2-attention-free.gguf", overwrite=True).path
 
 
@@ -89,8 +99,11 @@ def attention_work(path: Path, context: int) -> tuple[float, float]:
         return found if isinstance(found, list) else [found] * int(fields[f"{arch}.block_count"].contents())
 
     width = int(fields[f"{arch}.embedding_length"].contents())
-    head_dim = int(fields[f"{arch}.attention.key_length"].contents()) if f"{arch}.attention.key_length" in fields \
-        else width // per_layer("attention.head_count")[0]  # llama.cpp's default when the file does not say
+    head_dim = (
+        int(fields[f"{arch}.attention.key_length"].contents())
+        if f"{arch}.attention.key_length" in fields
+        else width // per_layer("attention.head_count")[0]
+    )  # llama.cpp's default when the file does not say
     projections = scores = 0
     for heads, kv in zip(per_layer("attention.head_count"), per_layer("attention.head_count_kv")):
         linear = kv == 0 and heads > 0
@@ -122,14 +135,22 @@ class _Log:
 def speed(path: Path, context: int, log: _Log, ids: list[int]) -> dict:
     """Prompt tokens/s for `context` - DECODE_TOKENS tokens, then decode tokens/s for DECODE_TOKENS more."""
     log.lines.clear()
-    llm = Llama(model_path=str(path), n_ctx=context, n_batch=512, n_ubatch=512, n_threads=THREADS,
-                n_threads_batch=THREADS, flash_attn=True, verbose=True)
-    prompt = ids[:context - DECODE_TOKENS]
+    llm = Llama(
+        model_path=str(path),
+        n_ctx=context,
+        n_batch=512,
+        n_ubatch=512,
+        n_threads=THREADS,
+        n_threads_batch=THREADS,
+        flash_attn=True,
+        verbose=True,
+    )
+    prompt = ids[: context - DECODE_TOKENS]
     tick = time.perf_counter()
     llm.eval(prompt)
     prompt_seconds = time.perf_counter() - tick
     tick = time.perf_counter()
-    for token in ids[context - DECODE_TOKENS:context]:
+    for token in ids[context - DECODE_TOKENS : context]:
         llm.eval([token])
     decode_seconds = time.perf_counter() - tick
     return {"prompt": len(prompt) / prompt_seconds, "decode": DECODE_TOKENS / decode_seconds, "kv": log.kv_bytes()}
@@ -137,15 +158,16 @@ def speed(path: Path, context: int, log: _Log, ids: list[int]) -> dict:
 
 def llama_perplexity(path: Path, test: ph.TaskData) -> float:
     """exp of the mean next-token NLL over the same windows and labelled tokens as transformers' perplexity."""
-    llm = Llama(model_path=str(path), n_ctx=256, n_batch=256, n_threads=THREADS, logits_all=True, flash_attn=True,
-                verbose=False)
+    llm = Llama(
+        model_path=str(path), n_ctx=256, n_batch=256, n_threads=THREADS, logits_all=True, flash_attn=True, verbose=False
+    )
     total, count = 0.0, 0
     for batch in test.batches:
         for ids, mask, labels in zip(batch["input_ids"], batch["attention_mask"], batch["labels"]):
             ids, labels = ids[mask.bool()].tolist(), labels[mask.bool()]
             llm.reset()
             llm.eval(ids)
-            logits = torch.tensor(np.array(llm.scores[:len(ids)]))[:-1]
+            logits = torch.tensor(np.array(llm.scores[: len(ids)]))[:-1]
             nll = torch.nn.functional.cross_entropy(logits, labels[1:], ignore_index=-100, reduction="sum")
             total, count = total + float(nll), count + int((labels[1:] != -100).sum())
     return float(np.exp(total / count))
@@ -156,7 +178,7 @@ def measure(args_table: bool = False) -> None:
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=GGUF)
     test = windows(tokenizer, "movie-snippets", "test[:1000]")
     lines = (FIXTURES / "movie-snippets" / "train.jsonl").read_text().splitlines()
-    ids = tokenizer(" ".join(json.loads(line)["sentence"] for line in lines))["input_ids"][:max(CONTEXTS)]
+    ids = tokenizer(" ".join(json.loads(line)["sentence"] for line in lines))["input_ids"][: max(CONTEXTS)]
     log = _Log()
     cache["attention-free"] = {"file": str(OUT / "smollm2-attention-free.gguf")}
     names = list(cache)
@@ -177,11 +199,15 @@ def measure(args_table: bool = False) -> None:
         for kind in ("prompt", "decode"):
             for context in CONTEXTS:
                 rate = {n: statistics.median(r[kind] for r in runs[n, context]) for n in (name, names[0], names[-1])}
-                done = [attention_work(Path(cache[n]["file"]), context)[kind == "decode"]
-                        for n in (name, names[-1], names[0])]
+                done = [
+                    attention_work(Path(cache[n]["file"]), context)[kind == "decode"]
+                    for n in (name, names[-1], names[0])
+                ]
                 best = ceiling(1 / rate[names[0]], 1 / rate[names[-1]], done[1] / done[2], 1 - done[0] / done[2])
-                row.append(f"{rate[name]:.0f}" + ("" if name == names[0] else
-                                                 f" ({rate[name] / rate[names[0]]:.2f}x of {best:.2f}x)"))
+                row.append(
+                    f"{rate[name]:.0f}"
+                    + ("" if name == names[0] else f" ({rate[name] / rate[names[0]]:.2f}x of {best:.2f}x)")
+                )
         ours = cache[name].get("llama.cpp") or llama_perplexity(path, test)
         cache[name]["llama.cpp"] = ours
         (OUT / "cache.json").write_text(json.dumps(cache, indent=1))
@@ -189,12 +215,16 @@ def measure(args_table: bool = False) -> None:
         row.append(f"{ours:.2f} / {theirs:.2f} ({100 * (ours / theirs - 1):+.1f}%)")
         rows.append(row)
         print(row, flush=True)
-    head = ["model", "file MiB", "KV cache MiB at 8,192"] + \
-        [f"{kind} tok/s at {c:,}" for kind in ("prompt", "decode") for c in CONTEXTS] + \
-        ["perplexity llama.cpp / transformers"]
-    print(f"\nSmolLM2-135M (Q4_1 GGUF) in llama.cpp {llama_cpp.__version__} (llama-cpp-python), CPU, {THREADS} threads, "
-          f"flash attention; median of {REPEATS} runs in turns; cells: tokens/s (speed-up of {{measured}} of "
-          f"{{ceiling}}); perplexity on movie-snippets test[:1000] windows:\n")
+    head = (
+        ["model", "file MiB", "KV cache MiB at 8,192"]
+        + [f"{kind} tok/s at {c:,}" for kind in ("prompt", "decode") for c in CONTEXTS]
+        + ["perplexity llama.cpp / transformers"]
+    )
+    print(
+        f"\nSmolLM2-135M (Q4_1 GGUF) in llama.cpp {llama_cpp.__version__} (llama-cpp-python), CPU, {THREADS} threads, "
+        f"flash attention; median of {REPEATS} runs in turns; cells: tokens/s (speed-up of {{measured}} of "
+        f"{{ceiling}}); perplexity on movie-snippets test[:1000] windows:\n"
+    )
     print(markdown_table(head, rows))
 
 

@@ -24,29 +24,37 @@ import sys
 from pathlib import Path
 
 import torch
+from baselines import flap, layer_drop
+from common import FIXTURES, PeakRSS, Timer, markdown_table, seconds_range, torch_threads
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import prune_heads as ph
-from baselines import flap, layer_drop
-from common import FIXTURES, PeakRSS, Timer, markdown_table, seconds_range, torch_threads
-from prune_heads.confidence import compare
-from prune_heads.evaluation import evaluation
+from prune_heads.evaluation.confidence import compare
+from prune_heads.evaluation.task import evaluation
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-RATIOS = {"1/6 of KV groups": {"num_heads": 45}, "1/3 of KV groups": {"num_heads": 90},
-          "1/2 of KV groups": {"num_heads": 135}, "1/3 of query heads, even per group": {"num_heads": 90, "gqa": "even"}}
+RATIOS = {
+    "1/6 of KV groups": {"num_heads": 45},
+    "1/3 of KV groups": {"num_heads": 90},
+    "1/2 of KV groups": {"num_heads": 135},
+    "1/3 of query heads, even per group": {"num_heads": 90, "gqa": "even"},
+}
 OFF = ph.RecoveryConfig.off()
 
 
 def one_shot(method: str):
     return lambda model, data, budget: ph.prune_model(
-        model, data, ph.PruneConfig(selection=ph.SelectionConfig(**budget), scoring=ph.ScoringConfig(method=method),
-                                    recovery=OFF), progress=False)
+        model,
+        data,
+        ph.PruneConfig(selection=ph.SelectionConfig(**budget), scoring=ph.ScoringConfig(method=method), recovery=OFF),
+        progress=False,
+    )
 
 
 def default(model, data, budget, **selection):
-    return ph.prune_model(model, data, ph.PruneConfig(selection=ph.SelectionConfig(**budget, **selection)),
-                          progress=False)
+    return ph.prune_model(
+        model, data, ph.PruneConfig(selection=ph.SelectionConfig(**budget, **selection)), progress=False
+    )
 
 
 METHODS = {  # the rows the goals compare first
@@ -80,8 +88,15 @@ def smollm2():
 
 
 def windows(tokenizer, source: str, split: str, batch_size: int = 8, length: int = 256) -> ph.TaskData:
-    return ph.load_task_data(str(FIXTURES / source), tokenizer, task="causal-lm", split=split, text_column="sentence",
-                             max_length=length, batch_size=batch_size)
+    return ph.load_task_data(
+        str(FIXTURES / source),
+        tokenizer,
+        task="causal-lm",
+        split=split,
+        text_column="sentence",
+        max_length=length,
+        batch_size=batch_size,
+    )
 
 
 def perplexity(model, data) -> float:
@@ -115,11 +130,13 @@ def quality(args) -> None:
             print(name, ratio, cells[-1], f"{t.seconds:.0f} s", file=sys.stderr, flush=True)
             del model
         rows.append([name, *cells, seconds_range(seconds)])
-    print(f"SmolLM2-135M (GGUF Q4_1 dequantized to float32; 90 KV groups, 270 heads), calibration "
-          f"{calibration.num_examples} windows of 256 tokens of movie-snippets train[:1000]; perplexity on "
-          f"movie-snippets test[:1000] ({test.info['tokens']} tokens; unpruned {unpruned[0]:.2f}) / tweet-snippets "
-          f"test[:1000] (another domain, {other.info['tokens']} tokens; unpruned {unpruned[1]:.2f}); "
-          f"{torch_threads()} CPU threads.\n")
+    print(
+        f"SmolLM2-135M (GGUF Q4_1 dequantized to float32; 90 KV groups, 270 heads), calibration "
+        f"{calibration.num_examples} windows of 256 tokens of movie-snippets train[:1000]; perplexity on "
+        f"movie-snippets test[:1000] ({test.info['tokens']} tokens; unpruned {unpruned[0]:.2f}) / tweet-snippets "
+        f"test[:1000] (another domain, {other.info['tokens']} tokens; unpruned {unpruned[1]:.2f}); "
+        f"{torch_threads()} CPU threads.\n"
+    )
     print(markdown_table(["method", *ratios, "pruning time"], rows))
 
 
@@ -136,8 +153,12 @@ def tasks(args) -> None:
 
     def measured(model):
         found = ph.lm_eval(model, tokenizer, [TASK], limit=args.limit)
-        return evaluation(model, test, progress=False).statistics["perplexity"], found.statistics[metric], \
-            found.correct[metric], perplexity(model, other)
+        return (
+            evaluation(model, test, progress=False).statistics["perplexity"],
+            found.statistics[metric],
+            found.correct[metric],
+            perplexity(model, other),
+        )
 
     unpruned = measured(base)
     rows = [["unpruned", f"{unpruned[0].value():.2f}", f"{unpruned[3]:.2f}", f"{unpruned[1].value():.3f}", "-"]]
@@ -150,19 +171,37 @@ def tasks(args) -> None:
         mine = measured(model)
         ppl = compare(unpruned[0], mine[0])
         acc = compare(unpruned[1], mine[1], correct=(unpruned[2], mine[2]))
-        rows.append([ratio, f"{mine[0].value():.2f} ({100 * (mine[0].value() / unpruned[0].value() - 1):+.1f}%; "
-                            f"{ppl['low']:+.2f} to {ppl['high']:+.2f})",
-                     f"{mine[3]:.2f} ({100 * (mine[3] / unpruned[3] - 1):+.1f}%)",
-                     f"{mine[1].value():.3f} ({100 * acc['delta']:+.1f} points; {100 * acc['low']:+.1f} to "
-                     f"{100 * acc['high']:+.1f}; McNemar p {acc['p_value']:.2g})", f"{t.seconds:.0f} s"])
+        rows.append(
+            [
+                ratio,
+                f"{mine[0].value():.2f} ({100 * (mine[0].value() / unpruned[0].value() - 1):+.1f}%; "
+                f"{ppl['low']:+.2f} to {ppl['high']:+.2f})",
+                f"{mine[3]:.2f} ({100 * (mine[3] / unpruned[3] - 1):+.1f}%)",
+                f"{mine[1].value():.3f} ({100 * acc['delta']:+.1f} points; {100 * acc['low']:+.1f} to "
+                f"{100 * acc['high']:+.1f}; McNemar p {acc['p_value']:.2g})",
+                f"{t.seconds:.0f} s",
+            ]
+        )
         print(rows[-1], file=sys.stderr, flush=True)
         del model
-    print(f"SmolLM2-135M, the default path (`ph.prune_model`) on the calibration windows above; perplexity on "
-          f"movie-snippets test[:1000] (change in perplexity, 95% paired interval over windows) and lm-eval "
-          f"{TASK} acc_norm on {unpruned[2].size} documents (change in points, 95% paired interval, McNemar); "
-          f"{torch_threads()} CPU threads.\n")
-    print(markdown_table(["KV groups removed", "perplexity, movie test", "perplexity, tweets (another domain)",
-                          f"{TASK} acc_norm", "pruning time"], rows))
+    print(
+        f"SmolLM2-135M, the default path (`ph.prune_model`) on the calibration windows above; perplexity on "
+        f"movie-snippets test[:1000] (change in perplexity, 95% paired interval over windows) and lm-eval "
+        f"{TASK} acc_norm on {unpruned[2].size} documents (change in points, 95% paired interval, McNemar); "
+        f"{torch_threads()} CPU threads.\n"
+    )
+    print(
+        markdown_table(
+            [
+                "KV groups removed",
+                "perplexity, movie test",
+                "perplexity, tweets (another domain)",
+                f"{TASK} acc_norm",
+                "pruning time",
+            ],
+            rows,
+        )
+    )
 
 
 def measure_one(kind: str, batch_size: int, length: int) -> dict:
@@ -176,13 +215,22 @@ def measure_one(kind: str, batch_size: int, length: int) -> dict:
             ph.score_heads(model, data.batches, method="fisher", progress=False)
         else:
             result = default(model, data, RATIOS["1/6 of KV groups"])
-    out = {"kind": kind, "seconds": t.seconds, "peak_bytes": memory.bytes, "weight_bytes": weights,
-           "batch_size": batch_size, "length": length, "windows": data.num_examples}
+    out = {
+        "kind": kind,
+        "seconds": t.seconds,
+        "peak_bytes": memory.bytes,
+        "weight_bytes": weights,
+        "batch_size": batch_size,
+        "length": length,
+        "windows": data.num_examples,
+    }
     if kind == "default":
         out["timings"], out["recovery"] = result.timings, result.recovery
         if batch_size == 8:  # what this CPU run's model gives (the quality table's tuning may run longer)
-            out["perplexity"] = [perplexity(model, windows(tokenizer, source, "test[:1000]"))
-                                 for source in ("movie-snippets", "tweet-snippets")]
+            out["perplexity"] = [
+                perplexity(model, windows(tokenizer, source, "test[:1000]"))
+                for source in ("movie-snippets", "tweet-snippets")
+            ]
     return out
 
 
@@ -190,8 +238,12 @@ def resources(args) -> None:
     results = {}
     for setting, (batch_size, length) in {"time": (8, 256), "memory": (1, 128)}.items():
         for kind in ("score", "default"):
-            proc = subprocess.run([sys.executable, __file__, "--measure", kind, "--batch-size", str(batch_size),
-                                   "--length", str(length)], capture_output=True, text=True, cwd=Path(__file__).parent)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--measure", kind, "--batch-size", str(batch_size), "--length", str(length)],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+            )
             if proc.returncode:
                 raise SystemExit(proc.stderr[-3000:])
             results[setting, kind] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -199,19 +251,36 @@ def resources(args) -> None:
     t_score, t_default = results["time", "score"], results["time", "default"]
     m_score, m_default = results["memory", "score"], results["memory", "default"]
     weights = m_score["weight_bytes"]
-    print(f"SmolLM2-135M, default path at 1/6 of the KV groups against one fisher scoring pass over the same "
-          f"batches, each in a fresh process; {torch_threads()} CPU threads.\n")
-    print(markdown_table(["", "one fisher scoring pass", "default path (`prune_model`)", "ratio / difference"], [
-        [f"seconds ({t_score['windows']} windows of {t_score['length']} tokens, batch {t_score['batch_size']})",
-         f"{t_score['seconds']:.1f}", f"{t_default['seconds']:.1f}", f"{t_default['seconds'] / t_score['seconds']:.2f}x"],
-        [f"peak RSS above the loaded model (batch {m_score['batch_size']} x {m_score['length']} tokens)",
-         f"{m_score['peak_bytes'] / 2**20:.0f} MiB", f"{m_default['peak_bytes'] / 2**20:.0f} MiB",
-         f"{(m_default['peak_bytes'] - m_score['peak_bytes']) / weights:+.1%} of the weights "
-         f"({weights / 2**20:.0f} MiB)"],
-    ]))
-    print(f"\nDefault path stages (time setting): {t_default['timings']}; tuning "
-          f"{t_default['recovery'][-1]['epochs_run']} epochs; perplexity of that model: movie-snippets test "
-          f"{t_default['perplexity'][0]:.2f}, tweet-snippets test {t_default['perplexity'][1]:.2f}")
+    print(
+        f"SmolLM2-135M, default path at 1/6 of the KV groups against one fisher scoring pass over the same "
+        f"batches, each in a fresh process; {torch_threads()} CPU threads.\n"
+    )
+    print(
+        markdown_table(
+            ["", "one fisher scoring pass", "default path (`prune_model`)", "ratio / difference"],
+            [
+                [
+                    f"seconds ({t_score['windows']} windows of {t_score['length']} tokens, batch "
+                    f"{t_score['batch_size']})",
+                    f"{t_score['seconds']:.1f}",
+                    f"{t_default['seconds']:.1f}",
+                    f"{t_default['seconds'] / t_score['seconds']:.2f}x",
+                ],
+                [
+                    f"peak RSS above the loaded model (batch {m_score['batch_size']} x {m_score['length']} tokens)",
+                    f"{m_score['peak_bytes'] / 2**20:.0f} MiB",
+                    f"{m_default['peak_bytes'] / 2**20:.0f} MiB",
+                    f"{(m_default['peak_bytes'] - m_score['peak_bytes']) / weights:+.1%} of the weights "
+                    f"({weights / 2**20:.0f} MiB)",
+                ],
+            ],
+        )
+    )
+    print(
+        f"\nDefault path stages (time setting): {t_default['timings']}; tuning "
+        f"{t_default['recovery'][-1]['epochs_run']} epochs; perplexity of that model: movie-snippets test "
+        f"{t_default['perplexity'][0]:.2f}, tweet-snippets test {t_default['perplexity'][1]:.2f}"
+    )
 
 
 def decoding(args) -> None:
@@ -223,19 +292,42 @@ def decoding(args) -> None:
         pruned = copy.deepcopy(base)
         default(pruned, calibration, RATIOS[ratio])
         for batch_size in (1, 8):
-            before, after = ph.benchmark_pair(base, pruned, batch_size=batch_size, seq_len=32, repeats=3, warmup=1,
-                                              generate_tokens=128)
-            rows.append([ratio, batch_size, f"{before['generate_tokens_per_s']:.1f}",
-                         f"{after['generate_tokens_per_s']:.1f}",
-                         f"{after['generate_tokens_per_s'] / before['generate_tokens_per_s']:.2f}x",
-                         f"{before['kv_cache_bytes'] / 2**20:.2f}", f"{after['kv_cache_bytes'] / 2**20:.2f}",
-                         f"{after['kv_cache_bytes'] / before['kv_cache_bytes']:.3f}"])
+            before, after = ph.benchmark_pair(
+                base, pruned, batch_size=batch_size, seq_len=32, repeats=3, warmup=1, generate_tokens=128
+            )
+            rows.append(
+                [
+                    ratio,
+                    batch_size,
+                    f"{before['generate_tokens_per_s']:.1f}",
+                    f"{after['generate_tokens_per_s']:.1f}",
+                    f"{after['generate_tokens_per_s'] / before['generate_tokens_per_s']:.2f}x",
+                    f"{before['kv_cache_bytes'] / 2**20:.2f}",
+                    f"{after['kv_cache_bytes'] / 2**20:.2f}",
+                    f"{after['kv_cache_bytes'] / before['kv_cache_bytes']:.3f}",
+                ]
+            )
             print(rows[-1], file=sys.stderr, flush=True)
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{torch_threads()} CPU threads"
-    print(f"SmolLM2-135M, greedy generation of 128 new tokens after a 32-token prompt, with the KV cache; "
-          f"{where}; models timed in turns.\n")
-    print(markdown_table(["removed", "batch", "tokens/s before", "tokens/s after", "speed-up", "KV cache MiB before",
-                          "KV cache MiB after", "KV ratio"], rows))
+    print(
+        f"SmolLM2-135M, greedy generation of 128 new tokens after a 32-token prompt, with the KV cache; "
+        f"{where}; models timed in turns.\n"
+    )
+    print(
+        markdown_table(
+            [
+                "removed",
+                "batch",
+                "tokens/s before",
+                "tokens/s after",
+                "speed-up",
+                "KV cache MiB before",
+                "KV cache MiB after",
+                "KV ratio",
+            ],
+            rows,
+        )
+    )
 
 
 def main() -> None:

@@ -19,20 +19,50 @@ import subprocess
 import sys
 
 import torch
+from common import PeakRSS, Timer, markdown_table, torch_threads
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import prune_heads as ph
-from common import PeakRSS, Timer, markdown_table, torch_threads
 
 SHAPES = {  # Hugging Face configs of the real models, weights random
-    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                 num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
-    "360m": dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
-                 num_key_value_heads=5, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, head_dim=64,
-               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 8192}, rope_theta=500000.0),
+    "135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
+    "360m": dict(
+        hidden_size=960,
+        intermediate_size=2560,
+        num_hidden_layers=32,
+        num_attention_heads=15,
+        num_key_value_heads=5,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        head_dim=64,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        rope_theta=500000.0,
+    ),
 }
 CONFIG = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.25, round="nearest"))
 
@@ -47,8 +77,9 @@ def measure(kind: str, size: str, dtype: str, device: str, batches: int, batch_s
     data = []
     for _ in range(batches):
         ids = torch.randint(3, model.config.vocab_size, (batch_size, length), generator=generator)
-        data.append({"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
-                     "labels": ids.to(device)})
+        data.append(
+            {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device), "labels": ids.to(device)}
+        )
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     gc.collect()
     if device == "cuda":
@@ -90,26 +121,60 @@ def main() -> None:
         for dtype in args.dtypes.split(","):
             found = {}
             for kind in ("fisher", "default"):
-                command = [sys.executable, __file__, "--measure", f"{kind},{size},{dtype}", "--device", args.device,
-                           "--batches", str(args.batches), "--batch-size", str(args.batch_size), "--length",
-                           str(args.length)]
-                found[kind] = json.loads(subprocess.run(command, capture_output=True, text=True, check=True)
-                                         .stdout.strip().splitlines()[-1])
+                command = [
+                    sys.executable,
+                    __file__,
+                    "--measure",
+                    f"{kind},{size},{dtype}",
+                    "--device",
+                    args.device,
+                    "--batches",
+                    str(args.batches),
+                    "--batch-size",
+                    str(args.batch_size),
+                    "--length",
+                    str(args.length),
+                ]
+                found[kind] = json.loads(
+                    subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+                )
                 print(size, dtype, kind, found[kind], flush=True)
             fisher, default = found["fisher"], found["default"]
             weights = fisher["weights"]
-            rows.append([f"{fisher['parameters'] / 1e6:.0f}M", dtype, f"{weights / 2**30:.2f}",
-                         f"{fisher['seconds']:.0f}", f"{default['seconds']:.0f} ({default['epochs']} ep)",
-                         f"{default['seconds'] / fisher['seconds']:.2f}x",
-                         f"{fisher['peak'] / 2**20:.0f} MiB ({fisher['peak'] / weights:.1%})",
-                         f"{default['peak'] / 2**20:.0f} MiB ({default['peak'] / weights:.1%})",
-                         f"{(default['peak'] - fisher['peak']) / weights:+.1%}"])
+            rows.append(
+                [
+                    f"{fisher['parameters'] / 1e6:.0f}M",
+                    dtype,
+                    f"{weights / 2**30:.2f}",
+                    f"{fisher['seconds']:.0f}",
+                    f"{default['seconds']:.0f} ({default['epochs']} ep)",
+                    f"{default['seconds'] / fisher['seconds']:.2f}x",
+                    f"{fisher['peak'] / 2**20:.0f} MiB ({fisher['peak'] / weights:.1%})",
+                    f"{default['peak'] / 2**20:.0f} MiB ({default['peak'] / weights:.1%})",
+                    f"{(default['peak'] - fisher['peak']) / weights:+.1%}",
+                ]
+            )
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch_threads()} threads"
-    print(f"\nRandom-weight Llama shapes, {args.batches} batches of {args.batch_size} x {args.length} tokens, {device}; "
-          f"the default path removes 1/4 of the heads as whole KV groups (the nearest reachable count):\n")
-    print(markdown_table(["parameters", "dtype", "weights GiB", "fisher pass s", "default path s",
-                          "time vs the pass", "fisher pass peak above the weights", "default path peak",
-                          "difference, share of the weights"], rows))
+    print(
+        f"\nRandom-weight Llama shapes, {args.batches} batches of {args.batch_size} x {args.length} tokens, {device}; "
+        f"the default path removes 1/4 of the heads as whole KV groups (the nearest reachable count):\n"
+    )
+    print(
+        markdown_table(
+            [
+                "parameters",
+                "dtype",
+                "weights GiB",
+                "fisher pass s",
+                "default path s",
+                "time vs the pass",
+                "fisher pass peak above the weights",
+                "default path peak",
+                "difference, share of the weights",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

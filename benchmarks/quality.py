@@ -4,7 +4,7 @@ held-out decisions) beside fisher one-shot and the fixed full recovery, all thro
 Calibrate and score on validation, report accuracy on test after removing 25 to 90% of the 72 heads, the
 seconds `prune_model` took (scoring, selection, recovery; evaluation excluded), and what the held-out
 decisions kept. Each cell also gives the change against the unpruned model with its 95% paired bootstrap
-interval over the test examples (`prune_heads.confidence`), so a goal on it is met, not met, or within noise.
+interval over the test examples (`prune_heads.evaluation.confidence`), so a goal on it is met, not met, or within noise.
 
 With `--seeds N`, every cell is run with scoring seeds 0..N-1 (the seed draws Fisher's sampled labels and
 the tuning's batch order): the accuracy is the mean over seeds ± its standard error over seeds, and the interval
@@ -25,22 +25,34 @@ import statistics
 import sys
 
 import numpy as np
+from common import (
+    FIXTURES_BY_NAME,
+    Timer,
+    classifier,
+    correctness,
+    decisions,
+    markdown_table,
+    seconds_range,
+    sparsity_header,
+    torch_threads,
+    verdict,
+)
 
 import prune_heads as ph
-from common import (FIXTURES_BY_NAME, Timer, classifier, correctness, decisions, markdown_table, seconds_range,
-                    sparsity_header, torch_threads, verdict)
-from prune_heads.confidence import compare, mean_of
+from prune_heads.evaluation.confidence import compare, mean_of
 
 SPARSITIES = (0.25, 0.5, 0.75, 0.9)
 GOALS = {0.5: 0.25, 0.75: 2.0}  # sparsity: accuracy points the default may lose (issue 11)
 FISHER = ph.ScoringConfig(method="fisher")
 CONFIGS = {
     "random": ph.PruneConfig(scoring=ph.ScoringConfig(method="random"), recovery=ph.RecoveryConfig.off()),
-    "gradient one-shot (Michel)": ph.PruneConfig(scoring=ph.ScoringConfig(method="gradient"),
-                                                 recovery=ph.RecoveryConfig.off()),
+    "gradient one-shot (Michel)": ph.PruneConfig(
+        scoring=ph.ScoringConfig(method="gradient"), recovery=ph.RecoveryConfig.off()
+    ),
     "fisher one-shot": ph.PruneConfig(scoring=FISHER, recovery=ph.RecoveryConfig.off()),
-    "full recovery, fixed (fisher + rearrangement + gate and bias tuning, 4 epochs, no hold-out)":
-        ph.PruneConfig(scoring=FISHER, recovery=ph.RecoveryConfig(holdout=0, bias_compensation=False)),
+    "full recovery, fixed (fisher + rearrangement + gate and bias tuning, 4 epochs, no hold-out)": ph.PruneConfig(
+        scoring=FISHER, recovery=ph.RecoveryConfig(holdout=0, bias_compensation=False)
+    ),
     "**default** (held-out decisions)": ph.PruneConfig(),
 }
 
@@ -62,12 +74,16 @@ def change(before: np.ndarray, after: np.ndarray) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fixture", choices=sorted(FIXTURES_BY_NAME), action="append")
-    parser.add_argument("--only", action="append", help="run only the configurations whose name contains this "
-                        "text (repeatable)")
+    parser.add_argument(
+        "--only", action="append", help="run only the configurations whose name contains this text (repeatable)"
+    )
     parser.add_argument("--sparsity", type=float, action="append")
     parser.add_argument("--seeds", type=int, default=1, help="scoring seeds 0..N-1 per cell (mean ± standard error)")
-    parser.add_argument("--versus", default=None, help="also the default's change against the row whose name "
-                        "contains this text, per cell")
+    parser.add_argument(
+        "--versus",
+        default=None,
+        help="also the default's change against the row whose name contains this text, per cell",
+    )
     args = parser.parse_args()
     sparsities = tuple(args.sparsity or SPARSITIES)
     for fixture in args.fixture or ["movie", "tweet"]:
@@ -83,22 +99,34 @@ def main() -> None:
                 accuracies, kept, correct = [], [], []
                 for seed in range(args.seeds):
                     model = classifier(fixture)[0]
-                    config_at = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=sparsity),
-                                               scoring=dataclasses.replace(config.scoring, seed=seed),
-                                               recovery=config.recovery)
+                    config_at = ph.PruneConfig(
+                        selection=ph.SelectionConfig(sparsity=sparsity),
+                        scoring=dataclasses.replace(config.scoring, seed=seed),
+                        recovery=config.recovery,
+                    )
                     with Timer() as t:
                         result = ph.prune_model(model, validation, config_at, progress=False)
                     correct.append(correctness(model, test))
                     accuracies.append(float(correct[-1].mean()))
                     seconds.append(t.seconds)
                     kept.append(decisions(result))
-                    print(name, sparsity, seed, f"{accuracies[-1]:.3f}", kept[-1], f"{t.seconds:.1f} s",
-                          file=sys.stderr, flush=True)
+                    print(
+                        name,
+                        sparsity,
+                        seed,
+                        f"{accuracies[-1]:.3f}",
+                        kept[-1],
+                        f"{t.seconds:.1f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 per_cell[name, sparsity] = np.mean(correct, axis=0)
                 points = change(unpruned, per_cell[name, sparsity])
                 shown = "default" in name and args.seeds == 1
-                cells.append(summary(accuracies) + f" ({points['delta']:+.1f}, {points['low']:+.1f} to "
-                             f"{points['high']:+.1f})" + (f" ({kept[0]})" if shown else ""))
+                cells.append(
+                    summary(accuracies) + f" ({points['delta']:+.1f}, {points['low']:+.1f} to "
+                    f"{points['high']:+.1f})" + (f" ({kept[0]})" if shown else "")
+                )
             rows.append([name, *cells, seconds_range(seconds)])
         versus = next((n for n in CONFIGS if args.versus and args.versus in n), None)
         default = next(n for n in CONFIGS if "default" in n)
@@ -106,21 +134,28 @@ def main() -> None:
             cells = []
             for sparsity in sparsities:
                 points = change(per_cell[versus, sparsity], per_cell[default, sparsity])
-                cells.append(f"{points['delta']:+.1f} ({points['low']:+.1f} to {points['high']:+.1f}): "
-                             f"{'within noise' if points['noise'] else 'real'}")
+                cells.append(
+                    f"{points['delta']:+.1f} ({points['low']:+.1f} to {points['high']:+.1f}): "
+                    f"{'within noise' if points['noise'] else 'real'}"
+                )
             rows.append([f"default - {versus.split(' (')[0]}, same examples", *cells, ""])
         for sparsity, allowed in GOALS.items():
             if (default, sparsity) in per_cell:
                 points = change(unpruned, per_cell[default, sparsity])
-                print(f"goal at {sparsity:.0%} (at most {allowed} points lost): {points['delta']:+.2f} points, "
-                      f"95% CI {points['low']:+.2f} to {points['high']:+.2f}: {verdict(points, allowed)}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"goal at {sparsity:.0%} (at most {allowed} points lost): {points['delta']:+.2f} points, "
+                    f"95% CI {points['low']:+.2f} to {points['high']:+.2f}: {verdict(points, allowed)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         error = math.sqrt(base * (1 - base) / test.num_examples)
-        print(f"\n{fixture}: {FIXTURES_BY_NAME[fixture][0]} (72 heads), unpruned test accuracy {base:.3f} (standard "
-              f"error of one accuracy on {test.num_examples} test examples: {error:.3f}); scored on validation "
-              f"({validation.num_examples}); no retraining; {torch_threads()} CPU threads"
-              + (f"; each cell: mean ± standard error over scoring seeds 0-{args.seeds - 1}" if args.seeds > 1 else "")
-              + "; in brackets the change against the unpruned model in points and its 95% paired interval.\n")
+        print(
+            f"\n{fixture}: {FIXTURES_BY_NAME[fixture][0]} (72 heads), unpruned test accuracy {base:.3f} (standard "
+            f"error of one accuracy on {test.num_examples} test examples: {error:.3f}); scored on validation "
+            f"({validation.num_examples}); no retraining; {torch_threads()} CPU threads"
+            + (f"; each cell: mean ± standard error over scoring seeds 0-{args.seeds - 1}" if args.seeds > 1 else "")
+            + "; in brackets the change against the unpruned model in points and its 95% paired interval.\n"
+        )
         print(markdown_table(sparsity_header(sparsities), rows))
 
 

@@ -11,9 +11,9 @@ import statistics
 import sys
 
 import torch
+from common import Timer, accuracy, fixture, load_model, markdown_table, torch_threads
 
 import prune_heads as ph
-from common import Timer, accuracy, fixture, load_model, markdown_table, torch_threads
 
 SPARSITIES = (0.25, 0.5, 0.75)
 ONE_SHOT = ("gradient", "fisher", "taylor", "activation", "magnitude", "ablation")
@@ -64,27 +64,39 @@ def main() -> None:
                 ph.prune(pruned, ph.select_heads(scores, sparsity=sparsity))
                 accs[sparsity].append(accuracy(pruned, test))
         label = f"{method} (mean of 3 seeds)" if method == "random" else method
-        rows.append([label, "one-shot", *[statistics.mean(accs[s]) for s in SPARSITIES],
-                     f"{statistics.mean(seconds):.1f} s"])
+        rows.append(
+            [label, "one-shot", *[statistics.mean(accs[s]) for s in SPARSITIES], f"{statistics.mean(seconds):.1f} s"]
+        )
         print(rows[-1], file=sys.stderr, flush=True)
     for method in ITERATIVE:
         accs, seconds = [], []
         for sparsity in SPARSITIES:
             model = load_model()
             with Timer() as t:
-                ph.prune_iteratively(model, validation, sparsity=sparsity, steps=max(2, round(sparsity / 0.125)),
-                                     method=method, progress=False)
+                ph.prune_iteratively(
+                    model,
+                    validation,
+                    sparsity=sparsity,
+                    steps=max(2, round(sparsity / 0.125)),
+                    method=method,
+                    progress=False,
+                )
             seconds.append(t.seconds)
             accs.append(accuracy(model, test))
-        rows.append([method, "iterative (12.5% of heads per step)", *accs,
-                     " / ".join(f"{s:.0f}" for s in seconds) + " s"])
+        rows.append(
+            [method, "iterative (12.5% of heads per step)", *accs, " / ".join(f"{s:.0f}" for s in seconds) + " s"]
+        )
         print(rows[-1], file=sys.stderr, flush=True)
     scorer, floor, ratio = floor_ratio(validation)
-    print(f"Fixture: {ph.__name__} on minilm-movie-sentiment, 72 heads; scored on validation (1,000), accuracy on "
-          f"test (2,000); unpruned test accuracy {base:.3f}; {torch_threads()} CPU threads.\n")
+    print(
+        f"Fixture: {ph.__name__} on minilm-movie-sentiment, 72 heads; scored on validation (1,000), accuracy on "
+        f"test (2,000); unpruned test accuracy {base:.3f}; {torch_threads()} CPU threads.\n"
+    )
     print(markdown_table(["method", "how", "25% removed", "50% removed", "75% removed", "scoring time"], rows))
-    print(f"\nGradient scoring of the 1,000 validation examples: {scorer:.2f} s; floor (forward + backward with "
-          f"frozen parameters, same batches): {floor:.2f} s; ratio {ratio:.3f} (goal <= 1.10).")
+    print(
+        f"\nGradient scoring of the 1,000 validation examples: {scorer:.2f} s; floor (forward + backward with "
+        f"frozen parameters, same batches): {floor:.2f} s; ratio {ratio:.3f} (goal <= 1.10)."
+    )
 
 
 if __name__ == "__main__":

@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 
 import torch
+from common import markdown_table
 from transformers import BertConfig, BertModel
 
 import prune_heads as ph
-from common import markdown_table
-from prune_heads.speed import benchmark
+from prune_heads.evaluation.speed import benchmark
 
 FRACTIONS = (0.25, 0.5, 0.75)
 
@@ -40,20 +40,50 @@ def main() -> None:
         keep = round(12 * (1 - fraction))
         ph.prune(model, {i: list(range(keep, 12)) for i in range(12)})  # the same count in every layer
         models.append(model)
-    results = benchmark(models, batch_size=args.batch_size, seq_len=args.seq_len, repeats=args.repeats, warmup=1,
-                        device=args.device, dtype=getattr(torch, args.dtype))
+    results = benchmark(
+        models,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        repeats=args.repeats,
+        warmup=1,
+        device=args.device,
+        dtype=getattr(torch, args.dtype),
+    )
     base = results[0]
     rows = []
     for fraction, result in zip((0.0, *FRACTIONS), results):
-        rows.append([f"{fraction:.0%}", sum(l.num_heads for l in ph.find_attention(models[len(rows)])),
-                     f"{result['parameters'] / 1e6:.1f} M", f"{result['flops'] / 1e9:.1f}",
-                     f"{result['latency_ms']:.0f}", f"{result['latency_p90_ms']:.0f}",
-                     f"{base['latency_ms'] / result['latency_ms']:.2f}x", f"{base['flops'] / result['flops']:.2f}x"])
+        rows.append(
+            [
+                f"{fraction:.0%}",
+                sum(l.num_heads for l in ph.find_attention(models[len(rows)])),
+                f"{result['parameters'] / 1e6:.1f} M",
+                f"{result['flops'] / 1e9:.1f}",
+                f"{result['latency_ms']:.0f}",
+                f"{result['latency_p90_ms']:.0f}",
+                f"{base['latency_ms'] / result['latency_ms']:.2f}x",
+                f"{base['flops'] / result['flops']:.2f}x",
+            ]
+        )
     s = base["settings"]
-    print(f"BERT-base (random weights), {args.attn} attention, batch {s['batch_size']}, sequence {s['seq_len']}, "
-          f"{s['device']}, {s['dtype']}, {s['threads']} threads, median of {s['repeats']} runs (in turns):\n")
-    print(markdown_table(["heads removed", "heads", "parameters", "GFLOPs", "latency ms", "p90 ms",
-                          "measured speed-up", "FLOPs ceiling"], rows))
+    print(
+        f"BERT-base (random weights), {args.attn} attention, batch {s['batch_size']}, sequence {s['seq_len']}, "
+        f"{s['device']}, {s['dtype']}, {s['threads']} threads, median of {s['repeats']} runs (in turns):\n"
+    )
+    print(
+        markdown_table(
+            [
+                "heads removed",
+                "heads",
+                "parameters",
+                "GFLOPs",
+                "latency ms",
+                "p90 ms",
+                "measured speed-up",
+                "FLOPs ceiling",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -9,22 +9,33 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
 from .config import CHOICES, ConfigError, RecoveryConfig, ScoringConfig, SelectionConfig
 from .data import DataError
-from .evaluation import MetricError
-from .layers import UnsupportedModelError, scan_required
-from .persistence import ModelNotFoundError, OutputExistsError, load_pruned
+from .evaluation.task import MetricError
+from .export.gguf import GgufError
+from .export.persistence import ModelNotFoundError, OutputExistsError, load_pruned
+from .model.layers import UnsupportedModelError, scan_required
+from .model.surgery import PlanError, RecordError
 from .recipes import load_recipe, parse_recipe, recipe_path, shipped_recipes
-from .scoring import METHODS
-from .surgery import PlanError, RecordError
+from .scoring.methods import METHODS
 
-BAD_INPUT = (ConfigError, PlanError, DataError, MetricError, OutputExistsError, UnsupportedModelError, RecordError,
-             ModelNotFoundError)
+BAD_INPUT = (
+    ConfigError,
+    PlanError,
+    DataError,
+    MetricError,
+    OutputExistsError,
+    UnsupportedModelError,
+    RecordError,
+    ModelNotFoundError,
+    GgufError,
+)
 METHOD_HELP = f"Scoring method: {', '.join(sorted(METHODS))}."
 
 
@@ -35,6 +46,7 @@ def _fail(message: str, code: int) -> None:
 
 def handle_errors(command: Callable) -> Callable:
     """One-line errors: exit 2 for input the user must fix, 1 for anything that failed on the way."""
+
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
@@ -75,8 +87,13 @@ def _quiet_transformers() -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click.option("--quiet", "-q", is_flag=True, help="No progress bars or warnings on stderr, only errors (bars are "
-              "also off when TQDM_DISABLE=1 or stderr is not a terminal).")
+@click.option(
+    "--quiet",
+    "-q",
+    is_flag=True,
+    help="No progress bars or warnings on stderr, only errors (bars are "
+    "also off when TQDM_DISABLE=1 or stderr is not a terminal).",
+)
 def main(quiet: bool) -> None:
     """Find and physically remove redundant attention heads from transformers models.
 
@@ -92,10 +109,17 @@ def main(quiet: bool) -> None:
 def data_options(command: Callable) -> Callable:
     """Options that describe the model's task data (see ph.load_task_data)."""
     options = [
-        click.option("--data", "source", default=None, help="Dataset: hub name, file (csv/json/jsonl/parquet/txt) "
-                     "or folder of split files."),
-        click.option("--gguf-file", default=None, help="GGUF file inside MODEL's folder (or hub repo) to load "
-                     "(dequantized; saved as safetensors)."),
+        click.option(
+            "--data",
+            "source",
+            default=None,
+            help="Dataset: hub name, file (csv/json/jsonl/parquet/txt) or folder of split files.",
+        ),
+        click.option(
+            "--gguf-file",
+            default=None,
+            help="GGUF file inside MODEL's folder (or hub repo) to load (dequantized; saved as safetensors).",
+        ),
         click.option("--task", default="classification", show_default=True, type=click.Choice(CHOICES["task"])),
         click.option("--split", default="validation", show_default=True, help="Split to use, e.g. 'train[:2048]'."),
         click.option("--text-column", default="sentence", show_default=True),
@@ -114,28 +138,55 @@ def data_options(command: Callable) -> Callable:
     return command
 
 
-def _recipe(model: str, opts: dict[str, Any], selection: dict[str, Any], scoring: dict[str, Any] | None = None,
-            speed: bool = False, metrics: tuple[str, ...] = ("accuracy",), eval_split: str | None = None,
-            standalone: bool = False, recovery: dict[str, Any] | None = None, needs_data: bool = True,
-            output: dict[str, Any] | None = None, labels: bool = False, lm_eval: dict[str, Any] | None = None):
+def _recipe(
+    model: str,
+    opts: dict[str, Any],
+    selection: dict[str, Any],
+    scoring: dict[str, Any] | None = None,
+    speed: bool = False,
+    metrics: tuple[str, ...] = ("accuracy",),
+    eval_split: str | None = None,
+    standalone: bool = False,
+    recovery: dict[str, Any] | None = None,
+    needs_data: bool = True,
+    output: dict[str, Any] | None = None,
+    labels: bool = False,
+    lm_eval: dict[str, Any] | None = None,
+):
     task = opts["task"]
     if needs_data and not opts["source"]:
         raise click.UsageError("--data is required (a dataset: hub name, file or folder of split files)")
-    return parse_recipe({
-        "model": model, "task": task, "device": opts["device"], "dtype": opts["dtype"], "standalone": standalone,
-        "model_kwargs": {"gguf_file": opts["gguf_file"]} if opts["gguf_file"] else {},
-        "data": {"source": opts["source"] or "", "score_split": opts["split"], "eval_split": eval_split,
-                 "text_column": opts["text_column"], "text_pair_column": opts["text_pair_column"],
-                 "label_column": None if task == "feature-extraction" and not labels else opts["label_column"],
-                 "max_length": opts["max_length"], "batch_size": opts["batch_size"],
-                 "score_examples": opts["examples"], "eval_examples": opts["examples"]},
-        "scoring": {"seed": opts["seed"], **(scoring or {})},
-        "selection": selection,
-        "recovery": recovery if recovery is not None else {},
-        "evaluation": {"metrics": [] if task in ("causal-lm", "feature-extraction") else list(metrics),
-                       "speed": {} if speed else None, "lm_eval": lm_eval},
-        "output": output,
-    })
+    return parse_recipe(
+        {
+            "model": model,
+            "task": task,
+            "device": opts["device"],
+            "dtype": opts["dtype"],
+            "standalone": standalone,
+            "model_kwargs": {"gguf_file": opts["gguf_file"]} if opts["gguf_file"] else {},
+            "data": {
+                "source": opts["source"] or "",
+                "score_split": opts["split"],
+                "eval_split": eval_split,
+                "text_column": opts["text_column"],
+                "text_pair_column": opts["text_pair_column"],
+                "label_column": None if task == "feature-extraction" and not labels else opts["label_column"],
+                "max_length": opts["max_length"],
+                "batch_size": opts["batch_size"],
+                "score_examples": opts["examples"],
+                "eval_examples": opts["examples"],
+            },
+            "scoring": {"seed": opts["seed"], **(scoring or {})},
+            "selection": selection,
+            "recovery": recovery if recovery is not None else {},
+            "evaluation": {
+                "metrics": [] if task in ("causal-lm", "feature-extraction") else list(metrics),
+                "speed": {} if speed else None,
+                "lm_eval": lm_eval,
+            },
+            "output": output,
+        }
+    )
 
 
 @main.command()
@@ -154,22 +205,42 @@ def inspect(model_path: str, gguf_file: str | None, as_json: bool) -> None:
     model = load_pruned(model_path, **({"gguf_file": gguf_file} if gguf_file else {}))
     layers, skipped = scan_required(model)
     unsupported = [{"name": u.name, "class": u.class_name, "why": u.why} for u in skipped]
-    rows = [{"index": l.index, "name": l.name, "kind": l.kind, "family": l.spec.name, "heads": l.num_heads,
-             "kv_heads": l.num_kv_heads, "head_dim": l.head_dim, "original_heads": l.original_num_heads,
-             "kept": list(l.heads)} for l in layers]
-    summary = {"model": model_path, "architecture": type(model).__name__,
-               "parameters": sum(p.numel() for p in model.parameters()),
-               "heads": sum(r["heads"] for r in rows), "original_heads": sum(r["original_heads"] for r in rows),
-               "layers": rows, "unsupported": unsupported}
+    rows = [
+        {
+            "index": l.index,
+            "name": l.name,
+            "kind": l.kind,
+            "family": l.spec.name,
+            "heads": l.num_heads,
+            "kv_heads": l.num_kv_heads,
+            "head_dim": l.head_dim,
+            "original_heads": l.original_num_heads,
+            "kept": list(l.heads),
+        }
+        for l in layers
+    ]
+    summary = {
+        "model": model_path,
+        "architecture": type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "heads": sum(r["heads"] for r in rows),
+        "original_heads": sum(r["original_heads"] for r in rows),
+        "layers": rows,
+        "unsupported": unsupported,
+    }
 
     def text() -> str:
-        lines = [f"{model_path}: {summary['architecture']}, {summary['parameters']:,} parameters, "
-                 f"{summary['heads']} of {summary['original_heads']} heads",
-                 f"{'#':>3}  {'layer':48} {'kind':5} {'family':10} {'heads':>7} {'kv':>4} {'dim':>4}  kept"]
+        lines = [
+            f"{model_path}: {summary['architecture']}, {summary['parameters']:,} parameters, "
+            f"{summary['heads']} of {summary['original_heads']} heads",
+            f"{'#':>3}  {'layer':48} {'kind':5} {'family':10} {'heads':>7} {'kv':>4} {'dim':>4}  kept",
+        ]
         for r in rows:
             kept = ",".join(map(str, r["kept"])) if r["heads"] < r["original_heads"] else "all"
-            lines.append(f"{r['index']:>3}  {r['name'][-48:]:48} {r['kind']:5} {r['family']:10} "
-                         f"{r['heads']:>3}/{r['original_heads']:<3} {r['kv_heads']:>4} {r['head_dim']:>4}  {kept}")
+            lines.append(
+                f"{r['index']:>3}  {r['name'][-48:]:48} {r['kind']:5} {r['family']:10} "
+                f"{r['heads']:>3}/{r['original_heads']:<3} {r['kv_heads']:>4} {r['head_dim']:>4}  {kept}"
+            )
         lines += [f"  -  {u['name'][-48:]:48} left as it is ({u['class']}): {u['why']}" for u in unsupported]
         return "\n".join(lines)
 
@@ -178,18 +249,27 @@ def inspect(model_path: str, gguf_file: str | None, as_json: bool) -> None:
 
 def _inspect_gguf(path: str, as_json: bool) -> None:
     """`inspect` of a GGUF file: its architecture, per-layer heads and what prune-heads recorded in it."""
-    from .gguf_export import gguf_heads
+    from .export.gguf import gguf_heads
 
     found = gguf_heads(path)
 
     def text() -> str:
         record = found["record"] or {}
-        lines = [f"{path}: GGUF {found['architecture']}, {found['bytes'] / 2**20:.1f} MiB, {found['tensors']} tensors, "
-                 f"{sum(found['heads'])} heads" + (f", pruned by prune-heads from a source with sha256 "
-                                                   f"{found['source_sha256'][:16]}..." if found["source_sha256"] else ""),
-                 f"{'block':>5}  {'heads':>5} {'kv':>4}  removed (original indices)"]
-        removed = {int(re.search(r"\.(\d+)\.", name).group(1)): layer.get("removed", [])  # model.layers.N.*
-                   for name, layer in (record.get("layers") or {}).items() if re.search(r"\.(\d+)\.", name)}
+        lines = [
+            f"{path}: GGUF {found['architecture']}, {found['bytes'] / 2**20:.1f} MiB, {found['tensors']} tensors, "
+            f"{sum(found['heads'])} heads"
+            + (
+                f", pruned by prune-heads from a source with sha256 {found['source_sha256'][:16]}..."
+                if found["source_sha256"]
+                else ""
+            ),
+            f"{'block':>5}  {'heads':>5} {'kv':>4}  removed (original indices)",
+        ]
+        removed = {
+            int(re.search(r"\.(\d+)\.", name).group(1)): layer.get("removed", [])  # model.layers.N.*
+            for name, layer in (record.get("layers") or {}).items()
+            if re.search(r"\.(\d+)\.", name)
+        }
         for i, (heads, kv) in enumerate(zip(found["heads"], found["kv_heads"])):
             gone = ",".join(map(str, removed.get(i, []))) or "-"
             lines.append(f"{i:>5}  {heads:>5} {kv:>4}  {gone}")
@@ -201,27 +281,36 @@ def _inspect_gguf(path: str, as_json: bool) -> None:
 @main.command()
 @click.argument("model")
 @data_options
-@click.option("--method", default=ScoringConfig.method, show_default=True, type=click.Choice(sorted(METHODS)),
-              help=METHOD_HELP)
+@click.option(
+    "--method", default=ScoringConfig.method, show_default=True, type=click.Choice(sorted(METHODS)), help=METHOD_HELP
+)
 @click.option("--label-free", is_flag=True, help="Ignore labels: score against the unpruned model's outputs.")
-@click.option("--output", "-o", default="head-scores", show_default=True, help="Folder for scores.json and heatmap.png.")
+@click.option(
+    "--output", "-o", default="head-scores", show_default=True, help="Folder for scores.json and heatmap.png."
+)
 @click.option("--force", is_flag=True, help="Overwrite the output folder.")
-@click.option("--processes", type=int, default=1, show_default=True,
-              help="Score data-parallel on this many processes (accelerate launch: one per GPU, else CPU over gloo).")
+@click.option(
+    "--processes",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Score data-parallel on this many processes (accelerate launch: one per GPU, else CPU over gloo).",
+)
 @handle_errors
 def score(model: str, method: str, label_free: bool, output: str, force: bool, processes: int, **opts: Any) -> None:
     """Score every head on a dataset; writes scores.json and heatmap.png.
 
     Example: prune-heads score ./model --data glue --split validation --method fisher -o scores --processes 2
     """
-    from .parallel import distributed, relaunch
-    from .persistence import ensure_free, replace_folder
+    from .evaluation.report import heatmap
+    from .export.persistence import ensure_free, replace_folder
     from .pipeline import load_model, load_processor, task_data
-    from .report import heatmap
-    from .scoring import score_heads
+    from .runtime.parallel import distributed, relaunch
+    from .scoring.methods import score_heads
 
-    recipe = _recipe(model, opts, {"sparsity": 0.0}, {"method": method,
-                                                       "objective": "label-free" if label_free else "auto"})
+    recipe = _recipe(
+        model, opts, {"sparsity": 0.0}, {"method": method, "objective": "label-free" if label_free else "auto"}
+    )
     ensure_free(Path(output), force)  # before any work
     state = distributed()
     if processes > 1 and state is None:
@@ -239,8 +328,14 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
         heatmap(scores, tmp / "heatmap.png", {})
 
     replace_folder(Path(output), force, write)
-    _emit(scores.to_dict(), opts["as_json"], lambda: f"scored {sum(len(v) for v in scores.heads.values())} heads "
-          f"on {scores.num_examples} examples ({method}); wrote {output}/scores.json and {output}/heatmap.png")
+    _emit(
+        scores.to_dict(),
+        opts["as_json"],
+        lambda: (
+            f"scored {sum(len(v) for v in scores.heads.values())} heads "
+            f"on {scores.num_examples} examples ({method}); wrote {output}/scores.json and {output}/heatmap.png"
+        ),
+    )
 
 
 def _plan_file(path: str) -> dict:
@@ -248,11 +343,14 @@ def _plan_file(path: str) -> dict:
     try:
         plan = json.loads(Path(path).read_text())
     except json.JSONDecodeError as error:
-        raise PlanError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}); a plan is "
-                        f'{{"layer name or index": [heads to remove]}}') from None
+        raise PlanError(
+            f"{path} is not valid JSON ({error.msg} at line {error.lineno}); a plan is "
+            f'{{"layer name or index": [heads to remove]}}'
+        ) from None
     if not isinstance(plan, dict) or not all(isinstance(v, list) for v in plan.values()):
-        raise PlanError(f'{path} must hold a JSON object {{"layer name or index": [heads to remove]}}, '
-                        f"not {type(plan).__name__}")
+        raise PlanError(
+            f'{path} must hold a JSON object {{"layer name or index": [heads to remove]}}, not {type(plan).__name__}'
+        )
     return plan
 
 
@@ -261,60 +359,157 @@ def _plan_file(path: str) -> dict:
 @data_options
 @click.option("--sparsity", type=float, default=None, help="Fraction of all heads to remove.")
 @click.option("--num-heads", type=click.IntRange(min=0), default=None, help="Number of heads to remove.")
-@click.option("--keep-flops", type=float, default=None, help="Remove heads until a forward pass costs at most "
-              "this fraction of its FLOPs (at --max-length).")
-@click.option("--plan", "plan_file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="JSON {layer: [heads]} to apply instead of scoring (no --data needed).")
-@click.option("--method", default=ScoringConfig.method, show_default=True, type=click.Choice(sorted(METHODS)),
-              help=METHOD_HELP)
-@click.option("--steps", type=int, default=1, show_default=True,
-              help="More than 1: prune iteratively, re-scoring after each step (needs --no-recovery).")
+@click.option(
+    "--keep-flops",
+    type=float,
+    default=None,
+    help="Remove heads until a forward pass costs at most this fraction of its FLOPs (at --max-length).",
+)
+@click.option(
+    "--plan",
+    "plan_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="JSON {layer: [heads]} to apply instead of scoring (no --data needed).",
+)
+@click.option(
+    "--method", default=ScoringConfig.method, show_default=True, type=click.Choice(sorted(METHODS)), help=METHOD_HELP
+)
+@click.option(
+    "--steps",
+    type=int,
+    default=1,
+    show_default=True,
+    help="More than 1: prune iteratively, re-scoring after each step (needs --no-recovery).",
+)
 @click.option("--scope", type=click.Choice(CHOICES["selection.scope"]), default="global", show_default=True)
 @click.option("--min-heads-per-layer", type=int, default=SelectionConfig.min_heads_per_layer, show_default=True)
-@click.option("--gqa", type=click.Choice(CHOICES["selection.gqa"]), default="groups", show_default=True,
-              help="Grouped-query layers lose whole KV groups, or the same number of heads from every group.")
-@click.option("--granularity", type=click.Choice(CHOICES["selection.granularity"]), default="head",
-              show_default=True, help="'layer' removes whole attention blocks (and their KV cache).")
-@click.option("--round", "rounding", type=click.Choice(CHOICES["selection.round"]), default=None,
-              help="When the structure cannot remove exactly what was asked, take the nearest reachable count "
-                   "(down, nearest or up) instead of stopping with an error; the report says what was removed.")
+@click.option(
+    "--gqa",
+    type=click.Choice(CHOICES["selection.gqa"]),
+    default="groups",
+    show_default=True,
+    help="Grouped-query layers lose whole KV groups, or the same number of heads from every group.",
+)
+@click.option(
+    "--granularity",
+    type=click.Choice(CHOICES["selection.granularity"]),
+    default="head",
+    show_default=True,
+    help="'layer' removes whole attention blocks (and their KV cache).",
+)
+@click.option(
+    "--round",
+    "rounding",
+    type=click.Choice(CHOICES["selection.round"]),
+    default=None,
+    help="When the structure cannot remove exactly what was asked, take the nearest reachable count "
+    "(down, nearest or up) instead of stopping with an error; the report says what was removed.",
+)
 @click.option("--uniform", is_flag=True, help="Every layer keeps the same number of heads (stock Llama configs).")
-@click.option("--recovery/--no-recovery", default=True, show_default=True,
-              help="Recovery steps, each kept only if it helps on held-out calibration data.")
-@click.option("--rearrange/--no-rearrange", default=RecoveryConfig.rearrange, show_default=True,
-              help="Also try the Fisher-block (Kwon) and fluctuation (FLAP) plans.")
-@click.option("--bias-compensation/--no-bias-compensation", default=RecoveryConfig.bias_compensation,
-              show_default=True, help="Try adding the removed heads' mean output to the output bias (FLAP).")
-@click.option("--gate-tuning/--no-gate-tuning", default=RecoveryConfig.gate_tuning, show_default=True,
-              help="Tune one scale per kept head to the unpruned outputs.")
-@click.option("--bias-tuning/--no-bias-tuning", default=RecoveryConfig.bias_tuning, show_default=True,
-              help="Tune the output biases with the gates.")
-@click.option("--epochs", type=int, default=RecoveryConfig.epochs, show_default=True,
-              help="At most this many tuning epochs (stops early on held-out data).")
-@click.option("--holdout", type=float, default=RecoveryConfig.holdout, show_default=True,
-              help="Fraction of the calibration examples held out to decide recovery (0: apply every step).")
-@click.option("--standalone", is_flag=True,
-              help="Add a modeling file so from_pretrained(trust_remote_code=True) loads it without prune-heads.")
-@click.option("--output", "-o", required=True, help="Folder for the pruned model (must not exist, see --force), or "
-              "FILE.gguf with --output-format gguf.")
-@click.option("--output-format", type=click.Choice(CHOICES["output.format"]), default=None,
-              help="safetensors (a transformers folder) or gguf (one file for llama.cpp); default: gguf when -o ends "
-                   "in .gguf.")
-@click.option("--gguf-type", type=click.Choice(CHOICES["output.gguf_type"]), default=None,
-              help="GGUF type of the tensors written anew (default: the source's; f16 from Hugging Face weights).")
+@click.option(
+    "--recovery/--no-recovery",
+    default=True,
+    show_default=True,
+    help="Recovery steps, each kept only if it helps on held-out calibration data.",
+)
+@click.option(
+    "--rearrange/--no-rearrange",
+    default=RecoveryConfig.rearrange,
+    show_default=True,
+    help="Also try the Fisher-block (Kwon) and fluctuation (FLAP) plans.",
+)
+@click.option(
+    "--bias-compensation/--no-bias-compensation",
+    default=RecoveryConfig.bias_compensation,
+    show_default=True,
+    help="Try adding the removed heads' mean output to the output bias (FLAP).",
+)
+@click.option(
+    "--gate-tuning/--no-gate-tuning",
+    default=RecoveryConfig.gate_tuning,
+    show_default=True,
+    help="Tune one scale per kept head to the unpruned outputs.",
+)
+@click.option(
+    "--bias-tuning/--no-bias-tuning",
+    default=RecoveryConfig.bias_tuning,
+    show_default=True,
+    help="Tune the output biases with the gates.",
+)
+@click.option(
+    "--epochs",
+    type=int,
+    default=RecoveryConfig.epochs,
+    show_default=True,
+    help="At most this many tuning epochs (stops early on held-out data).",
+)
+@click.option(
+    "--holdout",
+    type=float,
+    default=RecoveryConfig.holdout,
+    show_default=True,
+    help="Fraction of the calibration examples held out to decide recovery (0: apply every step).",
+)
+@click.option(
+    "--standalone",
+    is_flag=True,
+    help="Add a modeling file so from_pretrained(trust_remote_code=True) loads it without prune-heads.",
+)
+@click.option(
+    "--output",
+    "-o",
+    required=True,
+    help="Folder for the pruned model (must not exist, see --force), or FILE.gguf with --output-format gguf.",
+)
+@click.option(
+    "--output-format",
+    type=click.Choice(CHOICES["output.format"]),
+    default=None,
+    help="safetensors (a transformers folder) or gguf (one file for llama.cpp); default: gguf when -o ends in .gguf.",
+)
+@click.option(
+    "--gguf-type",
+    type=click.Choice(CHOICES["output.gguf_type"]),
+    default=None,
+    help="GGUF type of the tensors written anew (default: the source's; f16 from Hugging Face weights).",
+)
 @click.option("--force", is_flag=True, help="Overwrite the output folder.")
 @handle_errors
-def prune_command(model: str, sparsity: float | None, num_heads: int | None, keep_flops: float | None,
-                  plan_file: str | None, method: str, steps: int, scope: str, min_heads_per_layer: int, gqa: str,
-                  granularity: str, rounding: str | None, uniform: bool, recovery: bool, rearrange: bool,
-                  bias_compensation: bool, gate_tuning: bool, bias_tuning: bool, epochs: int, holdout: float,
-                  standalone: bool, output: str, output_format: str | None, gguf_type: str | None, force: bool,
-                  **opts: Any) -> None:
+def prune_command(
+    model: str,
+    sparsity: float | None,
+    num_heads: int | None,
+    keep_flops: float | None,
+    plan_file: str | None,
+    method: str,
+    steps: int,
+    scope: str,
+    min_heads_per_layer: int,
+    gqa: str,
+    granularity: str,
+    rounding: str | None,
+    uniform: bool,
+    recovery: bool,
+    rearrange: bool,
+    bias_compensation: bool,
+    gate_tuning: bool,
+    bias_tuning: bool,
+    epochs: int,
+    holdout: float,
+    standalone: bool,
+    output: str,
+    output_format: str | None,
+    gguf_type: str | None,
+    force: bool,
+    **opts: Any,
+) -> None:
     """Score, select and remove heads (or apply --plan); saves a model that ph.load_pruned loads (or a GGUF
     file that llama.cpp runs: --output-format gguf -o FILE.gguf).
 
     With no other flags this is the best measured path: fisher scores, then the plan and each recovery step
-    decided on held-out calibration data. Example: prune-heads prune ./model --data reviews.jsonl --sparsity 0.5 -o ./pruned
+    decided on held-out calibration data. Example:
+    prune-heads prune ./model --data reviews.jsonl --sparsity 0.5 -o ./pruned
     """
     from .pipeline import run
 
@@ -323,19 +518,42 @@ def prune_command(model: str, sparsity: float | None, num_heads: int | None, kee
         raise click.UsageError("give exactly one of --sparsity, --num-heads, --keep-flops or --plan")
     plan = _plan_file(plan_file) if plan_file else None
     selection = {k: v for k, v in budgets.items() if v is not None} or {"sparsity": 0.0}
-    selection.update(scope=scope, min_heads_per_layer=min_heads_per_layer, gqa=gqa, uniform=uniform,
-                     granularity=granularity, round=rounding)
-    steps_on = dict(rearrange=rearrange, bias_compensation=bias_compensation, gate_tuning=gate_tuning,
-                    bias_tuning=bias_tuning)
-    recovery_section = {**vars(RecoveryConfig.off()), "holdout": holdout, "epochs": epochs} if not recovery else \
-        {**steps_on, "holdout": holdout, "epochs": epochs}
+    selection.update(
+        scope=scope,
+        min_heads_per_layer=min_heads_per_layer,
+        gqa=gqa,
+        uniform=uniform,
+        granularity=granularity,
+        round=rounding,
+    )
+    steps_on = dict(
+        rearrange=rearrange, bias_compensation=bias_compensation, gate_tuning=gate_tuning, bias_tuning=bias_tuning
+    )
+    recovery_section = (
+        {**vars(RecoveryConfig.off()), "holdout": holdout, "epochs": epochs}
+        if not recovery
+        else {**steps_on, "holdout": holdout, "epochs": epochs}
+    )
     fmt = output_format or ("gguf" if output.endswith(".gguf") else "safetensors")
-    recipe = _recipe(model, opts, selection, {"method": method, "steps": steps}, standalone=standalone,
-                     recovery=recovery_section, needs_data=plan is None,
-                     output={"path": output, "format": fmt, "gguf_type": gguf_type})
+    recipe = _recipe(
+        model,
+        opts,
+        selection,
+        {"method": method, "steps": steps},
+        standalone=standalone,
+        recovery=recovery_section,
+        needs_data=plan is None,
+        output={"path": output, "format": fmt, "gguf_type": gguf_type},
+    )
     report = run(recipe, output=output, force=force, plan=plan, evaluate=False)
-    _emit(report.to_dict(), opts["as_json"], lambda: f"removed {report.summary()['heads']['removed']} heads; "
-          f"saved the pruned model to {output}" + _asked(selection, report))
+    _emit(
+        report.to_dict(),
+        opts["as_json"],
+        lambda: (
+            f"removed {report.summary()['heads']['removed']} heads; "
+            f"saved the pruned model to {output}" + _asked(selection, report)
+        ),
+    )
 
 
 def _asked(selection: dict, report) -> str:
@@ -358,7 +576,7 @@ def push(folder: str, repo_id: str, base_model: str | None, private: bool, token
 
     Example: prune-heads push ./pruned-bert-sst2 me/bert-base-sst2-pruned-50
     """
-    from .hub import push_pruned
+    from .export.hub import push_pruned
 
     info = push_pruned(folder, repo_id, base_model=base_model, private=private or None, token=token)
     click.echo(f"pushed {folder} to {repo_id}: {getattr(info, 'commit_url', info)}")
@@ -367,22 +585,46 @@ def push(folder: str, repo_id: str, base_model: str | None, private: bool, token
 @main.command(name="evaluate")
 @click.argument("model")
 @data_options
-@click.option("--metric", "metrics", multiple=True, default=("accuracy",), show_default=True,
-              help="evaluate metric (repeatable): accuracy, f1, matthews_correlation or any hub metric.")
+@click.option(
+    "--metric",
+    "metrics",
+    multiple=True,
+    default=("accuracy",),
+    show_default=True,
+    help="evaluate metric (repeatable): accuracy, f1, matthews_correlation or any hub metric.",
+)
 @click.option("--speed/--no-speed", default=True, show_default=True, help="Also measure latency and FLOPs.")
-@click.option("--train-split", default=None, help="Embedding models (--task feature-extraction) with labelled "
-              "data: train a logistic regression and a k-NN classifier on this split's embeddings and report "
-              "their accuracy on --split.")
-@click.option("--lm-eval", "lm_eval_tasks", default=None, help="lm-evaluation-harness tasks (comma list) for a "
-              "causal LM, e.g. sentence_endings (shipped, offline) or arc_easy,hellaswag (their data from the hub).")
+@click.option(
+    "--train-split",
+    default=None,
+    help="Embedding models (--task feature-extraction) with labelled "
+    "data: train a logistic regression and a k-NN classifier on this split's embeddings and report "
+    "their accuracy on --split.",
+)
+@click.option(
+    "--lm-eval",
+    "lm_eval_tasks",
+    default=None,
+    help="lm-evaluation-harness tasks (comma list) for a "
+    "causal LM, e.g. sentence_endings (shipped, offline) or arc_easy,hellaswag (their data from the hub).",
+)
 @click.option("--lm-eval-include", default=None, help="A folder of lm-eval task YAMLs (lm-eval's own format).")
 @click.option("--lm-eval-limit", type=click.IntRange(min=1), default=None, help="At most this many examples a task.")
 @click.option("--lm-eval-fewshot", type=click.IntRange(min=0), default=None, help="Few-shot examples per prompt.")
 @click.pass_context
 @handle_errors
-def evaluate_command(ctx: click.Context, model: str, metrics: tuple[str, ...], speed: bool, train_split: str | None,
-                     lm_eval_tasks: str | None, lm_eval_include: str | None, lm_eval_limit: int | None,
-                     lm_eval_fewshot: int | None, **opts: Any) -> None:
+def evaluate_command(
+    ctx: click.Context,
+    model: str,
+    metrics: tuple[str, ...],
+    speed: bool,
+    train_split: str | None,
+    lm_eval_tasks: str | None,
+    lm_eval_include: str | None,
+    lm_eval_limit: int | None,
+    lm_eval_fewshot: int | None,
+    **opts: Any,
+) -> None:
     """Print the task metrics and speed of a (pruned) model; with --lm-eval, lm-eval tasks with their
     standard errors (then --data is optional and the task is causal-lm).
 
@@ -395,30 +637,53 @@ def evaluate_command(ctx: click.Context, model: str, metrics: tuple[str, ...], s
             opts["task"] = "causal-lm"
         elif opts["task"] != "causal-lm":
             raise click.UsageError("--lm-eval evaluates causal language models: use --task causal-lm")
-    harness = {"tasks": [t.strip() for t in lm_eval_tasks.split(",") if t.strip()], "include": lm_eval_include,
-               "limit": lm_eval_limit, "num_fewshot": lm_eval_fewshot} if lm_eval_tasks else None
-    recipe = _recipe(model, opts, {"sparsity": 0.0}, speed=speed, metrics=metrics, eval_split=opts["split"],
-                     labels=train_split is not None, needs_data=harness is None, lm_eval=harness)
+    harness = (
+        {
+            "tasks": [t.strip() for t in lm_eval_tasks.split(",") if t.strip()],
+            "include": lm_eval_include,
+            "limit": lm_eval_limit,
+            "num_fewshot": lm_eval_fewshot,
+        }
+        if lm_eval_tasks
+        else None
+    )
+    recipe = _recipe(
+        model,
+        opts,
+        {"sparsity": 0.0},
+        speed=speed,
+        metrics=metrics,
+        eval_split=opts["split"],
+        labels=train_split is not None,
+        needs_data=harness is None,
+        lm_eval=harness,
+    )
     loaded = load_model(recipe)
     processor = load_processor(recipe)
     train = task_data(recipe, loaded, processor, train_split, opts["examples"]) if train_split else None
-    data = task_data(recipe, loaded, processor, opts["split"], opts["examples"], like=train) if opts["source"] \
-        else None
+    data = task_data(recipe, loaded, processor, opts["split"], opts["examples"], like=train) if opts["source"] else None
     result, _ = measure(loaded, data, recipe, train=train, tokenizer=processor)
     if speed:
         result["speed"] = measure_speed([loaded], recipe)[0]
 
     def text() -> str:
         found = result["metrics"]
-        lines = [f"{k}: {v:.4f}" + (f" ± {found[k + '_stderr']:.4f}" if isinstance(found.get(k + "_stderr"), float)
-                                    else "") if isinstance(v, float) else f"{k}: {v}"
-                 for k, v in found.items() if not k.endswith("_stderr")]
+        lines = [
+            f"{k}: {v:.4f}" + (f" ± {found[k + '_stderr']:.4f}" if isinstance(found.get(k + "_stderr"), float) else "")
+            if isinstance(v, float)
+            else f"{k}: {v}"
+            for k, v in found.items()
+            if not k.endswith("_stderr")
+        ]
         lines.append(f"heads: {sum(result['heads'].values())}")
         if speed:
             s = result["speed"]
-            lines += [f"parameters: {s['parameters']:,}", f"GFLOPs per forward: {s['flops'] / 1e9:.2f}",
-                      f"latency: {s['latency_ms']:.1f} ms median, {s['latency_p90_ms']:.1f} ms p90 "
-                      f"(batch {s['settings']['batch_size']}, seq {s['settings']['seq_len']}, {s['settings']['device']})"]
+            lines += [
+                f"parameters: {s['parameters']:,}",
+                f"GFLOPs per forward: {s['flops'] / 1e9:.2f}",
+                f"latency: {s['latency_ms']:.1f} ms median, {s['latency_p90_ms']:.1f} ms p90 "
+                f"(batch {s['settings']['batch_size']}, seq {s['settings']['seq_len']}, {s['settings']['device']})",
+            ]
         return "\n".join(lines)
 
     _emit(result, opts["as_json"], text)
@@ -429,11 +694,14 @@ def evaluate_command(ctx: click.Context, model: str, metrics: tuple[str, ...], s
 @click.option("--set", "overrides", multiple=True, help="Override a recipe key, e.g. --set selection.sparsity=0.25.")
 @click.option("--output", "-o", default=None, help="Output folder (default: the recipe's output).")
 @click.option("--force", is_flag=True, help="Overwrite the output folder.")
-@click.option("--gguf-file", default=None, help="GGUF file inside the recipe's model folder (sets model_kwargs.gguf_file).")
+@click.option(
+    "--gguf-file", default=None, help="GGUF file inside the recipe's model folder (sets model_kwargs.gguf_file)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
 @handle_errors
-def run_command(recipe: str, overrides: tuple[str, ...], output: str | None, force: bool, gguf_file: str | None,
-                as_json: bool) -> None:
+def run_command(
+    recipe: str, overrides: tuple[str, ...], output: str | None, force: bool, gguf_file: str | None, as_json: bool
+) -> None:
     """Run a recipe end to end: evaluate, score, select, prune, evaluate, save model and report.
 
     RECIPE is a YAML file or the name of a shipped recipe (see `prune-heads recipes`).
@@ -450,30 +718,51 @@ def run_command(recipe: str, overrides: tuple[str, ...], output: str | None, for
 @main.command()
 @click.argument("folder", type=click.Path(exists=True, file_okay=False))
 @click.option("--output", "-o", required=True, help="The GGUF file to write.")
-@click.option("--gguf-source", default=None, help="The GGUF file the model came from (default: the one recorded "
-              "when it was loaded with --gguf-file); its unchanged tensors are copied byte for byte.")
-@click.option("--gguf-type", type=click.Choice(CHOICES["output.gguf_type"]), default=None,
-              help="GGUF type of the tensors written anew (default: the source's; f16 from Hugging Face weights).")
+@click.option(
+    "--gguf-source",
+    default=None,
+    help="The GGUF file the model came from (default: the one recorded "
+    "when it was loaded with --gguf-file); its unchanged tensors are copied byte for byte.",
+)
+@click.option(
+    "--gguf-type",
+    type=click.Choice(CHOICES["output.gguf_type"]),
+    default=None,
+    help="GGUF type of the tensors written anew (default: the source's; f16 from Hugging Face weights).",
+)
 @click.option("--force", is_flag=True, help="Overwrite the output file.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
 @handle_errors
-def export(folder: str, output: str, gguf_source: str | None, gguf_type: str | None, force: bool,
-           as_json: bool) -> None:
+def export(
+    folder: str, output: str, gguf_source: str | None, gguf_type: str | None, force: bool, as_json: bool
+) -> None:
     """Write a folder that `prune` or `run` saved (or any Llama/Qwen2 checkpoint) as one GGUF file for llama.cpp.
 
     Example: prune-heads export ./pruned-smollm2 -o smollm2-pruned.gguf
     """
     from transformers import AutoTokenizer
 
-    from .gguf_export import save_gguf
+    from .export.gguf import save_gguf
 
     model = load_pruned(folder).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder) if (Path(folder) / "tokenizer_config.json").exists() else None
     result = save_gguf(model, output, source=gguf_source, tokenizer=tokenizer, tensor_type=gguf_type, overwrite=force)
-    summary = {"path": str(result.path), "architecture": result.architecture, "heads": result.heads,
-               "kv_heads": result.kv_heads, "copied": len(result.copied), "written": result.written}
-    _emit(summary, as_json, lambda: f"wrote {output}: GGUF {result.architecture}, {sum(result.heads)} heads, "
-          f"{len(result.copied)} tensors copied byte for byte, {len(result.written)} written anew")
+    summary = {
+        "path": str(result.path),
+        "architecture": result.architecture,
+        "heads": result.heads,
+        "kv_heads": result.kv_heads,
+        "copied": len(result.copied),
+        "written": result.written,
+    }
+    _emit(
+        summary,
+        as_json,
+        lambda: (
+            f"wrote {output}: GGUF {result.architecture}, {sum(result.heads)} heads, "
+            f"{len(result.copied)} tensors copied byte for byte, {len(result.written)} written anew"
+        ),
+    )
 
 
 @main.command()
@@ -507,8 +796,11 @@ def demo(output: str, sparsity: float, force: bool, as_json: bool) -> None:
 
     recipe = load_recipe("demo-minilm-embeddings", [f"selection.sparsity={sparsity}"])
     report = run(recipe, output=output, force=force)
-    _emit(report.to_dict(), as_json, lambda: report.markdown() + f"\nSaved the pruned model, report.md, report.json "
-          f"and the plots to {output}/")
+    _emit(
+        report.to_dict(),
+        as_json,
+        lambda: report.markdown() + f"\nSaved the pruned model, report.md, report.json and the plots to {output}/",
+    )
 
 
 if __name__ == "__main__":

@@ -6,15 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .data import TASKS
-from .recovery import AVERAGE, MIN_TUNING_FLOPS
-from .scoring import METHODS
+from .export.gguf import GGUF_TYPES
+from .recovery.tuning import AVERAGE, MIN_TUNING_FLOPS
+from .scoring.methods import METHODS
+from .scoring.selection import GQA_MODES, GRANULARITIES, ROUNDING
 
-GQA_MODES = ("groups", "even")  # whole KV groups, or the same number of query heads from every group
-GRANULARITIES = ("head", "layer")
-ROUNDING = ("down", "nearest", "up")
 DTYPES = ("float32", "float16", "bfloat16")
 FORMATS = ("safetensors", "gguf")  # a transformers folder, or one GGUF file for llama.cpp
-GGUF_TYPES = ("source", "f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # of tensors written anew
 
 
 class ConfigError(ValueError):
@@ -90,17 +88,20 @@ class RecoveryConfig:
 
     def __post_init__(self) -> None:
         if self.tuning_budget is not None and self.tuning_budget < 0 or self.min_tuning_flops < 0:
-            raise ConfigError(f"recovery.tuning_budget is {self.tuning_budget} and recovery.min_tuning_flops "
-                              f"{self.min_tuning_flops}; give 0 or more (tuning_budget: null for no limit)")
+            raise ConfigError(
+                f"recovery.tuning_budget is {self.tuning_budget} and recovery.min_tuning_flops "
+                f"{self.min_tuning_flops}; give 0 or more (tuning_budget: null for no limit)"
+            )
         for key in ("holdout", "average"):
             if not 0 <= getattr(self, key) < 1:
-                raise ConfigError(f"recovery.{key} is {getattr(self, key)}; give a value from 0 up to (not "
-                                  f"including) 1")
+                raise ConfigError(
+                    f"recovery.{key} is {getattr(self, key)}; give a value from 0 up to (not including) 1"
+                )
         if self.epochs < 0:
             raise ConfigError(f"recovery.epochs is {self.epochs}; give 0 or more")
 
     @classmethod
-    def off(cls) -> "RecoveryConfig":
+    def off(cls) -> RecoveryConfig:
         """No recovery: the plain selection, pruned as it is."""
         return cls(rearrange=False, bias_compensation=False, gate_tuning=False, bias_tuning=False)
 
@@ -120,7 +121,7 @@ class PruneConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
     @classmethod
-    def from_recipe(cls, recipe) -> "PruneConfig":
+    def from_recipe(cls, recipe) -> PruneConfig:
         """The scoring, selection and recovery sections of a `Recipe`."""
         return cls(selection=recipe.selection, scoring=recipe.scoring, recovery=recipe.recovery)
 

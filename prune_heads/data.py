@@ -9,9 +9,10 @@ import math
 import os
 import re
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import datasets
 import torch
@@ -63,7 +64,7 @@ def with_targets(data: TaskData | Iterable[dict]) -> list[dict]:
     labels, start = torch.tensor(data.targets), 0
     for i, batch in enumerate(batches):
         rows = batch_size(batch)
-        batches[i], start = {**batch, "labels": labels[start:start + rows]}, start + rows
+        batches[i], start = {**batch, "labels": labels[start : start + rows]}, start + rows
     return batches
 
 
@@ -147,6 +148,12 @@ def to_device(batch: dict, device: torch.device | str) -> dict:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
+def on_device_of(value: Any, batch: dict) -> Any:
+    """A tensor (or tuple of tensors) moved to the device of the batch's tensors."""
+    device = next(v.device for v in batch.values() if torch.is_tensor(v))
+    return tuple(t.to(device) for t in value) if isinstance(value, tuple) else value.to(device)
+
+
 def input_device(model: torch.nn.Module) -> torch.device:
     """Where the model's inputs go: the first device of a `device_map` that is not disk, else the device of
     its first parameter (the CPU for weights offloaded to the meta device)."""
@@ -168,8 +175,12 @@ def load_split(source: str, split: str = "validation", name: str | None = None) 
     try:
         if path.is_file():
             builder = _builder(path)
-            return datasets.load_dataset(builder, data_files={split_name: str(path)}, split=split,
-                                         **({"delimiter": "\t"} if path.suffix == ".tsv" else {}))
+            return datasets.load_dataset(
+                builder,
+                data_files={split_name: str(path)},
+                split=split,
+                **({"delimiter": "\t"} if path.suffix == ".tsv" else {}),
+            )
         if path.is_dir() and any(p.suffix in _BUILDERS for p in path.iterdir()):
             files = {p.stem: str(p) for p in sorted(path.iterdir()) if p.suffix in _BUILDERS}
             if split_name not in files:
@@ -184,8 +195,10 @@ def load_split(source: str, split: str = "validation", name: str | None = None) 
     except ValueError as error:  # unknown split, bad slice, unreadable rows
         raise DataError(f"split {split!r} of {source}: {str(error).splitlines()[0]}") from None
     except (FileNotFoundError, ConnectionError, OSError) as error:
-        raise DataError(f"cannot load dataset {source!r} ({type(error).__name__}: {str(error).splitlines()[0]}); "
-                        f"give a local file or folder, or check the name and your network") from None
+        raise DataError(
+            f"cannot load dataset {source!r} ({type(error).__name__}: {str(error).splitlines()[0]}); "
+            f"give a local file or folder, or check the name and your network"
+        ) from None
 
 
 def _builder(path: Path) -> str:
@@ -196,8 +209,10 @@ def _builder(path: Path) -> str:
 
 def _column(dataset: datasets.Dataset, column: str | None, role: str) -> None:
     if column is not None and column not in dataset.column_names:
-        raise DataError(f"no {role} column {column!r}; the data has columns {', '.join(dataset.column_names)} "
-                        f"(set the {role} column)")
+        raise DataError(
+            f"no {role} column {column!r}; the data has columns {', '.join(dataset.column_names)} "
+            f"(set the {role} column)"
+        )
 
 
 def _labels(dataset: datasets.Dataset, column: str, label2id: dict[str, int] | None) -> tuple[list, list | None]:
@@ -216,12 +231,24 @@ def _labels(dataset: datasets.Dataset, column: str, label2id: dict[str, int] | N
     return values, None
 
 
-def load_task_data(source: str, tokenizer: Any = None, task: str = "classification", split: str = "validation",
-                   text_column: str = "sentence", text_pair_column: str | None = None,
-                   label_column: str | None = "label", image_column: str = "image", max_length: int = 128,
-                   batch_size: int = 32, max_examples: int | None = None, name: str | None = None,
-                   label2id: dict[str, int] | None = None, stride: int | None = None,
-                   image_processor: Any = None, by_length: bool = True) -> TaskData:
+def load_task_data(
+    source: str,
+    tokenizer: Any = None,
+    task: str = "classification",
+    split: str = "validation",
+    text_column: str = "sentence",
+    text_pair_column: str | None = None,
+    label_column: str | None = "label",
+    image_column: str = "image",
+    max_length: int = 128,
+    batch_size: int = 32,
+    max_examples: int | None = None,
+    name: str | None = None,
+    label2id: dict[str, int] | None = None,
+    stride: int | None = None,
+    image_processor: Any = None,
+    by_length: bool = True,
+) -> TaskData:
     """Load a split and turn it into padded batches for `task`.
 
     Tasks: "classification" (single text or a pair, labels), "causal-lm" (the texts joined and cut into
@@ -230,7 +257,8 @@ def load_task_data(source: str, tokenizer: Any = None, task: str = "classificati
     `targets` for task metrics), "image-classification" (images through
     `image_processor`, labels). String labels map through `label2id` (the model config's). Batches are
     padded to their own longest example; with `by_length` (default) text examples are batched in order of
-    their token count, so a batch holds examples of similar length and padding costs little. Missing splits and columns are DataError with what exists.
+    their token count, so a batch holds examples of similar length and padding costs little. Missing splits and
+    columns are DataError with what exists.
     """
     if task not in TASKS:
         raise DataError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
@@ -245,9 +273,9 @@ def load_task_data(source: str, tokenizer: Any = None, task: str = "classificati
         labels, names = _labels(dataset, label_column, label2id)
         batches = []
         for start in range(0, len(dataset), batch_size):
-            images = [im.convert("RGB") for im in dataset[start:start + batch_size][image_column]]
+            images = [im.convert("RGB") for im in dataset[start : start + batch_size][image_column]]
             pixels = image_processor(images=images, return_tensors="pt")["pixel_values"]
-            batches.append({"pixel_values": pixels, "labels": torch.tensor(labels[start:start + batch_size])})
+            batches.append({"pixel_values": pixels, "labels": torch.tensor(labels[start : start + batch_size])})
         return TaskData(task, batches, len(dataset), names)
     _column(dataset, text_column, "text")
     texts = list(dataset[text_column])
@@ -267,7 +295,7 @@ def load_task_data(source: str, tokenizer: Any = None, task: str = "classificati
     order = list(order)
     batches = []
     for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
+        rows = order[start : start + batch_size]
         batch = dict(tokenizer.pad({k: [v[i] for i in rows] for k, v in encoded.items()}, return_tensors="pt"))
         if labels is not None and task == "classification":
             batch["labels"] = torch.tensor([labels[i] for i in rows])
@@ -293,12 +321,12 @@ def _lm_windows(texts: list[str], tokenizer: Any, max_length: int, stride: int, 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batches = []
     for start in range(0, len(windows), batch_size):
-        chunk, targets = windows[start:start + batch_size], labels[start:start + batch_size]
+        chunk, targets = windows[start : start + batch_size], labels[start : start + batch_size]
         width = max(len(w) for w in chunk)
         input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         attention = torch.zeros((len(chunk), width), dtype=torch.long)
         label_ids = torch.full((len(chunk), width), -100, dtype=torch.long)
         for row, (w, t) in enumerate(zip(chunk, targets)):
-            input_ids[row, :len(w)], attention[row, :len(w)], label_ids[row, :len(t)] = w, 1, t
+            input_ids[row, : len(w)], attention[row, : len(w)], label_ids[row, : len(t)] = w, 1, t
         batches.append({"input_ids": input_ids, "attention_mask": attention, "labels": label_ids})
     return TaskData("causal-lm", batches, len(windows), info={"tokens": int(len(ids))})

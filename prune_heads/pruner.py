@@ -9,27 +9,29 @@ one model through gates and added biases, then folded into the weights and the h
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from .config import ConfigError, PruneConfig
 from .data import DataError, TaskData, batch_size, input_device, to_device, with_targets, without_labels
-from .head_scores import HeadScores
-from .iterative import prune_iteratively
-from .layers import require_attention
-from .objective import Objective, frozen
-from .probe import probe_layers
-from .recovery import GatedModel, Recorder, record, split_holdout, tune
-from .scoring import fluctuation, head_scores, score_heads
-from .selection import check_budget, requested_heads, select_heads
-from .speed import heads_for_flops
-from .surgery import PlanError
-from .work import Budget, Work
-
+from .model.layers import require_attention
+from .model.probe import probe_layers
+from .model.surgery import PlanError
+from .recovery.gated import GatedModel
+from .recovery.holdout import one_standard_error, split_holdout
+from .recovery.tuning import tune
+from .runtime.work import Budget, Work
+from .scoring.head_scores import HeadScores
+from .scoring.iterative import prune_iteratively
+from .scoring.methods import fluctuation, head_scores, score_heads
+from .scoring.objective import Objective, frozen
+from .scoring.recording import Recorder, record
+from .scoring.selection import check_budget, heads_for_flops, requested_heads, select_heads
 
 
 @dataclass
@@ -68,16 +70,19 @@ def selection_budget(model: nn.Module, config: PruneConfig, seq_len: int = 128) 
         kwargs["round"] = kwargs.get("round") or "up"
     if config.scoring.steps > 1:
         if config.recovery.enabled:
-            raise ConfigError("iterative pruning (scoring.steps > 1) re-scores the pruned model, which recovery "
-                              "cannot follow; turn recovery off (--no-recovery, or recovery: off in a recipe)")
+            raise ConfigError(
+                "iterative pruning (scoring.steps > 1) re-scores the pruned model, which recovery "
+                "cannot follow; turn recovery off (--no-recovery, or recovery: off in a recipe)"
+            )
         if kwargs.get("sparsity") is None:
             raise ConfigError("iterative pruning (scoring.steps > 1) needs selection.sparsity")
     check_budget(model, **kwargs)
     return kwargs
 
 
-def _candidates(scores: HeadScores, recorder: Recorder | None, layers, kwargs: dict, rearrange: bool,
-                notes: list[str]) -> dict[str, dict[str, list[int]]]:
+def _candidates(
+    scores: HeadScores, recorder: Recorder | None, layers, kwargs: dict, rearrange: bool, notes: list[str]
+) -> dict[str, dict[str, list[int]]]:
     """The plans to try: the plain ranking, and with `rearrange` the Fisher-block and FLAP plans."""
     plans = {"ranked": select_heads(scores, **kwargs)}
     if not rearrange:
@@ -93,21 +98,9 @@ def _candidates(scores: HeadScores, recorder: Recorder | None, layers, kwargs: d
     return plans
 
 
-def one_standard_error(values: dict[str, torch.Tensor]) -> str:
-    """The first candidate (in the dict's order of preference) whose mean per-example value is within one
-    standard error of the best one's; the error is that of the paired per-example differences, so a choice
-    is not made on noise (Breiman's one-standard-error rule)."""
-    best = min(values, key=lambda k: float(values[k].mean()))
-    for name, v in values.items():
-        difference = v - values[best]
-        error = float(difference.std() / len(difference) ** 0.5) if len(difference) > 1 else 0.0
-        if float(difference.mean()) <= error:
-            return name
-    return best
-
-
-def prune_model(model: nn.Module, data: TaskData | Iterable[dict], config: PruneConfig | None = None,
-                progress: bool = True) -> PruneResult:
+def prune_model(
+    model: nn.Module, data: TaskData | Iterable[dict], config: PruneConfig | None = None, progress: bool = True
+) -> PruneResult:
     """Prune `model` in place, the whole flow in one call, and say what was done.
 
     `data`: a `TaskData` from `ph.load_task_data` or any iterable of batch dicts (labels optional), used
@@ -132,8 +125,9 @@ def prune_model(model: nn.Module, data: TaskData | Iterable[dict], config: Prune
     if s.objective == "label-free":
         batches = [without_labels(b) for b in batches]
     if s.steps > 1:
-        found = prune_iteratively(model, batches, steps=s.steps, method=s.method, seed=s.seed, progress=progress,
-                                  **kwargs)
+        found = prune_iteratively(
+            model, batches, steps=s.steps, method=s.method, seed=s.seed, progress=progress, **kwargs
+        )
         return PruneResult(found.plan, found.scores, found.history, asked=asked, seconds=time.perf_counter() - start)
     calib, heldout = split_holdout(batches, r.holdout if r.enabled else 0.0)
     layers = require_attention(model)
@@ -164,8 +158,18 @@ def prune_model(model: nn.Module, data: TaskData | Iterable[dict], config: Prune
     return result
 
 
-def _decide(gated: GatedModel, plans: dict, recorder: Recorder | None, calib: list[dict], heldout: list[dict],
-            objective: Objective, config: PruneConfig, result: PruneResult, timings: dict, device) -> dict:
+def _decide(
+    gated: GatedModel,
+    plans: dict,
+    recorder: Recorder | None,
+    calib: list[dict],
+    heldout: list[dict],
+    objective: Objective,
+    config: PruneConfig,
+    result: PruneResult,
+    timings: dict,
+    device,
+) -> dict:
     """Choose the plan, bias compensation and tuning on the held-out batches; leave `gated` in the chosen
     state and return the plan. The work is counted in FLOPs (`result.work`) and bounds the tuning."""
     r, seed = config.recovery, config.scoring.seed
@@ -191,37 +195,64 @@ def _decide(gated: GatedModel, plans: dict, recorder: Recorder | None, calib: li
     if heldout:
         chosen = one_standard_error({k: v[0] for k, v in tried.items()})
     else:  # nothing to check against: every enabled step, as configured
-        chosen = ("interactions" if "interactions" in plans else "ranked") + \
-            (" + bias compensation" if r.bias_compensation else "")
+        chosen = ("interactions" if "interactions" in plans else "ranked") + (
+            " + bias compensation" if r.bias_compensation else ""
+        )
     values, plan, biases = tried[chosen]
     value = None if values is None else float(values.mean())
     result.work["selection"] = (len(tried) + 1) * result.work["heldout_pass"]  # + the unpruned targets
-    result.recovery.append({"step": "selection", "kept": chosen, "seconds": round(time.perf_counter() - tick, 3),
-                            "tried": {k: None if v[0] is None else float(v[0].mean()) for k, v in tried.items()}})
-    result.heldout = {"batches": len(heldout), "examples": sum(batch_size(b) for b in heldout),
-                      "plain": result.recovery[-1]["tried"]["ranked"], "selected": value}
+    result.recovery.append(
+        {
+            "step": "selection",
+            "kept": chosen,
+            "seconds": round(time.perf_counter() - tick, 3),
+            "tried": {k: None if v[0] is None else float(v[0].mean()) for k, v in tried.items()},
+        }
+    )
+    result.heldout = {
+        "batches": len(heldout),
+        "examples": sum(batch_size(b) for b in heldout),
+        "plain": result.recovery[-1]["tried"]["ranked"],
+        "selected": value,
+    }
     timings["selection"] = time.perf_counter() - tick
     gated.use(plan, biases)
     if (r.gate_tuning or r.bias_tuning) and r.epochs > 0:
         tick = time.perf_counter()
         gated.scales = [s.requires_grad_(r.gate_tuning) for s in gated.scales]
         gated.biases = [b.requires_grad_(r.bias_tuning) for b in gated.biases]
-        groups = ([{"params": gated.scales, "lr": r.gate_lr}] if r.gate_tuning else []) + \
-            ([{"params": gated.biases, "lr": r.bias_lr}] if r.bias_tuning else [])
+        groups = ([{"params": gated.scales, "lr": r.gate_lr}] if r.gate_tuning else []) + (
+            [{"params": gated.biases, "lr": r.bias_lr}] if r.bias_tuning else []
+        )
         check = (lambda: float(gated.divergences(heldout, targets, objective).mean())) if heldout else None
-        limit = float("inf") if r.tuning_budget is None else \
-            max(r.min_tuning_flops, r.tuning_budget * result.work["calibration_pass"] - result.work["selection"])
+        limit = (
+            float("inf")
+            if r.tuning_budget is None
+            else max(r.min_tuning_flops, r.tuning_budget * result.work["calibration_pass"] - result.work["selection"])
+        )
         budget = Budget(limit, work, check=result.work["heldout_pass"])
-        history, steps, averaged, spent = tune(gated, groups, calib, recorder.targets, objective, r.epochs, seed,
-                                               check, budget, r.average)
+        history, steps, averaged, spent = tune(
+            gated, groups, calib, recorder.targets, objective, r.epochs, seed, check, budget, r.average
+        )
         gated.scales = [s.detach() for s in gated.scales]
         gated.biases = [b.detach() for b in gated.biases]
-        step = "gate and bias tuning" if r.gate_tuning and r.bias_tuning else \
-            "gate tuning" if r.gate_tuning else "bias tuning"
+        step = (
+            "gate and bias tuning"
+            if r.gate_tuning and r.bias_tuning
+            else "gate tuning"
+            if r.gate_tuning
+            else "bias tuning"
+        )
         result.work.update(tuning=spent, tuning_budget=limit)
-        entry = {"step": step, "epochs_run": round(steps / len(calib), 2), "heldout_by_epoch": history,
-                 "seconds": round(time.perf_counter() - tick, 3), "flops": spent,
-                 "budget_flops": None if r.tuning_budget is None else limit, "averaged": averaged}
+        entry = {
+            "step": step,
+            "epochs_run": round(steps / len(calib), 2),
+            "heldout_by_epoch": history,
+            "seconds": round(time.perf_counter() - tick, 3),
+            "flops": spent,
+            "budget_flops": None if r.tuning_budget is None else limit,
+            "averaged": averaged,
+        }
         if history:  # kept only when it beats the untuned state by more than one standard error (not on noise)
             tuned = gated.divergences(heldout, targets, objective)
             entry["kept"] = one_standard_error({"untuned": values, "tuned": tuned}) == "tuned"

@@ -17,8 +17,7 @@ from typing import Any
 import yaml
 
 from .config import CHOICES, ConfigError, RecoveryConfig, ScoringConfig, SelectionConfig
-from .harness import LmEvalConfig
-
+from .evaluation.lm_eval import LmEvalConfig
 
 SHIPPED = Path(__file__).parent / "shipped_recipes"
 
@@ -125,8 +124,11 @@ def _type_ok(value: Any, hint: Any) -> bool:
 
 
 def _type_name(hint: Any) -> str:
-    return getattr(hint, "__name__", None) if isinstance(hint, type) else \
-        str(hint).replace("typing.", "").replace("prune_heads.recipes.", "")
+    return (
+        getattr(hint, "__name__", None)
+        if isinstance(hint, type)
+        else str(hint).replace("typing.", "").replace("prune_heads.recipes.", "")
+    )
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
@@ -199,8 +201,9 @@ def parse_recipe(data: Any, overrides: list[str] = ()) -> Recipe:
     budgets = ("sparsity", "num_heads", "keep_per_layer", "flops")
     chosen = [k for k in budgets if getattr(recipe.selection, k) is not None]
     if len(chosen) != 1:
-        raise RecipeError(f"selection needs exactly one of sparsity, num_heads, keep_per_layer or flops "
-                          f"(has {chosen or 'none'})")
+        raise RecipeError(
+            f"selection needs exactly one of sparsity, num_heads, keep_per_layer or flops (has {chosen or 'none'})"
+        )
     if recipe.selection.flops is not None and recipe.scoring.steps > 1:
         raise RecipeError("selection.flops needs scoring.steps 1; iterative pruning takes selection.sparsity")
     if recipe.scoring.steps > 1 and recipe.recovery.enabled:

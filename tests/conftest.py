@@ -35,15 +35,27 @@ def fixture_data_path() -> Path:
     return FIXTURE_DATA
 
 
-FAST = ["--set", "data.eval_examples=300", "--set", "evaluation.speed.repeats=2",
-        "--set", "evaluation.speed.batch_size=8", "--set", "evaluation.speed.seq_len=64"]
+FAST = [
+    "--set",
+    "data.eval_examples=300",
+    "--set",
+    "evaluation.speed.repeats=2",
+    "--set",
+    "evaluation.speed.batch_size=8",
+    "--set",
+    "evaluation.speed.seq_len=64",
+]
 
 
 @pytest.fixture(scope="session")
 def fixture_run(tmp_path_factory, fixture_model_path):
     """`prune-heads run fixture-minilm-sentiment` in a real subprocess, as a user runs it."""
     out = tmp_path_factory.mktemp("run") / "pruned"
-    proc = subprocess.run([sys.executable, "-m", "prune_heads.cli", "run", "fixture-minilm-sentiment", "-o",
-                           str(out), *FAST], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    proc = subprocess.run(
+        [sys.executable, "-m", "prune_heads.cli", "run", "fixture-minilm-sentiment", "-o", str(out), *FAST],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out, proc

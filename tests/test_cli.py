@@ -6,29 +6,38 @@ import sys
 from pathlib import Path
 
 import pytest
+import tiny_models
 from click.testing import CliRunner
+from conftest import FAST
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import prune_heads as ph
 from prune_heads.cli import main
 from prune_heads.data import load_task_data
-from prune_heads.evaluation import evaluate_task
-from conftest import FAST
-import tiny_models
+from prune_heads.evaluation.task import evaluate_task
+
 
 def test_run_writes_a_loadable_model_and_a_true_report(fixture_run, fixture_model_path, fixture_data_path):
     out, proc = fixture_run
     assert "| accuracy |" in proc.stdout and "Saved the model and report to" in proc.stdout
     assert "scoring heads" not in proc.stderr  # stderr is not a terminal: no progress bars
-    for name in ("report.json", "report.md", "heatmap.png", "heads_per_layer.png", "plan.json", "scores.json",
-                 "recipe.yaml"):
+    for name in (
+        "report.json",
+        "report.md",
+        "heatmap.png",
+        "heads_per_layer.png",
+        "plan.json",
+        "scores.json",
+        "recipe.yaml",
+    ):
         assert (out / name).exists(), name
     assert (out / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
     report = json.loads((out / "report.json").read_text())
     model = ph.load_pruned(out)
     assert sum(l.num_heads for l in ph.find_attention(model)) == 36
-    data = load_task_data(str(fixture_data_path), AutoTokenizer.from_pretrained(out), split="test",
-                          max_examples=300, batch_size=64)
+    data = load_task_data(
+        str(fixture_data_path), AutoTokenizer.from_pretrained(out), split="test", max_examples=300, batch_size=64
+    )
     fresh = evaluate_task(model, data, ["accuracy", "f1"], progress=False)
     assert report["after"]["metrics"]["accuracy"] == pytest.approx(fresh["accuracy"], abs=1e-12)
     assert report["after"]["metrics"]["f1"] == pytest.approx(fresh["f1"], abs=1e-12)
@@ -64,10 +73,13 @@ def test_recipe_typo_is_named(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--set", "selection.sparsity=1.0"], "cannot remove exactly sparsity 1.0 (72 more heads)"),
-    (["--set", "data.text_column=review"], "no text column 'review'; the data has columns idx, sentence, label"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--set", "selection.sparsity=1.0"], "cannot remove exactly sparsity 1.0 (72 more heads)"),
+        (["--set", "data.text_column=review"], "no text column 'review'; the data has columns idx, sentence, label"),
+    ],
+)
 def test_impossible_requests_leave_nothing_behind(tmp_path, extra, message):
     result = _invoke(["run", "fixture-minilm-sentiment", "-o", str(tmp_path / "out"), *FAST, *extra])
     assert result.exit_code == 2 and message in result.output
@@ -89,20 +101,38 @@ def test_plan_that_empties_a_layer_needs_min_heads_zero(tmp_path, fixture_model_
     assert ph.find_attention(remote)[0].num_heads == 0
 
 
-@pytest.mark.parametrize("content, message", [
-    ("[[0, 1]]", "must hold a JSON object"),
-    ('{"0": [0, 1', "is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("[[0, 1]]", "must hold a JSON object"),
+        ('{"0": [0, 1', "is not valid JSON"),
+    ],
+)
 def test_bad_plan_files_name_the_file(tmp_path, fixture_model_path, content, message):
     (tmp_path / "plan.json").write_text(content)
-    result = _invoke(["prune", str(fixture_model_path), "--plan", str(tmp_path / "plan.json"), "-o", str(tmp_path / "o")])
+    result = _invoke(
+        ["prune", str(fixture_model_path), "--plan", str(tmp_path / "plan.json"), "-o", str(tmp_path / "o")]
+    )
     assert result.exit_code == 2 and message in result.output and "plan.json" in result.output
     assert not (tmp_path / "o").exists()
 
 
 def test_prune_without_flags_is_the_default_path(tmp_path, fixture_model_path, fixture_data_path):
-    result = _invoke(["prune", str(fixture_model_path), "--data", str(fixture_data_path), "--examples", "128",
-                      "--sparsity", "0.5", "-o", str(tmp_path / "out"), "--json"])
+    result = _invoke(
+        [
+            "prune",
+            str(fixture_model_path),
+            "--data",
+            str(fixture_data_path),
+            "--examples",
+            "128",
+            "--sparsity",
+            "0.5",
+            "-o",
+            str(tmp_path / "out"),
+            "--json",
+        ]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["meta"]["method"] == "fisher" and report["summary"]["heads"]["after"] == 36
@@ -115,8 +145,22 @@ def test_prune_without_flags_is_the_default_path(tmp_path, fixture_model_path, f
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "Recovery, decided on" in markdown
     assert ("moving average" in markdown) == (tuning["averaged"] and tuning["kept"])
-    off = _invoke(["prune", str(fixture_model_path), "--data", str(fixture_data_path), "--examples", "128",
-                   "--sparsity", "0.5", "--no-recovery", "-o", str(tmp_path / "off"), "--json"])
+    off = _invoke(
+        [
+            "prune",
+            str(fixture_model_path),
+            "--data",
+            str(fixture_data_path),
+            "--examples",
+            "128",
+            "--sparsity",
+            "0.5",
+            "--no-recovery",
+            "-o",
+            str(tmp_path / "off"),
+            "--json",
+        ]
+    )
     assert off.exit_code == 0 and [e["step"] for e in json.loads(off.stdout)["recovery"]] == ["selection"]
     assert list(json.loads(off.stdout)["recovery"][0]["tried"]) == ["ranked"]
 
@@ -125,8 +169,16 @@ def test_a_budget_the_structure_cannot_meet_is_refused_before_data(tmp_path):
     import tiny_models as tm
 
     tm.build("llama").save_pretrained(tmp_path / "llama")  # no tokenizer, and the data does not exist
-    args = ["prune", str(tmp_path / "llama"), "--data", str(tmp_path / "missing.jsonl"), "--task", "causal-lm",
-            "-o", str(tmp_path / "o")]
+    args = [
+        "prune",
+        str(tmp_path / "llama"),
+        "--data",
+        str(tmp_path / "missing.jsonl"),
+        "--task",
+        "causal-lm",
+        "-o",
+        str(tmp_path / "o"),
+    ]
     result = _invoke([*args, "--num-heads", "3"])
     assert result.exit_code == 2 and "cannot remove exactly 3 heads" in result.output
     assert "2 heads (sparsity 0.1667) or 4 heads (sparsity 0.3333)" in result.output and "--round" in result.output
@@ -138,11 +190,32 @@ def test_a_budget_the_structure_cannot_meet_is_refused_before_data(tmp_path):
 def test_smollm2_gguf_recipe_end_to_end(tmp_path):
     """The shipped GGUF recipe, shortened: GGUF in, pruned by whole KV groups, GGUF out; then as safetensors."""
     out = tmp_path / "smol"
-    result = _invoke(["run", "smollm2-135m-gguf", "-o", str(out), "--set", "data.score_split=train[:24]",
-                      "--set", "data.eval_split=train[24:32]", "--set", "data.max_length=64",
-                      "--set", "selection.num_heads=9", "--set", "recovery.epochs=1",
-                      "--set", "evaluation.speed.seq_len=8", "--set", "evaluation.speed.generate_tokens=4",
-                      "--set", "evaluation.speed.repeats=1", "--set", "evaluation.speed.warmup=0"])
+    result = _invoke(
+        [
+            "run",
+            "smollm2-135m-gguf",
+            "-o",
+            str(out),
+            "--set",
+            "data.score_split=train[:24]",
+            "--set",
+            "data.eval_split=train[24:32]",
+            "--set",
+            "data.max_length=64",
+            "--set",
+            "selection.num_heads=9",
+            "--set",
+            "recovery.epochs=1",
+            "--set",
+            "evaluation.speed.seq_len=8",
+            "--set",
+            "evaluation.speed.generate_tokens=4",
+            "--set",
+            "evaluation.speed.repeats=1",
+            "--set",
+            "evaluation.speed.warmup=0",
+        ]
+    )
     assert result.exit_code == 0, result.output
     shown = json.loads(_invoke(["inspect", str(out / "model.gguf"), "--json"]).stdout)
     assert sum(shown["heads"]) == 261 and sum(shown["kv_heads"]) == 87 and shown["source_sha256"]
@@ -152,10 +225,28 @@ def test_smollm2_gguf_recipe_end_to_end(tmp_path):
     assert [g["batch_size"] for g in after] == [1, 8]
     assert all(a["kv_cache_bytes"] < b["kv_cache_bytes"] for a, b in zip(after, before))  # 3 of 90 KV heads gone
     assert "| generated tokens/s (batch 8, 4 new tokens)" in (out / "report.md").read_text()
-    result = _invoke(["run", "smollm2-135m-gguf", "-o", str(tmp_path / "st"), "--set", "output.format=safetensors",
-                      "--set", "data.score_split=train[:8]", "--set", "data.max_length=32", "--set",
-                      "selection.num_heads=9", "--set", "recovery=off", "--set", "evaluation.speed=null",
-                      "--set", "data.eval_split=null"])
+    result = _invoke(
+        [
+            "run",
+            "smollm2-135m-gguf",
+            "-o",
+            str(tmp_path / "st"),
+            "--set",
+            "output.format=safetensors",
+            "--set",
+            "data.score_split=train[:8]",
+            "--set",
+            "data.max_length=32",
+            "--set",
+            "selection.num_heads=9",
+            "--set",
+            "recovery=off",
+            "--set",
+            "evaluation.speed=null",
+            "--set",
+            "data.eval_split=null",
+        ]
+    )
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "st" / "config.json").read_text())
     assert "quantization_config" not in config and (tmp_path / "st" / "model.safetensors").exists()
@@ -180,18 +271,24 @@ def test_bad_input_is_one_line_and_exit_two(tmp_path, fixture_model_path, fixtur
     assert "is BertForSequenceClassification: use --task classification" in result.output.splitlines()[-1]
     resnet = ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1]))
     resnet.save_pretrained(tmp_path / "resnet")
-    for command in (["inspect"], ["score", "--task", "image-classification", *common[:2]],
-                    ["prune", "--task", "image-classification", "--sparsity", "0.5", *common],
-                    ["evaluate", "--task", "image-classification", *common[:2]]):
+    for command in (
+        ["inspect"],
+        ["score", "--task", "image-classification", *common[:2]],
+        ["prune", "--task", "image-classification", "--sparsity", "0.5", *common],
+        ["evaluate", "--task", "image-classification", *common[:2]],
+    ):
         result = _invoke([command[0], str(tmp_path / "resnet"), *command[1:]])
         assert result.exit_code == 2, command
-        assert result.output.strip() == (f"error: no attention layers found in {tmp_path / 'resnet'} "
-                                         f"(ResNetForImageClassification)")
+        assert result.output.strip() == (
+            f"error: no attention layers found in {tmp_path / 'resnet'} (ResNetForImageClassification)"
+        )
     for missing in (str(tmp_path / "nope"), "./nope"):
         result = _invoke(["inspect", missing])
         assert result.exit_code == 2
-        assert result.output.strip() == f"error: no folder {missing}, and not a hub id (those look like " \
-                                        f"'org/name'); check the path"
+        assert (
+            result.output.strip() == f"error: no folder {missing}, and not a hub id (those look like "
+            f"'org/name'); check the path"
+        )
     assert not (tmp_path / "o").exists()
 
 
@@ -204,14 +301,33 @@ def test_an_edited_record_is_exit_two_naming_the_layer(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     result = _invoke(["inspect", str(tmp_path / "m")])
     assert result.exit_code == 2
-    assert result.output.strip() == ("error: config.prune_heads layer 'bert.encoder.layer.0.attention': removed "
-                                     "head(s) [9] are not heads 0..3; restore the config.json that save_pruned wrote")
+    assert result.output.strip() == (
+        "error: config.prune_heads layer 'bert.encoder.layer.0.attention': removed "
+        "head(s) [9] are not heads 0..3; restore the config.json that save_pruned wrote"
+    )
 
 
 def test_quiet_leaves_stderr_empty_and_json_clean(tmp_path, fixture_model_path, fixture_data_path):
-    args = [sys.executable, "-m", "prune_heads.cli", "-q", "prune", str(fixture_model_path), "--data",
-            str(fixture_data_path), "--examples", "16", "--num-heads", "6", "--method", "magnitude",
-            "--no-recovery", "--json", "-o", str(tmp_path / "o")]
+    args = [
+        sys.executable,
+        "-m",
+        "prune_heads.cli",
+        "-q",
+        "prune",
+        str(fixture_model_path),
+        "--data",
+        str(fixture_data_path),
+        "--examples",
+        "16",
+        "--num-heads",
+        "6",
+        "--method",
+        "magnitude",
+        "--no-recovery",
+        "--json",
+        "-o",
+        str(tmp_path / "o"),
+    ]
     proc = subprocess.run(args, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
@@ -250,15 +366,32 @@ def test_every_command_has_help_with_an_example():
 def test_inspect_lists_the_attention_it_leaves_alone(tmp_path):
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    text = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                num_hidden_layers=2, vocab_size=300)
-    vision = dict(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2, image_size=32,
-                  patch_size=8, vision_use_head=True)
-    Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)) \
-        .save_pretrained(tmp_path / "gemma3")
+    text = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        vocab_size=300,
+    )
+    vision = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        image_size=32,
+        patch_size=8,
+        vision_use_head=True,
+    )
+    Gemma3ForConditionalGeneration(
+        Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    ).save_pretrained(tmp_path / "gemma3")
     result = _invoke(["inspect", str(tmp_path / "gemma3")])
     assert result.exit_code == 0, result.output
-    assert ("model.vision_tower.head                          left as it is (SiglipMultiheadAttentionPoolingHead): "
-            "an attention module of no registered family") in result.output
+    assert (
+        "model.vision_tower.head                          left as it is (SiglipMultiheadAttentionPoolingHead): "
+        "an attention module of no registered family"
+    ) in result.output
     unsupported = json.loads(_invoke(["inspect", str(tmp_path / "gemma3"), "--json"]).stdout)["unsupported"]
     assert [u["class"] for u in unsupported] == ["SiglipMultiheadAttentionPoolingHead"]

@@ -3,14 +3,14 @@ import math
 import numpy as np
 import pytest
 
-from prune_heads.confidence import compare, describe, mcnemar, mean_of, paired_interval, ratio_of
+from prune_heads.evaluation.confidence import compare, describe, mcnemar, mean_of, paired_interval, ratio_of
 
 
 def test_mcnemar_is_the_exact_binomial_test_on_the_changed_examples():
     assert mcnemar([1, 0, 1], [1, 0, 1]) == 1.0  # nothing changed
-    assert mcnemar([1] * 5, [0] * 5) == pytest.approx(2 / 2 ** 5)  # five lost, none won
+    assert mcnemar([1] * 5, [0] * 5) == pytest.approx(2 / 2**5)  # five lost, none won
     before, after = [1] * 10 + [0] * 2 + [1] * 50, [0] * 10 + [1] * 2 + [1] * 50  # 10 lost, 2 won, 50 kept
-    expected = 2 * sum(math.comb(12, k) for k in range(3)) / 2 ** 12
+    expected = 2 * sum(math.comb(12, k) for k in range(3)) / 2**12
     assert mcnemar(before, after) == pytest.approx(expected) and expected < 0.05
 
 

@@ -11,13 +11,36 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import coverage  # noqa: E402
 
-EXACT = ["gpt_oss", "mllama", "pixtral", "dinov3_vit", "moonshine", "granite_swa", "clip", "wav2vec2", "hubert",
-         "beit", "llava", "blip", "siglip", "mvp", "maskformer-swin", "afmoe", "falcon", "mpt", "yolos",
-         "videomae", "switch_transformers"]
-REFUSED = {"olmo2": "normalises over all heads together", "olmo3": "normalises over all heads together",
-           "big_bird": "rebuilds its attention module from the config",
-           "codegen": "no registered family",  # q, v, k in four model-parallel blocks: not described
-           "wavlm": "it fails after the removal"}  # gated relative bias shared across layers: not described
+EXACT = [
+    "gpt_oss",
+    "mllama",
+    "pixtral",
+    "dinov3_vit",
+    "moonshine",
+    "granite_swa",
+    "clip",
+    "wav2vec2",
+    "hubert",
+    "beit",
+    "llava",
+    "blip",
+    "siglip",
+    "mvp",
+    "maskformer-swin",
+    "afmoe",
+    "falcon",
+    "mpt",
+    "yolos",
+    "videomae",
+    "switch_transformers",
+]
+REFUSED = {
+    "olmo2": "normalises over all heads together",
+    "olmo3": "normalises over all heads together",
+    "big_bird": "rebuilds its attention module from the config",
+    "codegen": "no registered family",  # q, v, k in four model-parallel blocks: not described
+    "wavlm": "it fails after the removal",
+}  # gated relative bias shared across layers: not described
 
 
 @pytest.mark.parametrize("model_type", EXACT)

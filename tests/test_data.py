@@ -22,35 +22,45 @@ def test_folder_of_split_files_with_slicing(fixture_data_path, tokenizer):
     assert sorted(torch.cat([b["labels"] for b in data]).tolist()) == sorted(expected)
     lengths = [int(n) for b in data for n in b["attention_mask"].sum(-1)]
     assert lengths == sorted(lengths)  # batched by length: little padding
-    in_order = load_task_data(str(fixture_data_path), tokenizer, split="test[:50]", batch_size=16, max_length=32,
-                              by_length=False)
+    in_order = load_task_data(
+        str(fixture_data_path), tokenizer, split="test[:50]", batch_size=16, max_length=32, by_length=False
+    )
     assert torch.cat([b["labels"] for b in in_order]).tolist() == expected
     assert data.without_labels()[0].keys() == {"input_ids", "token_type_ids", "attention_mask"}
 
 
 def test_batches_are_padded_to_their_own_longest(fixture_data_path, tokenizer):
-    data = load_task_data(str(fixture_data_path / "validation.jsonl"), tokenizer, split="validation[:40]",
-                          batch_size=8)
+    data = load_task_data(str(fixture_data_path / "validation.jsonl"), tokenizer, split="validation[:40]", batch_size=8)
     widths = {b["input_ids"].shape[1] for b in data}
     assert len(widths) > 1  # dynamic padding, not one global width
 
 
 def test_csv_with_string_labels_and_pairs(tmp_path, tokenizer):
-    (tmp_path / "pairs.csv").write_text("premise,hypothesis,label\na cat,an animal,entailment\n"
-                                        "a dog,a car,contradiction\n")
-    data = load_task_data(str(tmp_path / "pairs.csv"), tokenizer, split="train", text_column="premise",
-                          text_pair_column="hypothesis", label2id={"contradiction": 0, "entailment": 1})
+    (tmp_path / "pairs.csv").write_text(
+        "premise,hypothesis,label\na cat,an animal,entailment\na dog,a car,contradiction\n"
+    )
+    data = load_task_data(
+        str(tmp_path / "pairs.csv"),
+        tokenizer,
+        split="train",
+        text_column="premise",
+        text_pair_column="hypothesis",
+        label2id={"contradiction": 0, "entailment": 1},
+    )
     assert data.batches[0]["labels"].tolist() == [1, 0]
     assert data.label_names == ["contradiction", "entailment"]
     assert (data.batches[0]["token_type_ids"] == 1).any()  # the pair is encoded as a pair
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"text_column": "text"}, "no text column 'text'; the data has columns idx, sentence, label"),
-    ({"label_column": "stars"}, "no label column 'stars'"),
-    ({"split": "dev"}, "no split 'dev' in .*; it has test, train, validation"),
-    ({"task": "summarize"}, "unknown task 'summarize'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"text_column": "text"}, "no text column 'text'; the data has columns idx, sentence, label"),
+        ({"label_column": "stars"}, "no label column 'stars'"),
+        ({"split": "dev"}, "no split 'dev' in .*; it has test, train, validation"),
+        ({"task": "summarize"}, "unknown task 'summarize'"),
+    ],
+)
 def test_missing_columns_and_splits_list_what_exists(fixture_data_path, tokenizer, kwargs, message):
     with pytest.raises(DataError, match=message):
         load_task_data(str(fixture_data_path), tokenizer, **kwargs)
@@ -67,8 +77,16 @@ def test_unknown_split_of_a_file_and_unknown_file_type(tmp_path):
 
 def test_language_model_windows_score_each_token_once(tmp_path, tokenizer):
     (tmp_path / "corpus.txt").write_text("\n".join(f"line number {i} of the corpus." for i in range(60)))
-    data = load_task_data(str(tmp_path / "corpus.txt"), tokenizer, task="causal-lm", split="train",
-                          text_column="text", max_length=32, stride=16, batch_size=4)
+    data = load_task_data(
+        str(tmp_path / "corpus.txt"),
+        tokenizer,
+        task="causal-lm",
+        split="train",
+        text_column="text",
+        max_length=32,
+        stride=16,
+        batch_size=4,
+    )
     tokens = data.info["tokens"]
     windows = torch.cat([b["input_ids"][:, 0] for b in data])  # one row per window
     labelled = sum(int((b["labels"][:, 1:] != -100).sum()) for b in data)

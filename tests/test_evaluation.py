@@ -6,8 +6,16 @@ import transformers as T
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from prune_heads.data import load_task_data
-from prune_heads.evaluation import (MetricError, evaluate_task, evaluation, fidelity, load_metric, logistic_regression,
-                                    nearest_vote, perplexity)
+from prune_heads.evaluation.task import (
+    MetricError,
+    evaluate_task,
+    evaluation,
+    fidelity,
+    load_metric,
+    logistic_regression,
+    nearest_vote,
+    perplexity,
+)
 
 
 def test_fixture_accuracy_equals_a_plain_loop(fixture_model_path, fixture_data_path):
@@ -28,12 +36,14 @@ def test_fixture_accuracy_equals_a_plain_loop(fixture_model_path, fixture_data_p
 def test_perplexity_is_exp_of_mean_token_nll(fixture_model_path, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(fixture_model_path)
     torch.manual_seed(0)
-    model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=tokenizer.vocab_size, n_embd=32, n_layer=2, n_head=4,
-                                           n_positions=512)).eval()
+    model = T.GPT2LMHeadModel(
+        T.GPT2Config(vocab_size=tokenizer.vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=512)
+    ).eval()
     text = "the film is a charming, funny and moving story about friendship. " * 6
     (tmp_path / "t.txt").write_text(text)
-    data = load_task_data(str(tmp_path / "t.txt"), tokenizer, task="causal-lm", split="train", text_column="text",
-                          max_length=512)
+    data = load_task_data(
+        str(tmp_path / "t.txt"), tokenizer, task="causal-lm", split="train", text_column="text", max_length=512
+    )
     ids = tokenizer(text.strip(), return_tensors="pt")["input_ids"]
     with torch.no_grad():
         logits = model(ids).logits[0, :-1]
@@ -45,8 +55,7 @@ def test_perplexity_is_exp_of_mean_token_nll(fixture_model_path, tmp_path):
 
 def test_fidelity_of_identical_and_permuted_embeddings():
     emb = torch.nn.functional.normalize(torch.randn(20, 8), dim=-1)
-    assert fidelity(emb, emb) == {"cosine": pytest.approx(1.0), "cosine_min": pytest.approx(1.0),
-                                  "nn_agreement": 1.0}
+    assert fidelity(emb, emb) == {"cosine": pytest.approx(1.0), "cosine_min": pytest.approx(1.0), "nn_agreement": 1.0}
     shuffled = fidelity(emb, emb[torch.randperm(20)])
     assert shuffled["cosine"] < 0.9
 
@@ -88,9 +97,18 @@ def test_embedding_task_accuracy_with_labelled_splits(tmp_path):
     tok = Tokenizer(models.WordLevel({w: i + 2 for i, w in enumerate(words)} | {"[PAD]": 0, "[UNK]": 1}, "[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = T.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
-    train, test = (load_task_data(str(tmp_path / "d.jsonl"), tokenizer, task="feature-extraction", split=split,
-                                  text_column="text", label_column="label", batch_size=8)
-                   for split in ("train[:40]", "train[40:]"))
+    train, test = (
+        load_task_data(
+            str(tmp_path / "d.jsonl"),
+            tokenizer,
+            task="feature-extraction",
+            split=split,
+            text_column="text",
+            label_column="label",
+            batch_size=8,
+        )
+        for split in ("train[:40]", "train[40:]")
+    )
     assert all("labels" not in b for b in train.batches) and len(train.targets) == 40
     model = tm.build("bert").bert.eval()
     found = evaluation(model, test, train=train, progress=False)

@@ -23,12 +23,12 @@ import os
 import random
 
 import pytest
+import tiny_models as tm
 import torch
 import yaml
 from click.testing import CliRunner
 
 import prune_heads as ph
-import tiny_models as tm
 from prune_heads.cli import main
 from prune_heads.recipes import RecipeError, load_recipe, shipped_recipes
 
@@ -40,8 +40,11 @@ def _random_heads(rng: random.Random, layer: ph.AttentionLayer) -> list[int]:
     """Heads to remove from one layer: usually a plausible request, sometimes an invalid one."""
     heads, size = list(layer.heads), layer.group_size
     groups = sorted({h // size for h in heads})
-    kind = rng.choice(["subset", "subset", "groups", "even", "all", "none", "out-of-range", "removed"] if heads
-                      else ["none", "out-of-range", "removed"])
+    kind = rng.choice(
+        ["subset", "subset", "groups", "even", "all", "none", "out-of-range", "removed"]
+        if heads
+        else ["none", "out-of-range", "removed"]
+    )
     if kind == "subset":
         return rng.sample(heads, rng.randint(1, len(heads)))
     if kind == "groups":
@@ -136,8 +139,7 @@ def test_random_plans_are_exact_or_refused_untouched(case, tmp_path):
     if pruned_any:
         ph.save_pruned(model, tmp_path / "m")
         loaded = ph.load_pruned(tmp_path / "m", attn_implementation="eager")
-        torch.testing.assert_close(_output(loaded, name), _output(model, name),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(_output(loaded, name), _output(model, name), rtol=0, atol=0)
 
 
 def _paths(data: dict, prefix: tuple = ()) -> list[tuple]:
@@ -164,7 +166,7 @@ def _wrong_type(value):
 
 def _typo(rng: random.Random, key: str) -> str:
     i = rng.randrange(len(key))
-    return rng.choice([key[:i] + key[i + 1:], key[:i] + rng.choice("xqz_") + key[i:], key + "s", key.upper()])
+    return rng.choice([key[:i] + key[i + 1 :], key[:i] + rng.choice("xqz_") + key[i:], key + "s", key.upper()])
 
 
 def _mutate(rng: random.Random, data: dict) -> tuple[dict, str, str, bool]:

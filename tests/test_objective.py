@@ -2,9 +2,14 @@ import pytest
 import torch
 from transformers.modeling_outputs import BaseModelOutput, SequenceClassifierOutput
 
-import prune_heads.objective as objective_module
-from prune_heads.objective import (NEIGHBOUR_TEMPERATURE, Objective, nearest_neighbours, neighbour_changes,
-                                   neighbour_divergence)
+import prune_heads.scoring.objective as objective_module
+from prune_heads.scoring.objective import (
+    NEIGHBOUR_TEMPERATURE,
+    Objective,
+    nearest_neighbours,
+    neighbour_changes,
+    neighbour_divergence,
+)
 
 
 def unit(x):
@@ -21,8 +26,10 @@ def test_neighbours_match_the_full_similarity_matrix_in_any_chunking(monkeypatch
     reference, embeddings = unit(torch.randn(50, 8, generator=g)), unit(torch.randn(50, 8, generator=g))
     eye = torch.eye(50, dtype=torch.bool)
     full = (reference.double() @ reference.double().T).masked_fill(eye, -2).argmax(-1)
-    log_p, log_q = ((x.double() @ x.double().T / NEIGHBOUR_TEMPERATURE).masked_fill(eye, -1e9).log_softmax(-1)
-                    for x in (reference, embeddings))
+    log_p, log_q = (
+        (x.double() @ x.double().T / NEIGHBOUR_TEMPERATURE).masked_fill(eye, -1e9).log_softmax(-1)
+        for x in (reference, embeddings)
+    )
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
     monkeypatch.setattr(objective_module, "CHUNK", chunk)
     assert torch.equal(nearest_neighbours(reference), full)
@@ -77,7 +84,9 @@ def test_the_probe_is_a_deterministic_logistic_regression_and_gives_the_encoders
     batch = {"attention_mask": torch.ones(4, 5, dtype=torch.long), "labels": torch.tensor([0, 1, 2, 0])}
     outputs = BaseModelOutput(last_hidden_state=hidden)
     objective = Objective(torch.nn.Identity(), probe=probe)
-    expected = torch.nn.functional.cross_entropy(probe(unit(hidden.mean(1)).double()), batch["labels"], reduction="none").float()
+    expected = torch.nn.functional.cross_entropy(
+        probe(unit(hidden.mean(1)).double()), batch["labels"], reduction="none"
+    ).float()
     assert torch.allclose(objective.per_example(outputs, batch, g), expected)
     assert torch.allclose(objective.value(outputs, batch, None), expected)
     assert "labels" not in objective.inputs(batch) and "labels" in Objective(torch.nn.Identity()).inputs(batch)

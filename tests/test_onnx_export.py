@@ -6,12 +6,12 @@ import json
 
 import onnxruntime as ort
 import pytest
+import tiny_models as tm
 import torch
 from torch.export import Dim
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import prune_heads as ph
-import tiny_models as tm
 
 
 def _export(model, inputs: dict, path, dynamic: bool = False) -> ort.InferenceSession:

@@ -7,12 +7,12 @@ import time
 from pathlib import Path
 
 import pytest
+import tiny_models as tm
 import torch
 import transformers
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import prune_heads as ph
-import tiny_models as tm
 
 
 @pytest.mark.parametrize("name", list(tm.FAMILIES))
@@ -109,8 +109,9 @@ def test_a_killed_save_leaves_the_old_folder_or_the_new_one(tmp_path):
 
 
 def test_the_next_save_removes_temporary_folders_of_dead_writers_only(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     left = [tmp_path / f".out.{dead}.k3j_x9a1", tmp_path / f".out.old.{dead}.q0w_e8r2"]
     live = tmp_path / f".out.{os.getpid()}.writing"  # a save still under way in a live process
     for folder in (*left, live):
@@ -183,15 +184,18 @@ def test_uniform_llama_style_plans_save_a_stock_config(name, tmp_path):
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="eager").eval()
     with torch.no_grad():
         assert torch.equal(plain(**inputs).logits, model(**inputs).logits)
-    assert torch.equal(plain.generate(**inputs, max_new_tokens=5, do_sample=False),
-                       model.generate(**inputs, max_new_tokens=5, do_sample=False))
+    assert torch.equal(
+        plain.generate(**inputs, max_new_tokens=5, do_sample=False),
+        model.generate(**inputs, max_new_tokens=5, do_sample=False),
+    )
     assert model.config.prune_heads["format"] == 1  # the model in memory keeps its record
 
 
 @pytest.mark.parametrize("name, stock", [("llama", True), ("qwen2", False)])
 def test_added_output_biases_stay_stock_where_the_config_can_say_so(name, stock, tmp_path):
     from transformers import AutoModelForCausalLM
-    from prune_heads.surgery import add_output_bias
+
+    from prune_heads.model.surgery import add_output_bias
 
     model, inputs = tm.build(name), tm.make_inputs(name)
     ph.prune(model, {i: [0, 1] for i in range(3)})
@@ -225,18 +229,21 @@ def _saved_with_record(tmp_path, name="llama"):
     return tmp_path / "saved"
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda r, e: e.update(removed=[0, 1, 9]), r"removed head\(s\) \[9\] are not heads 0..3"),
-    (lambda r, e: e.update(removed=[-1, 0]), r"removed head\(s\) \[-1\] are not heads 0..3"),
-    (lambda r, e: e.update(removed=[0, 0]), "lists a head twice"),
-    (lambda r, e: e.update(removed=["0", 1]), r"removed head\(s\) \['0'\]"),
-    (lambda r, e: e.pop("removed"), "no 'removed' list"),
-    (lambda r, e: e.update(num_heads=8), "records num_heads 8, the model builds 4"),
-    (lambda r, e: e.update(removed=[0]), "leaves KV groups of different sizes"),
-    (lambda r, e: e.update(removed=[2, 3]), "edited after saving"),
-    (lambda r, e: (e.update(removed=[2, 3]), r.pop("digest")), None),  # no digest, same shapes: loads as said
-    (lambda r, e: (e.update(removed=[]), r.pop("digest")), r"q_proj.weight is \[16, 32\] in the checkpoint"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r, e: e.update(removed=[0, 1, 9]), r"removed head\(s\) \[9\] are not heads 0..3"),
+        (lambda r, e: e.update(removed=[-1, 0]), r"removed head\(s\) \[-1\] are not heads 0..3"),
+        (lambda r, e: e.update(removed=[0, 0]), "lists a head twice"),
+        (lambda r, e: e.update(removed=["0", 1]), r"removed head\(s\) \['0'\]"),
+        (lambda r, e: e.pop("removed"), "no 'removed' list"),
+        (lambda r, e: e.update(num_heads=8), "records num_heads 8, the model builds 4"),
+        (lambda r, e: e.update(removed=[0]), "leaves KV groups of different sizes"),
+        (lambda r, e: e.update(removed=[2, 3]), "edited after saving"),
+        (lambda r, e: (e.update(removed=[2, 3]), r.pop("digest")), None),  # no digest, same shapes: loads as said
+        (lambda r, e: (e.update(removed=[]), r.pop("digest")), r"q_proj.weight is \[16, 32\] in the checkpoint"),
+    ],
+)
 def test_an_edited_record_is_refused_naming_the_layer(tmp_path, edit, message):
     saved = _saved_with_record(tmp_path)
     config = json.loads((saved / "config.json").read_text())
@@ -266,7 +273,7 @@ def test_a_model_whose_original_layout_permutes_rows_by_head_count_saves_and_loa
     config = transformers.GradiumPhononTTSConfig(num_hidden_layers=2, intermediate_size=64, vocab_size=128)
     torch.manual_seed(0)
     model = transformers.GradiumPhononTTSModel(config).eval()
-    assert ph.persistence.head_bound(model)
+    assert ph.export.persistence.head_bound(model)
     ids = torch.randint(8, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     ph.prune(model, {0: [0, 1], 1: [5]})
     with torch.no_grad():

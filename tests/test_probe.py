@@ -1,9 +1,9 @@
 import pytest
+import tiny_models as tm
 import torch
 from torch import nn
 
 import prune_heads as ph
-import tiny_models as tm
 
 
 class CountingAttention(nn.Module):
@@ -21,9 +21,10 @@ class CountingAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         heads = self.heads if self.sinks is None else self.q_proj.out_features // self.head_dim
-        q, k, v = (p(x).view(b, s, heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj,
-                                                                                   self.v_proj))
-        scores = q @ k.transpose(-1, -2) / self.head_dim ** 0.5
+        q, k, v = (
+            p(x).view(b, s, heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        scores = q @ k.transpose(-1, -2) / self.head_dim**0.5
         if self.sinks is not None:
             scores = scores + self.sinks[:, None, None]
         out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, heads * self.head_dim)
@@ -57,8 +58,11 @@ def test_a_structural_match_that_would_crash_is_refused_untouched():
     layers = ph.find_attention(model)
     assert len(layers) == 2  # matched by structure: no family names CountingAttention
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ph.PlanError, match=r"blocks.0 \(CountingAttention, handled as '\w+' by its structure\): "
-                                           r"it fails after the removal.*nothing was changed"):
+    with pytest.raises(
+        ph.PlanError,
+        match=r"blocks.0 \(CountingAttention, handled as '\w+' by its structure\): "
+        r"it fails after the removal.*nothing was changed",
+    ):
         ph.prune(model, {0: [1]}, inputs={"x": x})
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     model(x)  # still runs
@@ -125,7 +129,7 @@ def test_layers_that_normalise_over_all_heads_are_refused_with_the_reason():
 def test_a_refused_plan_undoes_the_preparation(monkeypatch):
     """T5's preparation gives each layer its own relative-bias table; a plan the probe then refuses leaves
     no table, hook or attribute of it behind, and the outputs as they were."""
-    import prune_heads.probe as probe
+    import prune_heads.model.probe as probe
 
     model = tm.build("t5")
     inputs = tm.make_inputs("t5", seed=3)
@@ -151,8 +155,16 @@ def test_a_half_precision_model_is_proven_on_its_structure_not_its_rounding(dtyp
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=576, intermediate_size=64, num_hidden_layers=12,
-                                         num_attention_heads=9, num_key_value_heads=3, vocab_size=128)).to(dtype)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=576,
+            intermediate_size=64,
+            num_hidden_layers=12,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=128,
+        )
+    ).to(dtype)
     layers = ph.find_attention(model)
     ph.probe_plan(model, layers, {layer.name: [0, 1, 2] for layer in layers})  # raises if not exact
     assert all(p.dtype == dtype for p in model.parameters())

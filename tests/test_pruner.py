@@ -1,13 +1,15 @@
 import copy
 
 import pytest
+import tiny_models as tm
 import torch
 
 import prune_heads as ph
-import tiny_models as tm
-from prune_heads.objective import Objective, neighbour_divergence
-from prune_heads.recovery import GatedModel, split_holdout, tune
-from prune_heads.work import Budget, Work
+from prune_heads.recovery.gated import GatedModel
+from prune_heads.recovery.holdout import split_holdout
+from prune_heads.recovery.tuning import tune
+from prune_heads.runtime.work import Budget, Work
+from prune_heads.scoring.objective import Objective, neighbour_divergence
 
 
 def batches(name="bert", n=5, labels=True, batch=4):
@@ -20,8 +22,9 @@ def batches(name="bert", n=5, labels=True, batch=4):
 def kl(model, reference, data):
     objective = Objective(reference)
     with torch.no_grad():
-        return sum(float(objective.divergence(model(**b), b, objective.reference(reference(**b), b)).sum())
-                   for b in data)
+        return sum(
+            float(objective.divergence(model(**b), b, objective.reference(reference(**b), b)).sum()) for b in data
+        )
 
 
 def test_default_config_is_the_best_measured_path():
@@ -35,8 +38,9 @@ def test_default_config_is_the_best_measured_path():
 @pytest.mark.parametrize("name", ["bert", "llama", "gpt2"])
 def test_prune_model_removes_exactly_the_budget_and_reports_its_decisions(name):
     model = tm.build(name)
-    result = ph.prune_model(model, batches(name), ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4)),
-                            progress=False)
+    result = ph.prune_model(
+        model, batches(name), ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4)), progress=False
+    )
     assert result.heads_removed == result.asked == 4
     assert sum(l.num_heads for l in ph.find_attention(model)) == 12 - 4
     selection = next(e for e in result.recovery if e["step"] == "selection")
@@ -69,8 +73,9 @@ def test_embedding_models_decide_on_neighbour_divergence_and_cosine():
     _, heldout = split_holdout(data, 0.2)
     objective = Objective(original)
     with torch.no_grad():
-        cosine = torch.cat([objective.divergence(model(**b), b, objective.embedding(original(**b), b))
-                            for b in heldout]).double()
+        cosine = torch.cat(
+            [objective.divergence(model(**b), b, objective.embedding(original(**b), b)) for b in heldout]
+        ).double()
         pruned = torch.cat([objective.embedding(model(**b), b) for b in heldout])
         unpruned = torch.cat([objective.embedding(original(**b), b) for b in heldout])
     ranking = neighbour_divergence(unpruned, pruned)
@@ -125,9 +130,10 @@ def test_layer_granularity_drops_attention_blocks_and_their_kv_cache():
 
 def test_bias_compensation_adds_a_recorded_bias_that_reloads(tmp_path):
     llama = tm.build("llama")  # no output-projection bias
-    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4),
-                            recovery=ph.RecoveryConfig(holdout=0, rearrange=False, gate_tuning=False,
-                                                       bias_tuning=False))
+    config = ph.PruneConfig(
+        selection=ph.SelectionConfig(num_heads=4),
+        recovery=ph.RecoveryConfig(holdout=0, rearrange=False, gate_tuning=False, bias_tuning=False),
+    )
     ph.prune_model(llama, batches("llama"), config, progress=False)
     pruned = [l for l in ph.find_attention(llama) if l.num_heads < 4]
     assert pruned and all(l.module.o_proj.bias is not None and l.module.o_proj.bias.abs().sum() > 0 for l in pruned)
@@ -142,7 +148,7 @@ def test_flap_bias_compensation_restores_the_removed_heads_mean_output():
     model = tm.build("bert")
     data = [{k: v for k, v in b.items() if k != "labels"} for b in batches("bert")]
     layers = ph.find_attention(model)
-    from prune_heads.recovery import record
+    from prune_heads.scoring.recording import record
 
     recorder = record(model, data, Objective(model))
     plan = {layers[0].name: [1, 3]}
@@ -156,7 +162,7 @@ def test_flap_bias_compensation_restores_the_removed_heads_mean_output():
                 gated(b)
     handle.remove()
     rows = [o[b["attention_mask"].bool()] for o, b in zip(outputs, data * 2)]
-    full, compensated = torch.cat(rows[:len(data)]).mean(0), torch.cat(rows[len(data):]).mean(0)
+    full, compensated = torch.cat(rows[: len(data)]).mean(0), torch.cat(rows[len(data) :]).mean(0)
     torch.testing.assert_close(compensated, full, rtol=0, atol=1e-5)
 
 
@@ -178,8 +184,16 @@ def test_tuning_the_gated_model_equals_tuning_a_pruned_copy():
         for tensor in gated.scales + gated.biases:
             tensor.requires_grad_(True)
         model.requires_grad_(False)
-        tune(gated, [{"params": gated.scales, "lr": 0.05}, {"params": gated.biases, "lr": 0.01}], data, targets,
-             objective, epochs=3, seed=1, average=0.9)
+        tune(
+            gated,
+            [{"params": gated.scales, "lr": 0.05}, {"params": gated.biases, "lr": 0.01}],
+            data,
+            targets,
+            objective,
+            epochs=3,
+            seed=1,
+            average=0.9,
+        )
     gated.fold(plan)
     inputs = tm.make_inputs("bert", seed=9)
     with torch.no_grad():
@@ -200,13 +214,16 @@ def _scalar_problem():
 def test_tuning_stops_when_the_held_out_check_stops_improving():
     scale, forward, objective, data, target = _scalar_problem()
     checks = iter([1.0, 0.5, 0.7, 0.8, 0.1])  # improves once, then twice not: stop before the last value
-    history, steps, *_ = tune(forward, [{"params": [scale], "lr": 0.1}], data, target, objective, epochs=10,
-                             check=lambda: next(checks))
+    history, steps, *_ = tune(
+        forward, [{"params": [scale], "lr": 0.1}], data, target, objective, epochs=10, check=lambda: next(checks)
+    )
     assert history == [1.0, 0.5, 0.7, 0.8] and steps == 3
     # out of budget: the first step always runs, none after it
     budget = Budget(0.0, Work(1.0), check=0.0)
-    assert tune(forward, [{"params": [scale], "lr": 0.1}], data * 4, target * 4, objective, epochs=10,
-                budget=budget)[1] == 1
+    assert (
+        tune(forward, [{"params": [scale], "lr": 0.1}], data * 4, target * 4, objective, epochs=10, budget=budget)[1]
+        == 1
+    )
     assert budget.spent == Work(1.0).forward_backward(data) == 4  # one step on 2 positions, forward and backward
 
 
@@ -214,8 +231,17 @@ def test_tuning_budget_counts_work_and_spends_no_more_than_its_limit():
     scale, forward, objective, data, target = _scalar_problem()
     checks = iter([1.0 / k for k in range(1, 100)])  # always improving: only the budget stops it
     budget = Budget(30.0, Work(1.0), check=2.0)  # a step costs 4, a check 2 (twice with the average)
-    history, steps, _, spent = tune(forward, [{"params": [scale], "lr": 0.1}], data * 3, target * 3, objective,
-                                    epochs=10, check=lambda: next(checks), budget=budget, average=0.5)
+    history, steps, _, spent = tune(
+        forward,
+        [{"params": [scale], "lr": 0.1}],
+        data * 3,
+        target * 3,
+        objective,
+        epochs=10,
+        check=lambda: next(checks),
+        budget=budget,
+        average=0.5,
+    )
     # 2 (first check) + 3 steps of 4 + 2 checks of 2 = 18; then 3 more steps would pass 30 with the check
     assert (steps, spent, len(history)) == (5, 2 + 5 * 4 + 2 * 4, 3) and spent <= 30.0
 
@@ -226,14 +252,15 @@ def _slow_clock(monkeypatch):
 
     for name in ("perf_counter", "monotonic", "time", "process_time"):
         real = getattr(time, name)
-        monkeypatch.setattr(time, name, lambda real=real, jumps=iter(range(10**9)): real() + 3600.0 * next(jumps))
+        monkeypatch.setattr(time, name, lambda real=real, jumps=iter(range(10**9)): real() + 3600.0 * next(jumps))  # noqa: B008 (one counter per clock)
 
 
 def test_a_budget_that_binds_gives_the_same_weights_when_the_clock_is_slow(monkeypatch):
     """No limit of the pruning flow reads a clock: the budget is counted work, so a slow or busy machine
     tunes exactly as far as an idle one, and writes the same weights bit for bit."""
-    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4),
-                            recovery=ph.RecoveryConfig(min_tuning_flops=0.0, tuning_budget=3.0))
+    config = ph.PruneConfig(
+        selection=ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(min_tuning_flops=0.0, tuning_budget=3.0)
+    )
     data = batches("llama", n=10, labels=False)
     runs = []
     for slow in (False, True):
@@ -246,8 +273,9 @@ def test_a_budget_that_binds_gives_the_same_weights_when_the_clock_is_slow(monke
     assert 0 < tuning["epochs_run"] < config.recovery.epochs  # the budget bound
     assert tuning["flops"] <= tuning["budget_flops"] == first.work["tuning_budget"]
     assert first.work == second.work and first.plan == second.plan
-    assert [e.get("tried", e.get("heldout_by_epoch")) for e in first.recovery] == \
-        [e.get("tried", e.get("heldout_by_epoch")) for e in second.recovery]
+    assert [e.get("tried", e.get("heldout_by_epoch")) for e in first.recovery] == [
+        e.get("tried", e.get("heldout_by_epoch")) for e in second.recovery
+    ]
     for (name, a), b in zip(fast.state_dict().items(), slow.state_dict().values()):
         assert torch.equal(a, b), name
 
@@ -271,8 +299,16 @@ def test_tuning_keeps_the_moving_average_or_the_last_step_whichever_checks_lower
     for wanted, is_average in ((mean, True), (last, False)):  # the same steps again; the check prefers one value
         scale.data.fill_(1.0)
         iterates.clear()
-        history, steps, averaged, _ = tune(forward, [{"params": [scale], "lr": 0.1}], data * 3, target * 3, objective,
-                                        epochs=1, check=lambda: abs(scale.detach().item() - wanted), average=0.8)
+        history, steps, averaged, _ = tune(
+            forward,
+            [{"params": [scale], "lr": 0.1}],
+            data * 3,
+            target * 3,
+            objective,
+            epochs=1,
+            check=lambda: abs(scale.detach().item() - wanted),  # noqa: B023 (called within this iteration)
+            average=0.8,
+        )
         assert steps == 3 and averaged is is_average and history[-1] == pytest.approx(0.0, abs=1e-6)
         assert scale.detach().item() == pytest.approx(wanted, rel=1e-6)
 
@@ -295,13 +331,19 @@ def test_split_holdout_takes_every_fifth_example_across_batches():
 
 def test_label_free_objective_and_iterative_steps():
     model = tm.build("bert")
-    config = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.25), scoring=ph.ScoringConfig(objective="label-free"))
+    config = ph.PruneConfig(
+        selection=ph.SelectionConfig(sparsity=0.25), scoring=ph.ScoringConfig(objective="label-free")
+    )
     assert ph.prune_model(model, batches("bert"), config, progress=False).heads_removed == 3
     with pytest.raises(ph.config.ConfigError, match="turn recovery off"):
-        ph.prune_model(tm.build("bert"), batches("bert"),
-                       ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.5), scoring=ph.ScoringConfig(steps=2)))
-    iterative = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.5), scoring=ph.ScoringConfig(steps=2),
-                               recovery=ph.RecoveryConfig.off())
+        ph.prune_model(
+            tm.build("bert"),
+            batches("bert"),
+            ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.5), scoring=ph.ScoringConfig(steps=2)),
+        )
+    iterative = ph.PruneConfig(
+        selection=ph.SelectionConfig(sparsity=0.5), scoring=ph.ScoringConfig(steps=2), recovery=ph.RecoveryConfig.off()
+    )
     result = ph.prune_model(tm.build("bert"), batches("bert"), iterative, progress=False)
     assert result.heads_removed == 6 and len(result.history) == 3
 
@@ -310,14 +352,18 @@ def test_label_free_objective_and_iterative_steps():
 def test_no_recovery_records_nothing_and_equals_plain_prune(monkeypatch, method):
     """Without recovery the unpruned model's statistics and outputs are not recorded (no hooks, no extra
     pass), and the result is the plain selection pruned as it is."""
+
     def boom(*args, **kwargs):
         raise AssertionError("recorded without recovery")
 
     monkeypatch.setattr("prune_heads.pruner.Recorder.__init__", boom)
     monkeypatch.setattr("prune_heads.pruner.record", boom)
     model, plain = tm.build("bert"), tm.build("bert")
-    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=5), scoring=ph.ScoringConfig(method=method),
-                            recovery=ph.RecoveryConfig.off())
+    config = ph.PruneConfig(
+        selection=ph.SelectionConfig(num_heads=5),
+        scoring=ph.ScoringConfig(method=method),
+        recovery=ph.RecoveryConfig.off(),
+    )
     result = ph.prune_model(model, batches("bert"), config, progress=False)
     scores = ph.score_heads(plain, batches("bert"), method=method, progress=False)
     assert result.plan == ph.select_heads(scores, num_heads=5)

@@ -1,19 +1,27 @@
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
-from prune_heads.data import TaskData
-from prune_heads.layers import find_attention
-from prune_heads.persistence import stock_config
 from prune_heads.config import PruneConfig, SelectionConfig
+from prune_heads.data import TaskData
+from prune_heads.export.persistence import stock_config
+from prune_heads.model.layers import find_attention
 from prune_heads.pruner import prune_model
 from prune_heads.recipes import RecipeError, load_recipe, parse_recipe, shipped_recipes
-from prune_heads.selection import check_budget
+from prune_heads.scoring.selection import check_budget
 
 # hub recipe -> the tiny random stand-in of the same family used to build its pipeline here (no hub)
-STAND_INS = {"bert-base-sst2": "bert", "bert-base-mnli": "bert", "distilbert-sst2": "distilbert",
-             "roberta-base-mnli": "roberta", "gpt2-wikitext2": "gpt2", "qwen2.5-0.5b-wikitext2": "qwen2",
-             "vit-base-beans": "vit", "all-minilm-l6-v2-embeddings": "bert", "smollm2-135m-gguf": "llama"}
+STAND_INS = {
+    "bert-base-sst2": "bert",
+    "bert-base-mnli": "bert",
+    "distilbert-sst2": "distilbert",
+    "roberta-base-mnli": "roberta",
+    "gpt2-wikitext2": "gpt2",
+    "qwen2.5-0.5b-wikitext2": "qwen2",
+    "vit-base-beans": "vit",
+    "all-minilm-l6-v2-embeddings": "bert",
+    "smollm2-135m-gguf": "llama",
+}
 
 
 def test_every_shipped_recipe_validates():
@@ -58,20 +66,32 @@ def _base():
     return {"model": "m", "data": {"source": "d"}, "selection": {"sparsity": 0.5}}
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"data": {"source": "d", "txt_column": "x"}}, "unknown key data.txt_column: did you mean 'text_column'\\?"),
-    ({"selction": {}}, "unknown key selction: did you mean 'selection'\\?"),
-    ({"selection": {"sparsity": "half"}}, "selection.sparsity must be float | None, not 'half'"),
-    ({"model": None}, "model must be str"),
-    ({"scoring": {"method": "magic"}}, "scoring.method is 'magic'; choose one of ablation, activation"),
-    ({"task": "translation"}, "task is 'translation'; choose one of classification"),
-    ({"selection": {"sparsity": 0.5, "num_heads": 3}}, "exactly one of sparsity, num_heads, keep_per_layer or flops"),
-    ({"evaluation": {"speed": {"repeats": 2.5}}}, "evaluation.speed.repeats must be int"),
-    ({"scoring": {"steps": 3}}, "scoring.steps > 1 prunes iteratively, which recovery cannot follow; set recovery: off"),
-    ({"selection": {"sparsity": 0.5, "gqa": "uniform"}}, "selection.gqa is 'uniform'; choose one of groups, even"),
-    ({"selection": {"sparsity": 0.5, "round": "up-ish"}}, "selection.round is 'up-ish'; choose one of down, nearest"),
-    ({"recovery": {"gate_tunning": True}}, "unknown key recovery.gate_tunning: did you mean 'gate_tuning'\\?"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"data": {"source": "d", "txt_column": "x"}}, "unknown key data.txt_column: did you mean 'text_column'\\?"),
+        ({"selction": {}}, "unknown key selction: did you mean 'selection'\\?"),
+        ({"selection": {"sparsity": "half"}}, "selection.sparsity must be float | None, not 'half'"),
+        ({"model": None}, "model must be str"),
+        ({"scoring": {"method": "magic"}}, "scoring.method is 'magic'; choose one of ablation, activation"),
+        ({"task": "translation"}, "task is 'translation'; choose one of classification"),
+        (
+            {"selection": {"sparsity": 0.5, "num_heads": 3}},
+            "exactly one of sparsity, num_heads, keep_per_layer or flops",
+        ),
+        ({"evaluation": {"speed": {"repeats": 2.5}}}, "evaluation.speed.repeats must be int"),
+        (
+            {"scoring": {"steps": 3}},
+            "scoring.steps > 1 prunes iteratively, which recovery cannot follow; set recovery: off",
+        ),
+        ({"selection": {"sparsity": 0.5, "gqa": "uniform"}}, "selection.gqa is 'uniform'; choose one of groups, even"),
+        (
+            {"selection": {"sparsity": 0.5, "round": "up-ish"}},
+            "selection.round is 'up-ish'; choose one of down, nearest",
+        ),
+        ({"recovery": {"gate_tunning": True}}, "unknown key recovery.gate_tunning: did you mean 'gate_tuning'\\?"),
+    ],
+)
 def test_bad_recipes_name_the_key(change, message):
     data = {**_base(), **change}
     with pytest.raises(RecipeError, match=message):
@@ -81,8 +101,9 @@ def test_bad_recipes_name_the_key(change, message):
 def test_missing_field_and_overrides():
     with pytest.raises(RecipeError, match="data is missing"):
         parse_recipe({"model": "m", "selection": {"sparsity": 0.5}})
-    recipe = parse_recipe(_base(), ["selection.sparsity=0.25", "evaluation.speed=null", "scoring.steps=3",
-                                    "recovery=off"])
+    recipe = parse_recipe(
+        _base(), ["selection.sparsity=0.25", "evaluation.speed=null", "scoring.steps=3", "recovery=off"]
+    )
     assert recipe.selection.sparsity == 0.25 and recipe.evaluation.speed is None and recipe.scoring.steps == 3
     with pytest.raises(RecipeError, match="--set takes key=value"):
         parse_recipe(_base(), ["selection.sparsity"])
@@ -118,10 +139,11 @@ def test_omitted_sections_are_the_default_path():
 
 def test_a_flops_budget_becomes_a_head_count():
     from prune_heads.data import dummy_inputs
-    from prune_heads.speed import count_flops
+    from prune_heads.runtime.work import count_flops
 
-    recipe = parse_recipe({"model": "m", "data": {"source": "d"}, "selection": {"flops": 0.85},
-                           "evaluation": {"speed": {"seq_len": 16}}})
+    recipe = parse_recipe(
+        {"model": "m", "data": {"source": "d"}, "selection": {"flops": 0.85}, "evaluation": {"speed": {"seq_len": 16}}}
+    )
     model = tm.build("bert")
     inputs = dummy_inputs(model, 1, 16)
     before = count_flops(model, inputs)

@@ -1,12 +1,12 @@
 import copy
 
 import pytest
+import tiny_models as tm
 import torch
 
 import prune_heads as ph
-import tiny_models as tm
-from prune_heads.recovery import reconstruct
-from prune_heads.selection import plan_with_interactions
+from prune_heads.recovery.reconstruction import reconstruct
+from prune_heads.scoring.selection import plan_with_interactions
 
 
 def calibration(name="bert", n=3):
@@ -84,8 +84,15 @@ def test_reconstruct_handles_every_pruned_layer_and_empty_layers(sequential):
 def fake_scores(block, group=1):
     heads = tuple(range(len(block)))
     diag = torch.tensor([block[i][i] for i in heads], dtype=torch.float32)
-    return ph.HeadScores("fisher", 8, {"l.0": diag}, {"l.0": heads}, {"l.0": group}, {"l.0": len(heads)},
-                         meta={"fisher_blocks": {"l.0": block}})
+    return ph.HeadScores(
+        "fisher",
+        8,
+        {"l.0": diag},
+        {"l.0": heads},
+        {"l.0": group},
+        {"l.0": len(heads)},
+        meta={"fisher_blocks": {"l.0": block}},
+    )
 
 
 def test_rearrangement_accounts_for_interactions():
@@ -98,10 +105,19 @@ def test_rearrangement_accounts_for_interactions():
 
 def test_rearrangement_allocates_across_layers_and_keeps_groups():
     scores = ph.HeadScores(
-        "fisher", 8, {"a": torch.ones(4), "b": torch.ones(4)}, {"a": (0, 1, 2, 3), "b": (0, 1, 2, 3)},
-        {"a": 2, "b": 1}, {"a": 4, "b": 4},
-        meta={"fisher_blocks": {"a": torch.diag(torch.tensor([9.0, 9.0, 0.1, 0.1])).tolist(),
-                                "b": torch.diag(torch.tensor([0.5, 0.2, 7.0, 7.0])).tolist()}})
+        "fisher",
+        8,
+        {"a": torch.ones(4), "b": torch.ones(4)},
+        {"a": (0, 1, 2, 3), "b": (0, 1, 2, 3)},
+        {"a": 2, "b": 1},
+        {"a": 4, "b": 4},
+        meta={
+            "fisher_blocks": {
+                "a": torch.diag(torch.tensor([9.0, 9.0, 0.1, 0.1])).tolist(),
+                "b": torch.diag(torch.tensor([0.5, 0.2, 7.0, 7.0])).tolist(),
+            }
+        },
+    )
     assert plan_with_interactions(scores, num_heads=4) == {"a": [2, 3], "b": [0, 1]}
     with pytest.raises(ph.PlanError, match=r"cannot remove exactly 6 heads: .* 5 heads \(sparsity 0.6250\)"):
         plan_with_interactions(scores, num_heads=6)

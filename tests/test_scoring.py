@@ -1,9 +1,9 @@
 import pytest
+import tiny_models as tm
 import torch
 
 import prune_heads as ph
-from prune_heads.report import heatmap
-import tiny_models as tm
+from prune_heads.evaluation.report import heatmap
 
 DATA_METHODS = ["gradient", "taylor", "fisher", "activation", "ablation"]
 
@@ -48,7 +48,7 @@ def test_per_example_fisher_equals_sum_of_single_example_squared_gradients():
     expected = [torch.zeros(4, dtype=torch.float64) for _ in range(3)]
     for b in batches:
         for j in range(3):
-            single = {k: v[j:j + 1] for k, v in b.items()}
+            single = {k: v[j : j + 1] for k, v in b.items()}
             with ph.head_gates(model) as gates:
                 out = model(**single)
                 grads = torch.autograd.grad(out.loss, list(gates))
@@ -97,8 +97,9 @@ def test_label_free_scoring_works_without_labels(name, model_kind):
 def test_custom_loss_and_parameters_are_restored():
     model, batches = tm.build("bert"), classifier_batches()
     model.bert.embeddings.word_embeddings.weight.requires_grad_(False)
-    scores = ph.score_heads(model, batches, method="gradient", loss=lambda out, b: out.logits[:, 1].mean(),
-                            progress=False)
+    scores = ph.score_heads(
+        model, batches, method="gradient", loss=lambda out, b: out.logits[:, 1].mean(), progress=False
+    )
     assert scores.num_examples == 12
     assert not model.bert.embeddings.word_embeddings.weight.requires_grad
     assert all(p.requires_grad for n, p in model.named_parameters() if "word_embeddings" not in n)
@@ -127,8 +128,10 @@ def test_fluctuation_is_flap_standardised_per_layer():
         assert abs(float(values.sum())) < 1e-5
     pruned = tm.build("llama")
     ph.prune(pruned, {0: [0, 1]})
-    assert ph.score_heads(pruned, batches, method="fluctuation", progress=False).scores[scores.layers[0]].tolist() \
-        == [0.0, 0.0]  # one group left: nothing to compare it with
+    assert ph.score_heads(pruned, batches, method="fluctuation", progress=False).scores[scores.layers[0]].tolist() == [
+        0.0,
+        0.0,
+    ]  # one group left: nothing to compare it with
 
 
 def test_unknown_method_is_a_clear_error():
@@ -138,8 +141,14 @@ def test_unknown_method_is_a_clear_error():
 
 def test_prune_iteratively_records_a_curve():
     model, batches = tm.build("bert"), classifier_batches()
-    result = ph.prune_iteratively(model, batches, sparsity=0.5, steps=3, progress=False,
-                                  evaluate=lambda m: {"params": sum(p.numel() for p in m.parameters())})
+    result = ph.prune_iteratively(
+        model,
+        batches,
+        sparsity=0.5,
+        steps=3,
+        progress=False,
+        evaluate=lambda m: {"params": sum(p.numel() for p in m.parameters())},
+    )
     assert [h["heads_removed"] for h in result.history] == [0, 2, 4, 6]
     assert all(h["loss"] is not None for h in result.history)
     assert result.history[0]["params"] > result.history[-1]["params"]
@@ -164,8 +173,9 @@ def test_bf16_models_score_like_float32_ones(name):
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     for n in expected.layers:  # float32 gates, float64 sums: only the bf16 forward differs
         assert scores.scores[n].dtype == torch.float32
-        torch.testing.assert_close(scores.scores[n], expected.scores[n], rtol=0.05,
-                                   atol=0.05 * expected.scores[n].abs().max().item())
+        torch.testing.assert_close(
+            scores.scores[n], expected.scores[n], rtol=0.05, atol=0.05 * expected.scores[n].abs().max().item()
+        )
 
 
 def test_models_loaded_with_a_device_map_score_and_refuse_pruning_offloaded_layers(tmp_path):
@@ -174,10 +184,18 @@ def test_models_loaded_with_a_device_map_score_and_refuse_pruning_offloaded_laye
     model, batches = tm.build("llama"), _labelled("llama")
     model.save_pretrained(tmp_path / "m")
     expected = ph.score_heads(model, batches, method="fisher", progress=False)
-    placement = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
-                 "model.layers.2": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
-    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map=placement, attn_implementation="eager",
-                                                     offload_folder=str(tmp_path / "offload"))
+    placement = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.layers.2": "cpu",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
+    offloaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "m", device_map=placement, attn_implementation="eager", offload_folder=str(tmp_path / "offload")
+    )
     assert next(offloaded.model.layers[1].parameters()).device.type == "meta"
     scores = ph.score_heads(offloaded, batches, method="fisher", progress=False)
     for n in expected.layers:
@@ -190,8 +208,10 @@ def test_models_loaded_with_a_device_map_score_and_refuse_pruning_offloaded_laye
     ph.prune(auto, {0: [0, 1], 2: [2, 3]})
     ph.prune(model, {0: [0, 1], 2: [2, 3]})
     inputs = tm.make_inputs("llama")
-    assert torch.equal(auto.generate(**inputs, max_new_tokens=4, do_sample=False),
-                       model.generate(**inputs, max_new_tokens=4, do_sample=False))
+    assert torch.equal(
+        auto.generate(**inputs, max_new_tokens=4, do_sample=False),
+        model.generate(**inputs, max_new_tokens=4, do_sample=False),
+    )
 
 
 def test_an_encoder_without_a_head_is_scored_on_its_labels_through_a_probe():
@@ -210,8 +230,9 @@ def test_an_encoder_without_a_head_is_scored_on_its_labels_through_a_probe():
     config = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.5), recovery=ph.RecoveryConfig.off())
     found = ph.prune_model(tm.build("bert").bert, data, config, progress=False)
     assert found.plan == ph.select_heads(labelled, sparsity=0.5)
-    steps = ph.PruneConfig(scoring=ph.ScoringConfig(steps=2), selection=ph.SelectionConfig(sparsity=0.5),
-                           recovery=ph.RecoveryConfig.off())
+    steps = ph.PruneConfig(
+        scoring=ph.ScoringConfig(steps=2), selection=ph.SelectionConfig(sparsity=0.5), recovery=ph.RecoveryConfig.off()
+    )
     assert ph.prune_model(tm.build("bert").bert, data, steps, progress=False).heads_removed == 6
     default = ph.prune_model(tm.build("bert").bert, data, ph.PruneConfig(), progress=False)
     assert default.heads_removed == 6 and default.recovery[0]["step"] == "selection"

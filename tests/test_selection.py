@@ -7,9 +7,12 @@ import prune_heads as ph
 def make_scores(rows, group_sizes=None, heads=None, original=None):
     names = [f"layers.{i}.attn" for i in range(len(rows))]
     return ph.HeadScores(
-        method="test", num_examples=1,
+        method="test",
+        num_examples=1,
         scores={n: torch.tensor(r, dtype=torch.float32) for n, r in zip(names, rows)},
-        heads={n: tuple(heads[i] if heads and heads[i] else range(len(r))) for i, (n, r) in enumerate(zip(names, rows))},
+        heads={
+            n: tuple(heads[i] if heads and heads[i] else range(len(r))) for i, (n, r) in enumerate(zip(names, rows))
+        },
         group_sizes={n: (group_sizes or [1] * len(rows))[i] for i, n in enumerate(names)},
         original_heads={n: (original[i] if original else len(r)) for i, (n, r) in enumerate(zip(names, rows))},
     )
@@ -29,20 +32,25 @@ def test_layer_scope_and_keep_per_layer():
 
 def test_min_heads_and_ignore_protect_layers():
     scores = make_scores([[0.1, 0.2, 0.3, 0.4], [0.9, 0.8, 0.7, 0.6]])
-    assert ph.select_heads(scores, num_heads=4, min_heads_per_layer=2) == {"layers.0.attn": [0, 1],
-                                                                          "layers.1.attn": [2, 3]}
+    assert ph.select_heads(scores, num_heads=4, min_heads_per_layer=2) == {
+        "layers.0.attn": [0, 1],
+        "layers.1.attn": [2, 3],
+    }
     assert ph.select_heads(scores, num_heads=4, min_heads_per_layer=0) == {"layers.0.attn": [0, 1, 2, 3]}
     assert ph.select_heads(scores, num_heads=2, ignore=r"layers\.0\.") == {"layers.1.attn": [2, 3]}
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"sparsity": 1.0}, r"nearest that can go are 6 heads \(sparsity 0.7500\)"),
-    ({"num_heads": 9, "min_heads_per_layer": 0}, r"cannot remove exactly 9 heads.* 8 heads \(sparsity 1.0000\)"),
-    ({"sparsity": 0.5, "num_heads": 2}, "exactly one of"),
-    ({"sparsity": 1.5}, "between 0 and 1"),
-    ({"num_heads": -3}, "0 or more"),
-    ({"keep_per_layer": 0}, r"4 heads from layers.0.attn \(keep 0\).* at least 1 kept per layer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sparsity": 1.0}, r"nearest that can go are 6 heads \(sparsity 0.7500\)"),
+        ({"num_heads": 9, "min_heads_per_layer": 0}, r"cannot remove exactly 9 heads.* 8 heads \(sparsity 1.0000\)"),
+        ({"sparsity": 0.5, "num_heads": 2}, "exactly one of"),
+        ({"sparsity": 1.5}, "between 0 and 1"),
+        ({"num_heads": -3}, "0 or more"),
+        ({"keep_per_layer": 0}, r"4 heads from layers.0.attn \(keep 0\).* at least 1 kept per layer"),
+    ],
+)
 def test_impossible_requests_say_what_is_possible(kwargs, message):
     with pytest.raises(ph.PlanError, match=message):
         ph.select_heads(make_scores([[0.1, 0.2, 0.3, 0.4], [0.9, 0.8, 0.7, 0.6]]), **kwargs)
@@ -67,7 +75,10 @@ def test_uniform_plans_keep_the_same_heads_in_every_layer():
     scores = make_scores([[0.9, 0.1, 0.5, 0.2], [0.05, 0.8, 0.7, 0.6], [0.3, 0.2, 0.1, 0.4]])
     # sparsity 0.5 of 12 heads: each layer loses its own two weakest, whatever the global ranking says
     assert ph.select_heads(scores, sparsity=0.5, uniform=True) == {
-        "layers.0.attn": [1, 3], "layers.1.attn": [0, 3], "layers.2.attn": [1, 2]}
+        "layers.0.attn": [1, 3],
+        "layers.1.attn": [0, 3],
+        "layers.2.attn": [1, 2],
+    }
     assert ph.select_heads(scores, num_heads=3, uniform=True) == ph.select_heads(scores, keep_per_layer=3)
     with pytest.raises(ph.PlanError, match="every layer alike"):  # 4 heads over 3 layers: not silently 3
         ph.select_heads(scores, num_heads=4, uniform=True)
@@ -92,8 +103,11 @@ GQA = [[0.1, 0.2, 0.9, 0.8, 0.15, 0.3], [0.9, 0.8, 0.1, 0.1, 0.5, 0.5]]  # 2 lay
 
 def test_budgets_whole_groups_cannot_meet_are_refused_with_the_nearest_reachable_ones():
     scores = make_scores(GQA, group_sizes=[2, 2])
-    with pytest.raises(ph.PlanError, match=r"exactly 3 heads: heads go as whole KV groups.* 2 heads "
-                                           r"\(sparsity 0.1667\) or 4 heads \(sparsity 0.3333\)"):
+    with pytest.raises(
+        ph.PlanError,
+        match=r"exactly 3 heads: heads go as whole KV groups.* 2 heads "
+        r"\(sparsity 0.1667\) or 4 heads \(sparsity 0.3333\)",
+    ):
         ph.select_heads(scores, num_heads=3)
     with pytest.raises(ph.PlanError, match=r"sparsity 0.1 \(1 more heads\).* 0 heads .* or 2 heads"):
         ph.select_heads(scores, sparsity=0.1)  # never silently an unpruned model
@@ -117,7 +131,9 @@ def test_layer_granularity_removes_whole_attention_blocks():
     scores = make_scores([[0.9, 0.8, 0.7, 0.6], [0.1, 0.2, 0.1, 0.3], [0.5, 0.5, 0.5, 0.5]])
     assert ph.select_heads(scores, num_heads=4, granularity="layer") == {"layers.1.attn": [0, 1, 2, 3]}
     assert ph.select_heads(scores, sparsity=2 / 3, granularity="layer") == {
-        "layers.1.attn": [0, 1, 2, 3], "layers.2.attn": [0, 1, 2, 3]}
+        "layers.1.attn": [0, 1, 2, 3],
+        "layers.2.attn": [0, 1, 2, 3],
+    }
     with pytest.raises(ph.PlanError, match="whole attention layers.* 4 heads .* or 8 heads"):
         ph.select_heads(scores, num_heads=6, granularity="layer")
 

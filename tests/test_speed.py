@@ -1,12 +1,13 @@
 import copy
 
 import pytest
+import tiny_models as tm
 import torch
 
 import prune_heads as ph
-import tiny_models as tm
 from prune_heads.data import dummy_inputs
-from prune_heads.speed import PeakAllocations, benchmark, benchmark_pair, count_flops
+from prune_heads.evaluation.speed import PeakAllocations, benchmark, benchmark_pair
+from prune_heads.runtime.work import count_flops
 
 
 def test_flops_drop_by_exactly_the_removed_heads():
@@ -40,8 +41,15 @@ def test_peak_allocations_count_live_tensors_once_and_print_nothing(capfd):
 def test_benchmark_reports_settings_and_decoder_figures():
     model = tm.build("llama")
     result = benchmark(model, batch_size=2, seq_len=12, repeats=3, warmup=1, generate_tokens=4)
-    assert result["settings"] == {"batch_size": 2, "seq_len": 12, "device": "cpu", "dtype": "float32",
-                                  "threads": torch.get_num_threads(), "repeats": 3, "warmup": 1}
+    assert result["settings"] == {
+        "batch_size": 2,
+        "seq_len": 12,
+        "device": "cpu",
+        "dtype": "float32",
+        "threads": torch.get_num_threads(),
+        "repeats": 3,
+        "warmup": 1,
+    }
     assert result["latency_p90_ms"] >= result["latency_ms"] > 0
     assert result["tokens_per_s"] == pytest.approx(result["examples_per_s"] * 12)
     assert result["parameters"] == sum(p.numel() for p in model.parameters())
@@ -53,8 +61,9 @@ def test_pair_benchmark_shows_smaller_kv_cache_after_removing_groups():
     original = tm.build("llama")
     pruned = tm.build("llama")
     ph.prune(pruned, {i: [0, 1] for i in range(3)})  # one of two KV groups in every layer
-    before, after = benchmark_pair(original, pruned, batch_size=2, seq_len=8, repeats=2, warmup=1,
-                                   generate_tokens=3, generate_batch_sizes=[1, 4])
+    before, after = benchmark_pair(
+        original, pruned, batch_size=2, seq_len=8, repeats=2, warmup=1, generate_tokens=3, generate_batch_sizes=[1, 4]
+    )
     assert after["kv_cache_bytes"] * 2 == before["kv_cache_bytes"]
     assert [g["batch_size"] for g in after["generation"]] == [1, 4]
     for b, a in zip(before["generation"], after["generation"]):  # the cache shrinks in proportion at every batch

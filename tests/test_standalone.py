@@ -4,10 +4,10 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import tiny_models as tm
 import torch
 
 import prune_heads as ph
-import tiny_models as tm
 
 # Runs in a venv that sees this one's packages but not prune_heads (its editable install is a .pth file,
 # which only site directories process): it loads every saved family with plain transformers.
@@ -46,14 +46,20 @@ def test_standalone_checkpoints_load_without_prune_heads(tmp_path):
         ph.prune(model, tm.uneven_plan(ph.find_attention(model)))
         ph.save_pruned(model, tmp_path / "models" / name, standalone=True)
         with torch.no_grad():
-            expected[name] = {"output": tm.main_output(model(**inputs)),
-                              "params": sum(p.numel() for p in model.parameters())}
+            expected[name] = {
+                "output": tm.main_output(model(**inputs)),
+                "params": sum(p.numel() for p in model.parameters()),
+            }
             if tm.FAMILIES[name][3] == "decoder":
                 expected[name]["generated"] = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     python = _venv_without_prune_heads(tmp_path / "venv")
     env = {"HF_HOME": str(tmp_path / "hf"), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
-    subprocess.run([str(python), "-c", LOADER, str(tmp_path / "models"), str(Path(__file__).parent),
-                    str(tmp_path / "out.pt")], check=True, cwd=tmp_path, env=env)
+    subprocess.run(
+        [str(python), "-c", LOADER, str(tmp_path / "models"), str(Path(__file__).parent), str(tmp_path / "out.pt")],
+        check=True,
+        cwd=tmp_path,
+        env=env,
+    )
     loaded = torch.load(tmp_path / "out.pt")
     assert set(loaded) == set(expected)
     for name, want in expected.items():

@@ -1,8 +1,8 @@
 import pytest
+import tiny_models as tm
 import torch
 
 import prune_heads as ph
-import tiny_models as tm
 
 DECODERS = [n for n, spec in tm.FAMILIES.items() if spec[3] == "decoder"] + ["t5", "bart"]
 
@@ -84,11 +84,14 @@ def test_pruning_twice_accumulates_and_rejects_removed_heads():
     model(**inputs)
 
 
-@pytest.mark.parametrize("plan, message", [
-    ({7: [0]}, "layer 7 does not exist"),
-    ({"nope": [0]}, "no attention layer named 'nope'"),
-    ({0: [4]}, "has heads 0..3; head 4 does not exist"),
-])
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        ({7: [0]}, "layer 7 does not exist"),
+        ({"nope": [0]}, "no attention layer named 'nope'"),
+        ({0: [4]}, "has heads 0..3; head 4 does not exist"),
+    ],
+)
 def test_bad_plans_are_clear_errors(plan, message):
     model = tm.build("bert")
     with pytest.raises(ph.PlanError, match=message):

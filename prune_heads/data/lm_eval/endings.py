@@ -15,8 +15,11 @@ def documents(**kwargs) -> dict[str, datasets.Dataset]:
     """Every sentence of at least SHORTEST words: its first CONTEXT of words, its true ending and three
     others' endings in a seeded order (`label`: where the true one is)."""
     texts = [json.loads(line)["text"] for line in SENTENCES.read_text().splitlines()]
-    split = [(words[:math.ceil(CONTEXT * len(words))], words[math.ceil(CONTEXT * len(words)):])
-             for words in (text.split() for text in texts) if len(words) >= SHORTEST]
+    split = [
+        (words[: math.ceil(CONTEXT * len(words))], words[math.ceil(CONTEXT * len(words)) :])
+        for words in (text.split() for text in texts)
+        if len(words) >= SHORTEST
+    ]
     endings = [" ".join(end) for _, end in split]
     rng = random.Random(0)
     docs = []

@@ -1,0 +1,320 @@
+"""Reports: before/after comparison as JSON and Markdown, and PNG plots a person can read."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..scoring.head_scores import HeadScores
+from .confidence import RESAMPLES, describe
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _short(name: str) -> str:
+    parts = name.split(".")
+    digits = [p for p in parts if p.isdigit()]
+    stack = next((p for p in parts if p in ("encoder", "decoder")), "")
+    return f"{stack[:3]} {'.'.join(digits)} {parts[-1]}".strip() if digits else name[-24:]
+
+
+def heatmap(scores: HeadScores, path: Path, removed: dict[str, list[int]], title: str | None = None) -> Path:
+    """Layers x heads importance heatmap; removed heads crossed out, absent heads left blank."""
+    plt = _pyplot()
+    grid = scores.matrix().numpy()
+    rows, cols = grid.shape
+    fig, ax = plt.subplots(figsize=(max(5, 0.45 * cols + 2.5), max(2.5, 0.32 * rows + 1.5)))
+    image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
+    fig.colorbar(image, ax=ax, label=f"importance ({scores.method})")
+    for row, name in enumerate(scores.layers):
+        for head in removed.get(name, []):
+            ax.plot(head, row, marker="x", color="red", markersize=8, markeredgewidth=2)
+    ax.set_xticks(range(cols))
+    ax.set_yticks(range(rows))
+    ax.set_yticklabels([_short(n) for n in scores.layers], fontsize=7)
+    ax.set_xlabel("head")
+    ax.set_ylabel("attention layer")
+    kept = sum(len(h) for h in scores.heads.values()) - sum(len(h) for h in removed.values())
+    ax.set_title(
+        title or f"Head importance ({scores.method}, {scores.num_examples} examples); x = removed, {kept} heads kept",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+@dataclass
+class Report:
+    """Before/after measurements of one pruning run, with what was removed and why.
+
+    `before` and `after` are `measure` results: {"metrics": {...}, "speed": {...}, "heads": {layer: kept}}.
+    """
+
+    before: dict
+    after: dict
+    plan: dict[str, list[int]] = field(default_factory=dict)
+    scores: HeadScores | None = None
+    history: list[dict] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+    recovery: list[dict] = field(default_factory=list)
+    changes: dict[str, dict] = field(default_factory=dict)  # metric -> paired interval (prune_heads.confidence)
+
+    def summary(self) -> dict[str, Any]:
+        """Derived numbers: metric deltas (with their paired 95% interval, McNemar p for accuracies, and whether
+        the change is within noise), speed-up, the FLOPs ceiling and how close to it the speed-up is."""
+        out: dict[str, Any] = {"metrics": {}}
+        before, after = self.before.get("metrics", {}), self.after.get("metrics", {})
+        for key, value in before.items():
+            new = after.get(key)
+            if (
+                isinstance(value, (int, float))
+                and isinstance(new, (int, float))
+                and key not in ("examples", "tokens")
+                and not key.endswith("_stderr")
+            ):
+                change = {k: v for k, v in self.changes.get(key, {}).items() if k not in ("delta", "examples")}
+                errors = {
+                    f"stderr_{when}": found[f"{key}_stderr"]
+                    for when, found in (("before", before), ("after", after))
+                    if isinstance(found.get(f"{key}_stderr"), (int, float))
+                }
+                out["metrics"][key] = {"before": value, "after": new, "delta": new - value, **errors, **change}
+        sb, sa = self.before.get("speed", {}), self.after.get("speed", {})
+        if sb and sa:
+            speedup = sb["latency_ms"] / sa["latency_ms"]
+            ceiling = sb["flops"] / sa["flops"] if sa["flops"] else float("inf")
+            out["speed"] = {
+                "speedup": speedup,
+                "flops_ceiling": ceiling,
+                "fraction_of_ceiling": (speedup - 1) / (ceiling - 1) if ceiling > 1 else None,
+                "parameters_ratio": sa["parameters"] / sb["parameters"],
+                "flops_ratio": sa["flops"] / sb["flops"],
+            }
+        heads_before = sum(self.before.get("heads", {}).values())
+        heads_after = sum(self.after.get("heads", {}).values())
+        out["heads"] = {"before": heads_before, "after": heads_after, "removed": heads_before - heads_after}
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything, JSON-ready."""
+        return {
+            "meta": self.meta,
+            "summary": self.summary(),
+            "before": self.before,
+            "after": self.after,
+            "plan": self.plan,
+            "history": self.history,
+            "recovery": self.recovery,
+            "changes": self.changes,
+            "scores": self.scores.to_dict() if self.scores is not None else None,
+        }
+
+    @classmethod
+    def load(cls, path: str | Path) -> Report:
+        """Read a report.json written by `write`."""
+        data = json.loads(Path(path).read_text())
+        scores = HeadScores.from_dict(data["scores"]) if data.get("scores") else None
+        return cls(
+            before=data["before"],
+            after=data["after"],
+            plan=data.get("plan", {}),
+            scores=scores,
+            history=data.get("history", []),
+            meta=data.get("meta", {}),
+            recovery=data.get("recovery", []),
+            changes=data.get("changes", {}),
+        )
+
+    def markdown(self) -> str:
+        """A summary a person reads: metric, delta, speed-up, parameters, FLOPs, heads kept per layer."""
+        s = self.summary()
+        lines = [f"# Pruning report: {self.meta.get('model', '')}", ""]
+        if self.meta:
+            lines += [
+                ", ".join(
+                    f"{k}: {v}" for k, v in self.meta.items() if k not in ("model", "heldout", "timings", "work")
+                ),
+                "",
+            ]
+        lines += ["| | before | after | change |", "|---|---|---|---|"]
+        for key, m in s["metrics"].items():
+            change = describe(self.changes[key]) if key in self.changes else f"{m['delta']:+.4f}"
+            cells = [
+                f"{m[when]:.4f}" + (f" ± {m[f'stderr_{when}']:.4f}" if f"stderr_{when}" in m else "")
+                for when in ("before", "after")
+            ]
+            lines.append(f"| {key} | {cells[0]} | {cells[1]} | {change} |")
+        lines.append(f"| attention heads | {s['heads']['before']} | {s['heads']['after']} | -{s['heads']['removed']} |")
+        sb, sa = self.before.get("speed", {}), self.after.get("speed", {})
+        if sb and sa:
+            sp = s["speed"]
+            lines += [
+                f"| parameters | {sb['parameters']:,} | {sa['parameters']:,} | x{sp['parameters_ratio']:.3f} |",
+                f"| GFLOPs per forward | {sb['flops'] / 1e9:.2f} | {sa['flops'] / 1e9:.2f} | "
+                f"x{sp['flops_ratio']:.3f} |",
+                f"| latency median (ms) | {sb['latency_ms']:.1f} | {sa['latency_ms']:.1f} | "
+                f"{sp['speedup']:.2f}x faster |",
+                f"| latency p90 (ms) | {sb['latency_p90_ms']:.1f} | {sa['latency_p90_ms']:.1f} | |",
+                f"| examples/s | {sb['examples_per_s']:.1f} | {sa['examples_per_s']:.1f} | |",
+                f"| peak memory (MB) | {sb['peak_memory_bytes'] / 2**20:.1f} | "
+                f"{sa['peak_memory_bytes'] / 2**20:.1f} | |",
+            ]
+            for gb, ga in zip(sb.get("generation", []), sa.get("generation", [])):
+                where = f"batch {gb['batch_size']}, {gb['new_tokens']} new tokens"
+                tokens_before, tokens_after = gb["generate_tokens_per_s"], ga["generate_tokens_per_s"]
+                cache_before, cache_after = gb["kv_cache_bytes"], ga["kv_cache_bytes"]
+                lines += [
+                    f"| generated tokens/s ({where}) | {tokens_before:.1f} | {tokens_after:.1f} | "
+                    f"x{tokens_after / tokens_before:.2f} |",
+                    f"| KV cache KB ({where}) | {cache_before / 1024:.1f} | {cache_after / 1024:.1f} | "
+                    f"x{cache_after / max(cache_before, 1):.3f} |",
+                ]
+            ceiling = sp["flops_ceiling"]
+            lines += [
+                "",
+                f"FLOPs ceiling: removing these heads can make the forward pass at most {ceiling:.2f}x "
+                f"faster; measured {sp['speedup']:.2f}x "
+                f"({self._ceiling_note(sp)}). Settings: {sb['settings']}.",
+            ]
+        if self.changes:
+            level = next(iter(self.changes.values()))["level"]
+            lines += [
+                "",
+                f"Changes are after - before on the same examples, with a paired bootstrap interval "
+                f"({RESAMPLES} resamples, seeded) and, for accuracies, McNemar's exact p-value; 'within "
+                f"noise' when the interval holds 0 (and p >= {1 - level:.2g}). ± is lm-eval's standard error."
+                if any(k.endswith("_stderr") for k in self.before.get("metrics", {}))
+                else f"Changes are after - before on the same examples, with a paired bootstrap interval "
+                f"({RESAMPLES} resamples, seeded) and, for accuracies, McNemar's exact p-value; 'within "
+                f"noise' when the interval holds 0 (and p >= {1 - level:.2g}).",
+            ]
+        lines += self._recovery_lines()
+        lines += ["", "| layer | heads kept |", "|---|---|"]
+        for name, kept in self.after.get("heads", {}).items():
+            lines.append(f"| {name} | {kept} / {self.before['heads'].get(name, kept)} |")
+        return "\n".join(lines) + "\n"
+
+    def _recovery_lines(self) -> list[str]:
+        """What recovery tried and kept, with the held-out divergence from the unpruned model."""
+        if not self.recovery:
+            return []
+        held = self.meta.get("heldout") or {}
+        lines = [
+            "",
+            f"Recovery, decided on {held.get('examples', 0)} held-out calibration examples "
+            f"(divergence from the unpruned model, for embeddings plus that of each example's "
+            f"neighbour distribution; lower is better):",
+            "",
+            "| step | tried | held-out divergence | kept |",
+            "|---|---|---|---|",
+        ]
+        for entry in self.recovery:
+            if entry["step"] == "selection":
+                for name, value in entry["tried"].items():
+                    lines.append(f"| plan | {name} | {_number(value)} | {'yes' if name == entry['kept'] else ''} |")
+            elif entry["step"] == "notes":
+                lines += [f"| note | {note} | | |" for note in entry["notes"]]
+            else:
+                by_epoch = " -> ".join(_number(v) for v in entry.get("heldout_by_epoch", []))
+                kept = (
+                    "no" if not entry.get("kept", True) else "yes, moving average" if entry.get("averaged") else "yes"
+                )
+                budget = f" of {_tflops(entry['budget_flops'])}" if entry.get("budget_flops") is not None else ""
+                lines.append(
+                    f"| {entry['step']} | {entry['epochs_run']} epochs, {_tflops(entry.get('flops', 0))}"
+                    f"{budget} counted, {entry['seconds']:.1f} s | {by_epoch} | {kept} |"
+                )
+        work = self.meta.get("work") or {}
+        if "calibration_pass" in work:
+            budget = work.get("tuning_budget")
+            limit = f" of its {_tflops(budget)} budget" if budget is not None and math.isfinite(budget) else ""
+            lines += [
+                "",
+                f"Work, counted in FLOPs (the limits never read a clock): one forward and backward pass over "
+                f"the calibration batches {_tflops(work['calibration_pass'])}; candidate trials "
+                f"{_tflops(work.get('selection', 0))}; tuning {_tflops(work.get('tuning', 0))}{limit}.",
+            ]
+        return lines
+
+    @staticmethod
+    def _ceiling_note(sp: dict) -> str:
+        fraction = sp["fraction_of_ceiling"]
+        return "no ceiling to reach" if fraction is None else f"{100 * fraction:.0f}% of the possible gain"
+
+    def write(self, folder: str | Path) -> dict[str, Path]:
+        """Write report.json, report.md and the PNG plots into `folder`; returns the paths written."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = {"json": folder / "report.json", "markdown": folder / "report.md"}
+        paths["json"].write_text(json.dumps(self.to_dict(), indent=1, default=float))
+        paths["markdown"].write_text(self.markdown())
+        if self.scores is not None:
+            paths["heatmap"] = heatmap(self.scores, folder / "heatmap.png", self.plan)
+        paths["heads"] = heads_per_layer(
+            self.before.get("heads", {}), self.after.get("heads", {}), folder / "heads_per_layer.png"
+        )
+        if len(self.history) > 1:
+            paths["curve"] = curve(self.history, folder / "curve.png")
+        return paths
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.5g}"
+
+
+def _tflops(flops: float) -> str:
+    return f"{flops / 1e12:.3g} TFLOPs"
+
+
+def compare(before: dict, after: dict, **extras: Any) -> Report:
+    """A Report from two `measure` results; `extras` are Report fields (plan, scores, history, meta,
+    recovery)."""
+    return Report(before, after, **extras)
+
+
+def heads_per_layer(before: dict[str, int], after: dict[str, int], path: Path) -> Path:
+    """Bar chart of heads kept per layer, over the original count."""
+    plt = _pyplot()
+    names = list(before)
+    fig, ax = plt.subplots(figsize=(max(5, 0.35 * len(names) + 2), 3.2))
+    ax.bar(range(len(names)), [before[n] for n in names], color="#dddddd", label="before")
+    ax.bar(range(len(names)), [after.get(n, before[n]) for n in names], color="#3b75af", label="kept")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels([_short(n) for n in names], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("heads")
+    ax.set_title(f"Heads kept per layer: {sum(after.values())} of {sum(before.values())}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def curve(history: list[dict], path: Path) -> Path:
+    """Metric (and loss) against heads removed, from an iterative pruning history."""
+    plt = _pyplot()
+    removed = [h["heads_removed"] for h in history]
+    keys = [k for k in history[0] if k not in ("step", "heads_removed") and isinstance(history[0][k], (int, float))]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * max(len(keys), 1), 3.2), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        ax.plot(removed, [h[key] for h in history], marker="o")
+        ax.set_xlabel("heads removed")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    fig.suptitle("Iterative pruning", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

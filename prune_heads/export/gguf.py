@@ -1,0 +1,608 @@
+"""GGUF out: a pruned decoder as one GGUF file for llama.cpp and what is built on it (llama-cpp-python,
+ollama, LM Studio).
+
+GGUF in, GGUF out (`source`, found by itself for a model loaded with `gguf_file=`): every tensor of the source
+file is copied byte for byte in its own quantization when the model still holds exactly its values; q, k and v
+keep their quantization with the removed heads' rows dropped (a head is whole rows, and rows are whole blocks
+in every GGML type); the source's metadata (tokenizer, chat template, rope settings) is kept. What changed is
+not assumed but checked: each tensor is dequantized and compared with the model's own weights, and whatever
+differs (output projections with folded scales, new output biases) is written in `tensor_type`.
+
+Hugging Face in (no source): every tensor in `tensor_type` (f16 by default), with the vocabulary of the
+model's byte-level BPE tokenizer (the `gguf` package's vocabulary helpers) and the llama.cpp pre-tokenizer
+whose splitting rules are the tokenizer's own, so llama.cpp tokenizes text to the same ids.
+
+Llama, Mistral and Qwen2 (Llama with q/k/v biases) are written as llama.cpp's `llama` when every layer keeps
+the same heads, else as its `deci` (per-layer head counts; a layer left without heads is attention-free),
+so every plan of theirs is held. Read from llama.cpp's loaders: most other architectures build every layer
+with the first layer's counts, and qwen2 wants q of n_embd x n_embd, which no pruned model has.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from ..model.layers import AttentionLayer, find_attention
+from ..model.surgery import RECORD_KEY
+from .persistence import GGUF_SOURCE_KEY, ensure_file_free, replace_file
+
+GGUF_TYPES = ("source", "f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # of tensors written anew
+RECORD_FIELD = "prune_heads.record"
+DIGEST_FIELD = "prune_heads.source_sha256"
+
+
+class GgufError(ValueError):
+    """A model, plan, tokenizer or output that no GGUF file can hold; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    """How one Hugging Face model type is written. Every mapped type is written as llama.cpp's `llama` (a plan
+    that leaves every layer the same heads) or `deci` (per-layer head counts), whose rope pairs neighbouring
+    values: q/k rows are interleaved per head as llama.cpp's converter does. `source` is the architecture of
+    a GGUF file of this type, and `source_interleaved` whether its q/k rows already are."""
+
+    source: str
+    source_interleaved: bool
+
+
+ARCHITECTURES: dict[str, GgufArch] = {  # Hugging Face model_type -> its GGUF files
+    "llama": GgufArch("llama", source_interleaved=True),
+    "mistral": GgufArch("llama", source_interleaved=True),
+    # Llama with q/k/v biases and rotate-half rope; llama.cpp's qwen2 wants attn_q of n_embd x n_embd, so no
+    # pruned Qwen2 fits it, while llama and deci take the biases
+    "qwen2": GgufArch("qwen2", source_interleaved=False),
+}
+EVEN, UNEVEN = "llama", "deci"
+
+
+# llama.cpp's pre-tokenizers, by the splitting of a Hugging Face byte-level BPE tokenizer (tokenizer.json's
+# pre_tokenizer): the regular expressions each applies, read from llama.cpp's llama-vocab.cpp
+_GPT2 = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"
+_LLAMA3 = (
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
+_QWEN2 = (
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
+PRE_TOKENIZERS: dict[tuple, str] = {
+    (("ByteLevel", True),): "gpt-2",
+    (("Digits", True), ("ByteLevel", True)): "smollm",
+    (("Split", _LLAMA3), ("ByteLevel", False)): "llama-bpe",
+    (("Split", _QWEN2), ("ByteLevel", False)): "qwen2",
+}
+
+
+def _signature(pre: dict | None) -> tuple:
+    """A tokenizer.json pre_tokenizer as (kind, setting) steps: the regex of a Split, whether a ByteLevel
+    splits with GPT-2's own, whether Digits splits single digits."""
+    steps = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre] if pre else []
+    out = []
+    settings = {
+        "Split": lambda s: s.get("pattern", {}).get("Regex"),
+        "ByteLevel": lambda s: s.get("use_regex", True),
+        "Digits": lambda s: s.get("individual_digits", False),
+    }
+    for step in steps:
+        kind = step.get("type")
+        out.append((kind, settings[kind](step) if kind in settings else None))
+    return tuple(out)
+
+
+def pre_tokenizer(tokenizer: Any) -> str:
+    """The llama.cpp pre-tokenizer that splits text as this byte-level BPE tokenizer does; GgufError when
+    llama.cpp has none (or the tokenizer is not byte-level BPE)."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str()) if getattr(tokenizer, "is_fast", False) else {}
+    model = spec.get("model", {})
+    if (
+        model.get("type") != "BPE"
+        or model.get("byte_fallback")
+        or (spec.get("decoder") or {}).get("type") != "ByteLevel"
+    ):
+        raise GgufError(
+            f"{type(tokenizer).__name__} is not a byte-level BPE tokenizer, the one kind written "
+            f"from Hugging Face weights; give the GGUF file the model came from (source=, --gguf-file)"
+        )
+    name = PRE_TOKENIZERS.get(_signature(spec.get("pre_tokenizer")))
+    if name is None:
+        raise GgufError(
+            f"llama.cpp has no pre-tokenizer known to split text as this tokenizer does "
+            f"({_signature(spec.get('pre_tokenizer'))}); give the GGUF file the model came from"
+        )
+    return name
+
+
+@dataclass
+class _Block:
+    """One attention layer as a GGUF block: the heads it keeps (original indices) and what it writes."""
+
+    index: int
+    layer: AttentionLayer
+    heads: int = 0  # head counts written in the metadata
+    kv_heads: int = 0
+
+
+@dataclass
+class GgufWrite:
+    """What `save_gguf` wrote: the file, its architecture, per-layer head counts, the tensors copied byte for
+    byte and those written anew (name -> GGML type)."""
+
+    path: Path
+    architecture: str
+    heads: list[int]
+    kv_heads: list[int]
+    copied: list[str] = field(default_factory=list)
+    written: dict[str, str] = field(default_factory=dict)
+
+
+def _arch_of(model: nn.Module) -> GgufArch:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    arch = ARCHITECTURES.get(model_type)
+    layers = find_attention(model)
+    if arch is None or any(l.spec.name != "llama" or l.kind != "self" for l in layers):
+        known = ", ".join(sorted(ARCHITECTURES))
+        raise GgufError(
+            f"no GGUF mapping for {model_type} ({type(model).__name__}): GGUF output covers {known}; "
+            f"save safetensors instead (--output-format safetensors)"
+        )
+    if getattr(model.config, "use_sliding_window", False):
+        raise GgufError(
+            f"{model_type} with sliding-window attention has no GGUF mapping; save safetensors instead "
+            f"(--output-format safetensors)"
+        )
+    return arch
+
+
+def _source(model: nn.Module, source: str | Path | None) -> Path | None:
+    path = source if source is not None else getattr(model.config, GGUF_SOURCE_KEY, None)
+    if path is None:
+        return None
+    if not Path(path).is_file():
+        raise GgufError(
+            f"the source GGUF file {path} is not there; give the file the model was loaded from "
+            f"(source=, --gguf-source), or none to write every tensor from the weights"
+        )
+    return Path(path)
+
+
+def _reader(path: Path):
+    """The file's parsed header (tokenizer arrays make that take seconds: parsed once per file version)."""
+    stat = Path(path).stat()
+    return _parsed(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed(path: str, size: int, mtime: int):
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def check_gguf(
+    model: nn.Module,
+    tokenizer: Any = None,
+    source: str | Path | None = None,
+    tensor_type: str | None = None,
+    output: str | Path | None = None,
+    overwrite: bool = False,
+) -> None:
+    """Check before any scoring that the model is writable as GGUF: a mapped family (`ARCHITECTURES`), a
+    source file of its architecture or else a byte-level BPE tokenizer llama.cpp can split alike, a valid
+    `tensor_type` whose blocks fit the heads' rows, and a free `output` file. Every plan of a mapped family
+    is writable (`deci` holds per-layer head counts). Raises GgufError (or OutputExistsError)."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise GgufError("GGUF output needs the gguf package: pip install 'prune-heads[gguf]'") from None
+    arch = _arch_of(model)
+    if tensor_type is not None and tensor_type not in GGUF_TYPES:
+        raise GgufError(f"tensor type {tensor_type!r} is not one of {', '.join(GGUF_TYPES)}")
+    if output is not None:
+        ensure_file_free(Path(output), overwrite)
+    path = _source(model, source)
+    if path is not None:
+        found = str(_reader(path).fields["general.architecture"].contents())
+        if found != arch.source:
+            raise GgufError(
+                f"the source {path.name} is a {found} file; a {model.config.model_type} model comes "
+                f"from {arch.source} files"
+            )
+    elif tokenizer is None:
+        raise GgufError("writing GGUF from Hugging Face weights needs the tokenizer (tokenizer=)")
+    else:
+        pre_tokenizer(tokenizer)
+    for layer in find_attention(model):
+        if tensor_type not in (None, "source", "f32", "f16", "bf16") and layer.head_dim % 32:
+            raise GgufError(
+                f"{tensor_type} packs rows in blocks of 32 values; head_dim {layer.head_dim} does not "
+                f"split into them: use f16 or f32"
+            )
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Hugging Face's rotate-half q/k rows to llama.cpp's interleaved pairs, per head."""
+    if not heads:
+        return w
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _blocks(model: nn.Module, names) -> list[_Block]:
+    blocks = []
+    for layer in find_attention(model):
+        found = names.get_name(f"{layer.name}.{layer.spec.q}", try_suffixes=(".weight",))
+        index = re.match(r"blk\.(\d+)\.", found or "")
+        if index is None:
+            raise GgufError(f"no GGUF block for {layer.name}")
+        blocks.append(_Block(int(index.group(1)), layer, layer.num_heads, layer.num_kv_heads))
+    return sorted(blocks, key=lambda b: b.index)
+
+
+def _targets(model: nn.Module, names, blocks: list[_Block]) -> dict[str, np.ndarray]:
+    """The model's tensors as GGUF wants them: GGUF names, float32, q/k rows interleaved per head."""
+    by_block = {b.index: b for b in blocks}
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise GgufError(f"no GGUF name for {name}; GGUF output covers {', '.join(sorted(ARCHITECTURES))}")
+        value = tensor.detach().float().cpu().numpy()
+        part = re.fullmatch(r"blk\.(\d+)\.attn_(q|k)\.(weight|bias)", target)
+        if part:
+            block = by_block[int(part.group(1))]
+            value = _permute(value, block.layer.num_heads if part.group(2) == "q" else block.layer.num_kv_heads)
+        out[target] = value
+    return out
+
+
+def _architecture(blocks: list[_Block]) -> str:
+    """`llama` when every layer keeps the same heads, else `deci`."""
+    counts = {(b.heads, b.kv_heads) for b in blocks}
+    return EVEN if len(counts) == 1 and blocks[0].heads else UNEVEN
+
+
+def _attention_free(targets: dict[str, np.ndarray], blocks: list[_Block], tied: bool) -> None:
+    """Layers left without heads, as `deci` holds them. A layer after the first is attention-free (no
+    attention tensors, no norm), its constant output (its output bias) added to the previous layer's FFN
+    output bias. The first layer must keep a head count for llama.cpp to read the head size, so it becomes
+    deci's 'linear attention' with an all-zero output projection (exact: it adds nothing), its bias added
+    to the token embeddings (the output layer then gets its own copy of the original embeddings)."""
+    for block in blocks:
+        if block.heads:
+            continue
+        i = block.index
+        bias = targets.pop(f"blk.{i}.attn_output.bias", None)
+        for part in ("q", "k", "v", "output"):
+            for kind in ("weight", "bias"):
+                targets.pop(f"blk.{i}.attn_{part}.{kind}", None)
+        if i > 0:
+            targets.pop(f"blk.{i}.attn_norm.weight", None)
+            if bias is not None and bias.any():
+                down = f"blk.{i - 1}.ffn_down.bias"
+                targets[down] = targets.get(down, np.zeros_like(bias)) + bias
+            continue
+        width = targets["token_embd.weight"].shape[1]
+        block.heads, block.kv_heads = 1, 0
+        targets["blk.0.attn_output.weight"] = np.zeros((width, width), dtype=np.float32)
+        if bias is not None and bias.any():
+            if tied:
+                targets["output.weight"] = targets["token_embd.weight"].copy()
+            targets["token_embd.weight"] = targets["token_embd.weight"] + bias
+
+
+def _rows(name: str, blocks: dict[int, _Block], interleave: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The (rows, columns) of the source tensor that `name` keeps, in the written order: the kept heads'
+    rows of q, k, v and their biases (q/k rows interleaved per head when `interleave`: the source's are in
+    rotate-half order), the kept heads' columns of the output projection; None for all."""
+    part = re.fullmatch(r"blk\.(\d+)\.attn_(q|k|v|output)\.(weight|bias)", name)
+    if part is None or int(part.group(1)) not in blocks:
+        return None, None
+    layer = blocks[int(part.group(1))].layer
+    heads = layer.kv_heads if part.group(2) in ("k", "v") else layer.heads
+    within = np.arange(layer.head_dim)
+    if interleave and part.group(2) in ("q", "k"):
+        within = _permute(within, 1)
+    index = np.concatenate([h * layer.head_dim + within for h in heads]) if len(heads) else np.zeros(0, np.int64)
+    if part.group(2) == "output":
+        return (None, index) if part.group(3) == "weight" else (None, None)
+    return index, None
+
+
+def _candidate(tensor, rows: np.ndarray | None, columns: np.ndarray | None):
+    """The source tensor's bytes restricted to `rows` / `columns`, as (raw array, GGML type), or None where
+    the columns do not fall on whole quantization blocks."""
+    import gguf
+
+    data, qtype = np.asarray(tensor.data), tensor.tensor_type
+    if rows is not None:
+        data = data[rows]
+    if columns is not None:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        if data.dtype != np.uint8:  # plain floats: columns are elements
+            data = data[..., columns]
+        elif len(columns) and (columns[::block] % block).any() or len(columns) % block:
+            return None
+        else:
+            starts = columns[::block] // block * size
+            data = data[:, (starts[:, None] + np.arange(size)).reshape(-1)]
+    return np.ascontiguousarray(data), qtype
+
+
+def _values(raw: np.ndarray, qtype) -> np.ndarray:
+    import gguf
+
+    return gguf.quants.dequantize(raw, qtype).astype(np.float32, copy=False)
+
+
+def _unchanged(name: str, value: np.ndarray | None, tensors: dict, blocks: dict[int, _Block], interleave: bool):
+    """The source bytes for `name` (its kept rows or columns) when they hold exactly `value` (always for a
+    tensor the model has no weight for), else None. A missing output.weight stands in as the token
+    embeddings it was tied to."""
+    tensor = tensors.get(name, tensors.get("token_embd.weight") if name == "output.weight" else None)
+    if tensor is None:
+        return None
+    raw = _candidate(tensor, *_rows(name, blocks, interleave))
+    if raw is not None and raw[0].size == 0:  # nothing of the source is kept (deci's zero first projection)
+        return None
+    if value is None or raw is None:
+        return raw
+    values = _values(*raw)
+    return raw if values.size == value.size and np.array_equal(values.reshape(value.shape), value) else None
+
+
+_LADDER = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16", "F16", "F32")  # what gguf-py writes, by bits per weight
+
+
+def _bits(qtype) -> float:
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return size * 8 / block
+
+
+def _encode(value: np.ndarray, wanted: str, source_type=None) -> tuple[np.ndarray, Any]:
+    """`value` as (raw array, GGML type) in the type `wanted`; "source": the source tensor's type where gguf-py
+    writes it and its blocks fit the rows, else the first type that does with at least as many bits per
+    weight (`_LADDER`). 1-D tensors (norms, biases) are F32, as llama.cpp adds them."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    if value.ndim == 1:
+        return value.astype(np.float32), Q.F32
+    if wanted == "source":
+        fits = [Q[name] for name in _LADDER if value.shape[-1] % gguf.GGML_QUANT_SIZES[Q[name]][0] == 0]
+        need = _bits(source_type) if source_type is not None else 16.0
+        qtype = source_type if source_type in fits else next(t for t in fits if _bits(t) >= need)
+    else:
+        qtype = Q[wanted.upper()]
+    if qtype in (Q.F16, Q.F32):
+        return value.astype(np.float16 if qtype == Q.F16 else np.float32), qtype
+    return gguf.quants.quantize(value, qtype), qtype
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _copy_fields(writer, reader, old: str, new: str, replaced: set[str]) -> None:
+    """Every metadata field of the source but the file's own and `replaced`, `old.` keys renamed `new.`."""
+    import gguf
+
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        key = new + name[len(old) :] if name.startswith(old + ".") else name
+        if key in replaced:
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, f.contents(), vtype, sub_type=sub)
+
+
+def _config_fields(writer, model: nn.Module, tokenizer: Any, targets: dict, head_dim: int) -> None:
+    """The metadata of a file written from Hugging Face weights: sizes, rope, and the tokenizer."""
+    import gguf
+
+    config = model.config
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_name(Path(str(getattr(config, "_name_or_path", "") or "model")).name or "model")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+    writer.add_vocab_size(targets["token_embd.weight"].shape[0])
+    kind = rope.get("rope_type", "default")
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    elif kind == "llama3":
+        targets["rope_freqs.weight"] = _llama3_factors(rope, head_dim)
+    elif kind != "default":
+        raise GgufError(f"rope scaling {kind!r} is not written from Hugging Face weights; give the source GGUF file")
+    size = targets["token_embd.weight"].shape[0]
+    tokens, types = _vocabulary(tokenizer, size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre_tokenizer(tokenizer))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)  # merges, special ids, add_bos and the chat template, read by gguf
+        gguf.SpecialVocab(Path(folder), load_merges=True, n_vocab=size).add_to_gguf(writer, quiet=True)
+
+
+def _vocabulary(tokenizer: Any, size: int) -> tuple[list[str], list[int]]:
+    """Every id's token text (byte-level form) and GGUF token type: special added tokens are CONTROL (so
+    llama.cpp parses them in text, as transformers does), other added ones USER_DEFINED; ids the tokenizer
+    lacks, up to the embedding's size, are unused padding."""
+    import gguf
+
+    by_id = {i: text for text, i in tokenizer.get_vocab().items()}
+    added = tokenizer.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        tokens.append(by_id[i])
+        types.append(
+            gguf.TokenType.NORMAL
+            if i not in added
+            else gguf.TokenType.CONTROL
+            if added[i].special
+            else gguf.TokenType.USER_DEFINED
+        )
+    return tokens, types
+
+
+def _llama3_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """Llama 3's per-frequency rope divisors (what llama.cpp reads from rope_freqs.weight)."""
+    theta = float(rope.get("rope_theta", 10000.0))
+    factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    old = float(rope["original_max_position_embeddings"])
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * theta ** (i / head_dim)
+        if wavelength < old / high:
+            factors.append(1.0)
+        elif wavelength > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def save_gguf(
+    model: nn.Module,
+    path: str | Path,
+    source: str | Path | None = None,
+    tokenizer: Any = None,
+    tensor_type: str | None = None,
+    overwrite: bool = False,
+) -> GgufWrite:
+    """Write a (pruned) decoder as one GGUF file that llama.cpp loads, and say what was written.
+
+    `source`: the GGUF file the model was loaded from (default: the one `load_pruned(..., gguf_file=)`
+    recorded); then every tensor whose values the model still holds is copied byte for byte (q/k/v with the
+    removed heads' rows dropped) and the source's metadata kept. Without one, everything is written from the
+    weights, with `tokenizer`'s vocabulary. `tensor_type` is the type of what is written anew: "source" (the
+    default with a source file: the source tensor's type, or the nearest type gguf-py writes whose blocks
+    fit), "f16" (the default without one), "f32", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0". The
+    prune record and the source's sha256 are stored as metadata (`prune_heads.*`). The file is written
+    under no name and linked into place when complete. Raises GgufError before writing anything for what no
+    GGUF file can hold, OutputExistsError for an existing file without `overwrite`.
+    """
+    import gguf
+
+    arch = _arch_of(model)
+    path, source = Path(path), _source(model, source)
+    check_gguf(model, tokenizer, source, tensor_type, output=path, overwrite=overwrite)
+    wanted = tensor_type or ("source" if source is not None else "f16")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, model.config.num_hidden_layers)
+    blocks = _blocks(model, names)
+    if not any(b.kv_heads for b in blocks):
+        raise GgufError(
+            "the plan leaves no attention head in any layer: llama.cpp cannot run a model without a KV "
+            "cache (it fails to allocate one); keep at least one KV group"
+        )
+    architecture = _architecture(blocks)
+    targets = _targets(model, names, blocks)
+    if architecture == UNEVEN:
+        _attention_free(targets, blocks, bool(getattr(model.config, "tie_word_embeddings", False)))
+    head_dim = max(b.layer.head_dim for b in blocks)
+    result = GgufWrite(path, architecture, [b.heads for b in blocks], [b.kv_heads for b in blocks])
+    reader = _reader(source) if source is not None else None
+    by_index = {b.index: b for b in blocks}
+
+    def write(out: Path) -> None:
+        writer = gguf.GGUFWriter(out, architecture)
+        even = architecture == EVEN
+        counts = {
+            f"{architecture}.attention.head_count": result.heads[0] if even else result.heads,
+            f"{architecture}.attention.head_count_kv": result.kv_heads[0] if even else result.kv_heads,
+            f"{architecture}.attention.key_length": head_dim,
+            f"{architecture}.attention.value_length": head_dim,
+        }
+        record = getattr(model.config, RECORD_KEY, None)
+        ours = {RECORD_FIELD: json.dumps(record or {}, sort_keys=True)}
+        if source is not None:
+            ours[DIGEST_FIELD] = _sha256(source)
+            _copy_fields(writer, reader, arch.source, architecture, set(counts) | set(ours))
+        else:
+            _config_fields(writer, model, tokenizer, targets, head_dim)
+        for key, value in {**counts, **ours}.items():
+            if isinstance(value, list):
+                writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT32)
+            elif isinstance(value, str):
+                writer.add_string(key, value)
+            else:
+                writer.add_uint32(key, value)
+        source_tensors = {t.name: t for t in reader.tensors} if reader is not None else {}
+        # a source tensor the model has no weight for (rope_freqs) is copied, unless it is attention
+        order = [n for n in source_tensors if n in targets or not re.match(r"blk\.\d+\.attn_", n)] + [
+            n for n in targets if n not in source_tensors
+        ]
+        for name in order:
+            raw = _unchanged(name, targets.get(name), source_tensors, by_index, not arch.source_interleaved)
+            if raw is not None:
+                result.copied.append(name)
+            else:
+                like = source_tensors.get(name) or source_tensors.get(re.sub(r"^blk\.\d+\.", "blk.0.", name))
+                raw = _encode(targets[name], wanted, like.tensor_type if like is not None else None)
+                result.written[name] = raw[1].name
+            writer.add_tensor(name, raw[0], raw_dtype=raw[1])
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    replace_file(path, overwrite, write)
+    return result
+
+
+def gguf_heads(path: str | Path) -> dict[str, Any]:
+    """What a GGUF file holds, for `inspect`: architecture, per-layer heads and KV heads, and the prune record
+    prune-heads stored in it (if any)."""
+    reader = _reader(Path(path))
+    arch = str(reader.fields["general.architecture"].contents())
+    blocks = int(reader.fields[f"{arch}.block_count"].contents())
+
+    def per_layer(key: str) -> list[int]:
+        found = reader.fields.get(f"{arch}.attention.{key}")
+        value = found.contents() if found is not None else 0
+        return [int(v) for v in value] if isinstance(value, list) else [int(value)] * blocks
+
+    record = reader.fields.get(RECORD_FIELD)
+    digest = reader.fields.get(DIGEST_FIELD)
+    return {
+        "architecture": arch,
+        "heads": per_layer("head_count"),
+        "kv_heads": per_layer("head_count_kv"),
+        "record": json.loads(record.contents()) if record is not None else None,
+        "source_sha256": digest.contents() if digest is not None else None,
+        "tensors": len(reader.tensors),
+        "bytes": Path(path).stat().st_size,
+    }

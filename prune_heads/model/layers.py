@@ -1,0 +1,405 @@
+"""Finding the attention layers of a model and describing their heads.
+
+Copied as it is into standalone checkpoints (see standalone.py): it may import only torch, transformers and
+families (the module before it there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .families import FAMILIES, NOT_EXACT, AttentionSpec, spec_for_type
+
+logger = logging.getLogger("prune_heads")
+_CROSS_NAME_PARTS = ("encoder_attn", "EncDecAttention", "crossattention", "cross_attn")
+
+
+class UnsupportedModelError(ValueError):
+    """Raised when an attention module cannot be mapped onto a registered family."""
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """A snapshot of one attention layer: where it is, which heads it still has, who handles it.
+
+    `heads` and `kv_heads` are ORIGINAL indices (as numbered before any pruning). For grouped-query layers,
+    query head h belongs to KV head h // (original heads per KV head).
+    """
+
+    name: str
+    index: int
+    kind: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    heads: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+    original_num_heads: int
+    original_num_kv_heads: int
+    spec: AttentionSpec
+    module: nn.Module
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head in the original layer (1 for plain multi-head attention)."""
+        return self.original_num_heads // self.original_num_kv_heads
+
+
+def resolve(module: nn.Module, path: str):
+    """Follow a dotted attribute path from a module ("" is the module itself)."""
+    for part in filter(None, path.split(".")):
+        module = getattr(module, part)
+    return module
+
+
+def _has_path(module: nn.Module, path: str | None) -> bool:
+    try:
+        return path is not None and resolve(module, path) is not None
+    except AttributeError:
+        return False
+
+
+# head counts an unregistered module may keep in its own attributes or its config (quantity, attributes)
+_HEAD_COUNTS = (
+    ("heads", ("num_heads", "num_attention_heads", "n_heads", "n_head")),
+    ("kv_heads", ("num_key_value_heads", "num_kv_heads", "n_kv_heads")),
+    ("kv_groups", ("num_key_value_groups",)),
+    ("inner", ("embed_dim", "inner_dim", "all_head_size", "d_model_size", "split_size")),
+)
+
+
+def head_dim_of(module: nn.Module, spec: AttentionSpec) -> int:
+    """The module's head size: the attribute `spec.head_dim` names, or what the spec's function computes."""
+    return int(spec.head_dim(module) if callable(spec.head_dim) else resolve(module, spec.head_dim))
+
+
+def _structural_spec(module: nn.Module, spec: AttentionSpec) -> AttentionSpec:
+    """A structural match's spec, also handling what the module keeps per head under common shapes and names
+    (the probe then proves the result): head counts in its attributes or config (`inner` names only where
+    they equal heads * head_dim), parameters whose first dimension is the heads (attention sinks, logit
+    scales) or whose columns are (relative position bias tables), and further projections with one output
+    block per head (output gates). Found once, while the module has its original heads, and kept on it: a
+    later head count can coincide with some other size."""
+    cached = getattr(module, "_ph_structural_spec", None)
+    if cached is not None and cached.name == spec.name:
+        return cached
+    head_dim = head_dim_of(module, spec)
+    heads = Projection(resolve(module, spec.o)).features("in") // max(head_dim, 1)
+    taken = {id(resolve(module, p)) for p in (spec.q, spec.k, spec.v, spec.o, spec.fused_qkv) if p is not None}
+    gates = tuple(
+        name
+        for name, child in module.named_children()
+        if is_projection(child)
+        and id(child) not in taken
+        and heads > 1
+        and Projection(child).features("out") == heads * head_dim
+    )
+    projections = [p for p in (spec.q, spec.k, spec.v, spec.o, spec.fused_qkv, *gates) if p is not None]
+    own = [
+        (name, param)
+        for name, param in module.named_parameters()
+        if heads > 1 and not any(name.startswith(p + ".") for p in projections)
+    ]
+    sinks = tuple(name for name, param in own if param.dim() >= 1 and param.shape[0] == heads)
+    tables = tuple(name for name, param in own if param.dim() == 2 and param.shape[1] == heads != param.shape[0])
+    config = getattr(module, "config", None)
+    updates = list(spec.updates)
+    for quantity, names in _HEAD_COUNTS:
+        for owner, path in ((module, ""), (config, "config")):
+            for attribute in names:
+                try:
+                    value = getattr(owner, attribute, None)
+                except Exception:  # configs whose per-layer attributes refuse a global read (Gemma 4)
+                    value = None
+                if (
+                    type(value) is int
+                    and (quantity != "inner" or value == heads * head_dim)
+                    and (path, attribute, quantity) not in updates
+                    and not (path and quantity == "inner")
+                ):
+                    updates.append((path, attribute, quantity))
+
+    def more(known: tuple[str, ...], found: tuple[str, ...]) -> tuple[str, ...]:
+        return known + tuple(f for f in found if f not in known)
+
+    module._ph_structural_spec = dataclasses.replace(
+        spec,
+        updates=tuple(updates),
+        per_head_out=more(spec.per_head_out, gates),
+        per_head_params=more(spec.per_head_params, sinks),
+        per_head_columns=more(spec.per_head_columns, tables),
+    )
+    return module._ph_structural_spec
+
+
+def is_projection(module: object) -> bool:
+    """An nn.Linear or a GPT-2 style Conv1D: a module whose weight slicing prunes heads."""
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "weight"))
+
+
+def _fits(module: nn.Module, spec: AttentionSpec) -> bool:
+    names = [spec.fused_qkv] if spec.fused_qkv else [spec.q, spec.k, spec.v]
+    if not all(_has_path(module, p) for p in [*names, spec.o]) or not all(
+        is_projection(resolve(module, p)) for p in [*names, spec.o]
+    ):
+        return False
+    try:
+        return head_dim_of(module, spec) > 0
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return False
+
+
+class Projection:
+    """An nn.Linear or a GPT-2 style Conv1D (which stores its weight [in, out]) behind one interface."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.transposed = not isinstance(module, nn.Linear)
+
+    def features(self, side: str) -> int:
+        """Input ("in") or output ("out") features."""
+        return self.matrix().shape[0 if side == "out" else 1]
+
+    def matrix(self) -> torch.Tensor:
+        """The weight as [out, in] (a view)."""
+        return self.module.weight.t() if self.transposed else self.module.weight
+
+    def keep(self, index: torch.Tensor, side: str) -> None:
+        """Keep only the `index` output ("out") or input ("in") features, in place (dtype, device and
+        requires_grad kept; the bias follows the outputs)."""
+        layer, weight = self.module, self.module.weight
+        dim = (0 if side == "out" else 1) ^ self.transposed
+        layer.weight = nn.Parameter(weight.index_select(dim, index.to(weight.device)), weight.requires_grad)
+        if side == "out" and layer.bias is not None:
+            layer.bias = nn.Parameter(layer.bias.index_select(0, index.to(layer.bias.device)), layer.bias.requires_grad)
+        if self.transposed:
+            if side == "out":
+                layer.nf = index.numel()
+        elif side == "out":
+            layer.out_features = index.numel()
+        else:
+            layer.in_features = index.numel()
+
+    @torch.no_grad()
+    def scale_inputs(self, factor: torch.Tensor) -> None:
+        """Multiply each input feature's weights by `factor` [in], in place."""
+        factor = factor.detach().to(self.module.weight.device, self.module.weight.dtype)
+        self.module.weight.mul_(factor[:, None] if self.transposed else factor[None, :])
+
+
+def output_projection(layer: AttentionLayer) -> Projection:
+    """The layer's output projection (the one that consumes the concatenated heads)."""
+    return Projection(resolve(layer.module, layer.spec.o))
+
+
+@dataclass(frozen=True)
+class HeadSlot:
+    """Where one of q, k, v keeps its heads inside a projection: the heads come in blocks of `per` (one
+    block every `stride` features), so head p's features start at (p // per) * stride + (p % per) * head_dim
+    + first."""
+
+    projection: Projection
+    first: int
+    stride: int
+    per: int = 1
+    blocks: int = 1  # head_dim blocks per head (2: a query and its output gate, Qwen3-Next)
+
+    def features(self, positions: list[int], head_dim: int) -> torch.Tensor:
+        """Output-feature indices [len(positions) * blocks * head_dim] of the heads at these positions."""
+        device = self.projection.module.weight.device
+        p = torch.tensor(positions, dtype=torch.long, device=device)
+        width = self.blocks * head_dim
+        start = (p // self.per) * self.stride + (p % self.per) * width + self.first
+        return (start[:, None] + torch.arange(width, device=device)).reshape(-1)
+
+
+def qkv_parts(module: nn.Module, spec: AttentionSpec, num_heads: int, head_dim: int) -> tuple[dict[str, HeadSlot], int]:
+    """Where the q, k and v heads live, {"q"|"k"|"v": HeadSlot}, and the number of KV heads: three
+    projections, or one fused projection laid out as [q | k | v] ("blocks"), [q, k, v] per head ("heads")
+    or [q of the group's heads, k, v] per KV group ("groups"); see AttentionSpec.fused_layout."""
+    if spec.fused_qkv:
+        fused = Projection(resolve(module, spec.fused_qkv))
+        kv_heads = (fused.features("out") // head_dim - num_heads) // 2
+        layout = spec.fused_layout(module) if callable(spec.fused_layout) else spec.fused_layout
+        if layout == "heads":
+            return {name: HeadSlot(fused, i * head_dim, 3 * head_dim) for i, name in enumerate("qkv")}, kv_heads
+        if layout == "groups":
+            per = num_heads // max(kv_heads, 1)
+            block = (per + 2) * head_dim
+            return {
+                "q": HeadSlot(fused, 0, block, per),
+                "k": HeadSlot(fused, per * head_dim, block),
+                "v": HeadSlot(fused, (per + 1) * head_dim, block),
+            }, kv_heads
+        q, kv = num_heads * head_dim, kv_heads * head_dim
+        return {
+            "q": HeadSlot(fused, 0, head_dim),
+            "k": HeadSlot(fused, q, head_dim),
+            "v": HeadSlot(fused, q + kv, head_dim),
+        }, kv_heads
+    parts = {name: HeadSlot(Projection(resolve(module, getattr(spec, name))), 0, head_dim) for name in "qkv"}
+    if spec.q_blocks > 1:
+        parts["q"] = HeadSlot(parts["q"].projection, 0, spec.q_blocks * head_dim, blocks=spec.q_blocks)
+    return parts, parts["k"].projection.features("out") // head_dim
+
+
+def describe(module: nn.Module, spec: AttentionSpec, name: str, index: int) -> AttentionLayer:
+    """Read head counts from the weights of one attention module (no config is trusted)."""
+    head_dim = head_dim_of(module, spec)
+    num_heads = Projection(resolve(module, spec.o)).features("in") // head_dim
+    _, num_kv_heads = qkv_parts(module, spec, num_heads, head_dim)
+    record = getattr(module, "_ph_record", None)
+    if record is None:
+        original, original_kv = num_heads, num_kv_heads
+        heads = tuple(range(num_heads))
+    else:
+        original, original_kv = record["num_heads"], record["num_kv_heads"]
+        heads = tuple(h for h in range(original) if h not in set(record["removed"]))
+    if original_kv == 0 or original % max(original_kv, 1) or (not spec.grouped and num_kv_heads != num_heads):
+        raise UnsupportedModelError(
+            f"{name} ({type(module).__name__}): its projections do not match the '{spec.name}' layout "
+            f"({num_heads} query heads, {num_kv_heads} KV heads)"
+        )
+    group = original // original_kv
+    kv_heads = tuple(sorted({h // group for h in heads}))
+    kind = (
+        "cross" if getattr(module, "is_cross_attention", False) or any(p in name for p in _CROSS_NAME_PARTS) else "self"
+    )
+    return AttentionLayer(
+        name=name,
+        index=index,
+        kind=kind,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        heads=heads,
+        kv_heads=kv_heads,
+        original_num_heads=original,
+        original_num_kv_heads=original_kv,
+        spec=spec,
+        module=module,
+    )
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """An attention module prune_heads leaves as it is, and why."""
+
+    name: str
+    class_name: str
+    why: str
+
+
+def scan_attention(model: nn.Module) -> tuple[list[AttentionLayer], list[Unsupported]]:
+    """The attention layers of a model in forward (registration) order, and the attention modules it cannot
+    handle.
+
+    Modules are matched first by class name against the family table, then structurally: an unregistered
+    class whose children fit a registered layout (for example q_proj/k_proj/v_proj/o_proj with a head_dim)
+    is handled like that family (and proven on a copy before any surgery, see prune_heads.probe). A module
+    whose class name says attention and that owns projections but fits no layout, one whose projections do
+    not match its family's layout, and a class known not to prune exactly (NOT_EXACT) are unsupported.
+    """
+    found: list[tuple[str, nn.Module, AttentionSpec]] = []
+    unsupported: list[Unsupported] = []
+    unmatched: list[tuple[str, nn.Module]] = []
+    taken: list[str] = []  # modules found or refused by name: their submodules are not looked at
+    for name, module in model.named_modules():
+        if any(name == t or name.startswith(t + ".") for t in taken):
+            continue
+        cls = type(module).__name__
+        if cls in NOT_EXACT:
+            unsupported.append(Unsupported(name, cls, f"cannot have heads removed exactly: {NOT_EXACT[cls]}"))
+            taken.append(name)
+            continue
+        spec = spec_for_type(cls)
+        if spec is None and "attention" in cls.lower():
+            spec = next((s for s in FAMILIES if _fits(module, s)), None)
+            if spec is None:
+                unmatched.append((name, module))
+                continue
+            spec = _structural_spec(module, spec)
+        if spec is not None:
+            found.append((name, module, spec))
+            taken.append(name)
+    for name, module in unmatched:
+        inside = any(n.startswith(name + ".") or not name for n, _, _ in found)
+        owns_projection = any(_projects(m) for m in module.modules())
+        if owns_projection and not inside and not any(name.startswith(u.name + ".") for u in unsupported):
+            unsupported.append(Unsupported(name, type(module).__name__, "an attention module of no registered family"))
+    layers = []
+    for name, module, spec in found:
+        try:
+            layers.append(describe(module, spec, name, len(layers)))
+        except UnsupportedModelError as error:
+            unsupported.append(Unsupported(name, type(module).__name__, str(error).split(": ", 1)[-1]))
+    return layers, unsupported
+
+
+def _projects(module: nn.Module) -> bool:
+    """Whether a module maps features to features: a weight [out, in] (Linear, Conv1D, quantized ones) or a
+    pointwise convolution's [out, in, 1, ...] (MobileViTV2's attention projects with 1x1 convolutions)."""
+    weight = getattr(module, "weight", None)
+    return (
+        isinstance(weight, torch.Tensor)
+        and not isinstance(module, nn.Embedding)
+        and weight.dim() >= 2
+        and all(size == 1 for size in weight.shape[2:])
+    )
+
+
+def _supported(layers: list[AttentionLayer], unsupported: list[Unsupported]) -> list[AttentionLayer]:
+    """The layers, or UnsupportedModelError when there are attention modules but none prune_heads handles."""
+    if unsupported and not layers:
+        first = unsupported[0]
+        raise UnsupportedModelError(
+            f"{first.name} ({first.class_name}): {first.why}; register it with prune_heads.register_family("
+            f"AttentionSpec(name, ({first.class_name!r},), q=..., k=..., v=..., o=..., head_dim=...))"
+        )
+    return layers
+
+
+def find_attention(model: nn.Module) -> list[AttentionLayer]:
+    """The attention layers prune_heads can handle, in forward order (see scan_attention).
+
+    Unsupported attention modules beside them are left as they are (`scan_attention` lists them, `inspect`
+    shows them, `prune_model` says so in one line). Raises UnsupportedModelError when the model has attention
+    modules but none it can handle, naming the first and the `register_family` fix.
+    """
+    return _supported(*scan_attention(model))
+
+
+def scan_required(model: nn.Module) -> tuple[list[AttentionLayer], list[Unsupported]]:
+    """`scan_attention(model)` in one scan, refused (UnsupportedModelError) when the model has no attention
+    layer at all or none that prune_heads handles."""
+    layers, unsupported = scan_attention(model)
+    if not layers and not unsupported:
+        name = getattr(model, "name_or_path", "") or "the model"
+        raise UnsupportedModelError(f"no attention layers found in {name} ({type(model).__name__})")
+    return _supported(layers, unsupported), unsupported
+
+
+def require_attention(model: nn.Module) -> list[AttentionLayer]:
+    """`find_attention(model)`, saying in one warning which attention modules are left as they are;
+    UnsupportedModelError when the model has no attention layer at all."""
+    layers, unsupported = scan_required(model)
+    name = getattr(model, "name_or_path", "") or "the model"
+    if unsupported:
+        listed = ", ".join(f"{u.name} ({u.class_name})" for u in unsupported[:3])
+        more = f" and {len(unsupported) - 3} more" if len(unsupported) > 3 else ""
+        logger.warning(
+            "%d attention module(s) of %s are left as they are (%s%s: %s); the other %d layers are "
+            "pruned. `prune-heads inspect` lists them",
+            len(unsupported),
+            name,
+            listed,
+            more,
+            unsupported[0].why,
+            len(layers),
+        )
+    return layers

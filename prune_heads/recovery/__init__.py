@@ -1,0 +1,11 @@
+"""Retraining-free recovery after removal, each step decided on held-out calibration data.
+
+`gated` (the unpruned model with gates and added biases, where candidates are tried without a copy),
+`holdout` (the held-out split and the one-standard-error rule), `tuning` (head scales and output biases
+tuned to the unpruned outputs) and `reconstruction` (least-squares fits of what the removed heads wrote).
+"""
+
+from .reconstruction import reconstruct
+from .tuning import tune_gates
+
+__all__ = ["reconstruct", "tune_gates"]

@@ -1,0 +1,94 @@
+"""`GatedModel`: the unpruned model with a gate per head and an added bias per output projection (hooks), so
+candidate plans, bias compensation and tuning are tried without copying or changing a weight; gate 0 is
+exactly the head's removal, so what is measured here is what `prune` then produces (`fold`)."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+from torch import nn
+
+from ..data import on_device_of
+from ..model.gates import fold_gates, head_gates
+from ..model.hooks import hooks
+from ..model.layers import AttentionLayer, find_attention, output_projection, resolve
+from ..model.probe import probe_plan, remove_proven
+from ..model.surgery import add_output_bias, head_features, normalize_plan
+from ..scoring.objective import Objective
+
+
+class GatedModel:
+    """The model with a gate per head (`scales` x `masks`) and an added bias per output projection
+    (`biases`), all hooks: call it on a batch to run the gated model. Plans are tried by zeroing masks; gate
+    0 gives exactly the outputs of the model with that head removed, and `fold` makes it so."""
+
+    def __init__(self, model: nn.Module, layers: list[AttentionLayer]) -> None:
+        self.model, self.layers = model, layers
+        projections = [output_projection(l) for l in layers]
+        self.devices = [p.module.weight.device for p in projections]
+        self.widths = [p.features("out") for p in projections]
+        self.use({})
+        self._stack = ExitStack()
+
+    def use(self, plan: dict[str, list[int]], biases: dict[str, torch.Tensor] | None = None) -> None:
+        """Gates of 0 for the plan's heads and 1 for the others, and the given added biases (else none)."""
+        removed = [set(plan.get(l.name, ())) for l in self.layers]
+        self.masks = [
+            torch.tensor([0.0 if h in r else 1.0 for h in l.heads], device=d)
+            for l, r, d in zip(self.layers, removed, self.devices)
+        ]
+        self.scales = [torch.ones(l.num_heads, device=d) for l, d in zip(self.layers, self.devices)]
+        self.biases = [
+            (biases or {}).get(l.name, torch.zeros(w)).float().to(d).clone()
+            for l, w, d in zip(self.layers, self.widths, self.devices)
+        ]
+
+    def __enter__(self) -> GatedModel:
+        self.gates = self._stack.enter_context(head_gates(self.model, requires_grad=False))
+        add = [(resolve(l.module, l.spec.o), "forward", self._add_bias(i)) for i, l in enumerate(self.layers)]
+        self._stack.enter_context(hooks(add))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _add_bias(self, i: int):
+        return lambda module, args, out: out + self.biases[i].to(out.dtype)
+
+    def __call__(self, batch: dict):
+        for i, (scale, mask) in enumerate(zip(self.scales, self.masks)):
+            self.gates[i] = scale * mask
+        return self.model(**batch)
+
+    @torch.no_grad()
+    def divergences(self, batches: list[dict], targets: list, objective: Objective) -> torch.Tensor:
+        """Per-example held-out values of the gated model against the targets (`Objective.heldout`: the
+        divergence, plus the neighbour divergence for embeddings), [examples] float64."""
+        return objective.heldout((self(b), b, on_device_of(t, b)) for b, t in zip(batches, targets))
+
+    def compensation(self, plan: dict[str, list[int]], means: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """FLAP's bias compensation: per pruned layer, the removed heads' mean contribution to the output,
+        W_o[:, removed channels] @ mean[removed channels] (means over the unpruned calibration tokens)."""
+        biases = {}
+        for layer, mean in zip(self.layers, means):
+            removed = [layer.heads.index(h) for h in plan.get(layer.name, ())]
+            if removed:
+                cols = head_features(removed, layer.head_dim, torch.device("cpu"))
+                weight = output_projection(layer).matrix().detach().double().cpu()  # [out, inner]
+                biases[layer.name] = (weight[:, cols] @ mean[cols]).float()
+        return biases
+
+    def fold(self, plan: dict[str, list[int]], inputs: dict | None = None) -> None:
+        """Make the gated state permanent: scales into the output projections, added biases into their biases
+        (created and recorded where missing), then the plan's heads removed. The plan is proven on copies
+        first (`probe_plan`, on `inputs`), so a refused plan leaves the model as it was."""
+        layers = find_attention(self.model)
+        plan = normalize_plan(layers, plan)
+        probe_plan(self.model, layers, plan, inputs)
+        with torch.no_grad():
+            for layer, scale in zip(self.layers, self.scales):
+                if not torch.equal(scale, torch.ones_like(scale)):
+                    fold_gates(layer, scale)
+        add_output_bias(self.model, {l.name: b.detach() for l, b in zip(self.layers, self.biases) if b.any()})
+        remove_proven(self.model, layers, plan)  # proven above; folding scales and biases keeps it exact

@@ -1,0 +1,52 @@
+"""Held-out decisions: which calibration examples are held out, and Breiman's one-standard-error rule that
+every recovery step is kept by (not on noise)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..data import batch_size
+
+
+def split_holdout(batches: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
+    """(calibration, held-out) batches: every 1/fraction-th example across all batches is held out (a slice
+    of its own batch, so no padding changes), so the held-out part spans the data the way batches of
+    similar lengths do not. No hold-out for fraction 0 or fewer than two examples."""
+    total = sum(batch_size(b) for b in batches)
+    if fraction <= 0 or total < 2:
+        return batches, []
+    calib, held, seen = [], [], 0
+    for batch in batches:
+        rows = batch_size(batch)
+        out = [r for r in range(rows) if math.floor((seen + r + 1) * fraction) > math.floor((seen + r) * fraction)]
+        seen += rows
+        keep = [r for r in range(rows) if r not in set(out)]
+        for part, index in ((calib, keep), (held, out)):
+            if index:
+                part.append(_take_rows(batch, torch.tensor(index), rows))
+    if not held or not calib:
+        return batches, []
+    return calib, held
+
+
+def _take_rows(batch: dict, index: torch.Tensor, rows: int) -> dict:
+    """The batch restricted to the rows in `index` (tensors whose first dimension is the batch)."""
+    return {
+        k: v.index_select(0, index.to(v.device)) if torch.is_tensor(v) and v.dim() and v.shape[0] == rows else v
+        for k, v in batch.items()
+    }
+
+
+def one_standard_error(values: dict[str, torch.Tensor]) -> str:
+    """The first candidate (in the dict's order of preference) whose mean per-example value is within one
+    standard error of the best one's; the error is that of the paired per-example differences, so a choice
+    is not made on noise (Breiman's one-standard-error rule)."""
+    best = min(values, key=lambda k: float(values[k].mean()))
+    for name, v in values.items():
+        difference = v - values[best]
+        error = float(difference.std() / len(difference) ** 0.5) if len(difference) > 1 else 0.0
+        if float(difference.mean()) <= error:
+            return name
+    return best

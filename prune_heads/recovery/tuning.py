@@ -1,0 +1,210 @@
+"""Tuning after removal: Adam over head scales and output biases against the unpruned outputs (KL on logits,
+1 - cosine of pooled embeddings), stopping when a held-out check (of the last step and of the moving average of
+the steps, the lower counting) stops improving, within a budget of counted work; `tune_gates` is its form for
+a pruned model and a separate unpruned reference."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ..data import input_device, on_device_of, to_device, without_labels
+from ..model.gates import fold_gates, head_gates
+from ..model.layers import find_attention, resolve
+from ..runtime.memory import release_freed_memory
+from ..runtime.work import Budget
+from ..scoring.objective import Objective, frozen
+
+PATIENCE = 2  # epochs without a better held-out value before tuning stops
+AVERAGE = 0.9  # decay per step of the moving average that tuning checks beside its last step
+MIN_TUNING_FLOPS = 6e12  # tuning always gets this much work (about a minute on 2 CPU cores): small models tune fully
+
+
+def _copy(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Detached copies of the parameters' current values."""
+    return [p.detach().clone() for p in params]
+
+
+@torch.no_grad()
+def _load(params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Put `values` into the parameters, in place."""
+    for p, value in zip(params, values):
+        p.copy_(value)
+
+
+class _Average:
+    """An exponential moving average of parameters over optimizer steps (Polyak averaging), bias-corrected
+    so the first steps are not pulled towards zero: `values()` is the average, `applied()` puts it in the
+    parameters' place for a while (to check it), `reset()` starts a new average from the next step."""
+
+    def __init__(self, params: list[torch.Tensor], decay: float) -> None:
+        self.params, self.decay = params, decay
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = [torch.zeros_like(p) for p in self.params]
+        self.weight = 0.0
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for total, p in zip(self.sums, self.params):
+            total.mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
+        self.weight = self.weight * self.decay + 1 - self.decay
+
+    def values(self) -> list[torch.Tensor]:
+        """The average so far (call only after a step: `weight` > 0)."""
+        return [total / self.weight for total in self.sums]
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        live = _copy(self.params)
+        _load(self.params, self.values())
+        try:
+            yield
+        finally:
+            _load(self.params, live)
+
+
+class Tuning(NamedTuple):
+    """What `tune` did: the checked held-out values (the first before tuning), the steps taken, whether the
+    parameters it left are the moving average of the steps (else the steps' own values), and the FLOPs it
+    spent (0 without a budget to count them)."""
+
+    history: list[float]
+    steps: int
+    averaged: bool
+    flops: float = 0.0
+
+
+def _readouts(check: Callable[[], float], params: list[torch.Tensor], averaged: _Average | None):
+    """The held-out value and a copy of the parameters that give it, for the current parameters and (when
+    averaging) their moving average, whichever checks lower; and whether that is the average."""
+    options = [(check(), _copy(params), False)]
+    if averaged is not None and averaged.weight:
+        with averaged.applied():
+            options.append((check(), averaged.values(), True))
+    return min(options, key=lambda option: option[0])
+
+
+def tune(
+    forward: Callable[[dict], object],
+    groups: list[dict],
+    batches: list[dict],
+    targets: list,
+    objective: Objective,
+    epochs: int,
+    seed: int = 0,
+    check: Callable[[], float] | None = None,
+    budget: Budget | None = None,
+    average: float = 0.0,
+) -> Tuning:
+    """Adam over the parameter `groups` so `forward`'s outputs match the targets (the objective's divergence),
+    for `epochs` passes in a seeded order. With `average` in (0, 1), an exponential moving average of the
+    parameters over the steps (that decay per step) is kept beside them: it smooths out Adam's step-to-step
+    jitter. With `check` (a held-out divergence), it runs after every epoch, on the parameters and on their
+    average, and the lower of the two counts: an epoch that does not improve on the best so far goes back
+    to the best parameters and halves the learning rates, tuning stops after PATIENCE such epochs, and the
+    best parameters are kept. Without `check`, the average (when kept) is what tuning leaves. With `budget`
+    (counted FLOPs, never a clock), no step starts whose work and the final check's would pass its limit
+    (the first step always runs); a cut epoch is checked like a whole one."""
+    params = [p for group in groups for p in group["params"]]
+    optimizer = torch.optim.Adam(groups)
+    averaged = _Average(params, average) if average else None
+    generator = torch.Generator().manual_seed(seed)
+    history = [check()] if check else []
+    checks = (2 if averaged else 1) if check else 0  # held-out passes per check after a step
+    if budget is not None and check:
+        budget.spent += budget.check
+    best, best_averaged = _copy(params), False
+    misses, steps, out_of_budget = 0, 0, False
+    for _ in range(epochs):
+        begun = steps
+        for i in torch.randperm(len(batches), generator=generator).tolist():
+            cost = budget.step(batches[i]) if budget is not None else 0.0
+            if budget is not None and steps and not budget.allows(cost + checks * budget.check):
+                out_of_budget = True
+                break
+            loss = objective.divergence(forward(batches[i]), batches[i], on_device_of(targets[i], batches[i])).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            release_freed_memory()
+            if averaged:
+                averaged.update()
+            steps += 1
+            if budget is not None:
+                budget.spent += cost
+        if out_of_budget and steps == begun:  # nothing new to check
+            break
+        improved = False
+        if check:
+            value, values, from_average = _readouts(check, params, averaged)
+            if budget is not None:
+                budget.spent += checks * budget.check
+            history.append(value)
+            improved = value < min(history[:-1])
+            if improved:
+                best, best_averaged = values, from_average
+        if out_of_budget:
+            break
+        if not check or improved:
+            continue
+        misses += 1
+        if misses >= PATIENCE:
+            break
+        _load(params, best)  # back to the best point, with smaller steps
+        if averaged:
+            averaged.reset()
+        for group in optimizer.param_groups:
+            group["lr"] /= 2
+    if not check and averaged and averaged.weight:
+        best, best_averaged = averaged.values(), True
+    if check or best_averaged:
+        _load(params, best)
+    optimizer.zero_grad(set_to_none=True)
+    return Tuning(history, steps, best_averaged, budget.spent if budget is not None else 0.0)
+
+
+def tune_gates(
+    model: nn.Module,
+    reference: nn.Module,
+    dataloader: Iterable[dict],
+    epochs: int = 2,
+    lr: float = 0.05,
+    seed: int = 0,
+    bias_lr: float | None = None,
+    average: float = AVERAGE,
+) -> dict[str, list[float]]:
+    """Tune one scale per kept head of a pruned `model` so its outputs match the unpruned `reference`
+    model's, then fold the scales into the output projections (the model stays a plain smaller model).
+
+    The objective is the label-free divergence (KL on logits, 1 - cosine of pooled embeddings) over the
+    calibration batches, minimised with Adam over the head gates alone. With `bias_lr`, the output
+    projections' biases (where they have one) are tuned too, at that learning rate (a learned bias
+    compensation). `average` is the decay of the moving average of the tuned values that is kept (0: the
+    last step's). `ph.prune_model` does the same on the gated unpruned model, with no second copy.
+    Returns the scales per layer.
+    """
+    device = input_device(model)
+    batches = [to_device(without_labels(b), device) for b in dataloader]
+    objective = Objective(model)
+    reference.eval()
+    with torch.no_grad():
+        targets = [objective.reference(reference(**b), b) for b in batches]
+    layers = find_attention(model)
+    biases = [b for b in (resolve(l.module, l.spec.o).bias for l in layers) if b is not None] if bias_lr else []
+    with frozen(model), head_gates(model) as gates:  # frozen restores every requires_grad flag on exit
+        for b in biases:
+            b.requires_grad_(True)
+        groups = [{"params": list(gates), "lr": lr}] + ([{"params": biases, "lr": bias_lr}] if biases else [])
+        tune(lambda b: model(**b), groups, batches, targets, objective, epochs, seed, average=average)
+        scales = _copy(gates)
+    with torch.no_grad():
+        for layer, scale in zip(layers, scales):
+            if layer.num_heads:
+                fold_gates(layer, scale)
+    return {layer.name: scale.tolist() for layer, scale in zip(layers, scales)}

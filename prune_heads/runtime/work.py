@@ -1,0 +1,75 @@
+"""Work, counted rather than timed: the budgets of the pruning flow are FLOPs derived from the model and the
+data, so the same inputs, config and seed give the same model on an idle or a busy machine, a laptop or a GPU.
+
+A forward pass's FLOPs are counted once, by torch's FLOP counter, on one example of the first batch; every
+other pass is priced from that count by its positions (rows x sequence length). A backward pass through the
+gates (parameters frozen, so only activation gradients) is priced as one more forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def positions(batch: dict) -> int:
+    """Rows x length of the batch's first input tensor with two or more dimensions (its rows when it has none):
+    what a forward pass's cost grows with (tokens for text; examples for images and audio)."""
+    tensors = [v for k, v in batch.items() if torch.is_tensor(v) and v.dim() and k != "labels"]
+    shaped = next((t for t in tensors if t.dim() >= 2), None)
+    return int(shaped.shape[0] * shaped.shape[1]) if shaped is not None else int(tensors[0].shape[0])
+
+
+def count_flops(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
+    """FLOPs of one forward pass, counted by torch.utils.flop_counter (matmuls, convolutions, attention)."""
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(**inputs)
+    return int(counter.get_total_flops())
+
+
+@dataclass(frozen=True)
+class Work:
+    """The price of passes over batches, in FLOPs: `per_position` forward FLOPs per position."""
+
+    per_position: float
+
+    @classmethod
+    def of(cls, model: nn.Module, batch: dict) -> Work:
+        """Count one forward pass of `model` on the first example of `batch` (labels dropped)."""
+        rows = next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim())
+        one = {
+            k: v[:1] if torch.is_tensor(v) and v.dim() and v.shape[0] == rows else v
+            for k, v in batch.items()
+            if k != "labels"
+        }
+        return cls(count_flops(model, one) / max(positions(one), 1))
+
+    def forward(self, batches: Iterable[dict]) -> float:
+        """FLOPs of one forward pass over the batches."""
+        return self.per_position * sum(positions(b) for b in batches)
+
+    def forward_backward(self, batches: Iterable[dict]) -> float:
+        """FLOPs of one forward and one backward pass through the gates over the batches."""
+        return 2 * self.forward(batches)
+
+
+@dataclass
+class Budget:
+    """A limit on counted work: `limit` FLOPs, of which `spent` are used; `step` prices one tuning step on a
+    batch and `check` one held-out check."""
+
+    limit: float
+    work: Work
+    check: float
+    spent: float = 0.0
+
+    def step(self, batch: dict) -> float:
+        return self.work.forward_backward([batch])
+
+    def allows(self, cost: float) -> bool:
+        """Whether `cost` more FLOPs stay within the limit."""
+        return self.spent + cost <= self.limit

@@ -1,0 +1,24 @@
+"""Scoring and selection: how much each head matters, and which heads go.
+
+`objective` (the loss or divergence importance is measured against), `methods` (the registered scoring
+methods and `score_heads`), `recording` (the unpruned model's statistics, taken during scoring),
+`head_scores` (the saved result), `selection` (budgets and plans: `select_heads`, `check_budget`) and
+`iterative` (re-scoring between steps).
+"""
+
+from .head_scores import HeadScores
+from .iterative import IterativeResult, prune_iteratively
+from .methods import METHODS, score_heads
+from .selection import check_budget, heads_for_flops, plan_with_interactions, select_heads
+
+__all__ = [
+    "check_budget",
+    "heads_for_flops",
+    "HeadScores",
+    "IterativeResult",
+    "METHODS",
+    "plan_with_interactions",
+    "prune_iteratively",
+    "score_heads",
+    "select_heads",
+]

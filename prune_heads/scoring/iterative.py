@@ -1,0 +1,82 @@
+"""Iterative pruning (Michel et al. 2019): score, remove a slice of heads, re-score, repeat."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..data import batch_size, input_device, to_device
+from ..model.probe import prune
+from .head_scores import HeadScores
+from .methods import score_heads
+from .objective import Loss, Objective, frozen
+from .selection import select_heads
+
+
+@dataclass
+class IterativeResult:
+    """What `prune_iteratively` removed, and the loss and metric after every step (step 0 = before)."""
+
+    plan: dict[str, list[int]]
+    history: list[dict] = field(default_factory=list)
+    scores: HeadScores | None = None
+
+
+def mean_loss(model: nn.Module, dataloader: Iterable[dict], loss: Loss | None = None) -> float | None:
+    """Mean per-example task loss over the batches (None when the batches have no labels)."""
+    objective = Objective(model, loss)
+    device = input_device(model)
+    total, count = 0.0, 0
+    generator = torch.Generator().manual_seed(0)
+    with frozen(model), torch.no_grad():
+        for batch in dataloader:
+            if "labels" not in batch and loss is None:
+                return None
+            batch = to_device(batch, device)
+            total += float(objective.per_example(model(**batch), batch, generator).double().sum())
+            count += batch_size(batch) if loss is None else 1
+    return total / max(count, 1)
+
+
+def prune_iteratively(
+    model: nn.Module,
+    dataloader: Iterable[dict],
+    sparsity: float,
+    steps: int = 5,
+    method: str = "gradient",
+    loss: Loss | None = None,
+    evaluate: Callable[[nn.Module], dict] | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    **select_kwargs,
+) -> IterativeResult:
+    """Reach `sparsity` in `steps` equal steps, re-scoring the remaining heads before each one.
+
+    After every step the mean loss on `dataloader` and `evaluate(model)` (any dict of metrics, optional)
+    are recorded in `history`, so the metric-versus-heads-removed curve can be drawn. Other keyword
+    arguments go to `select_heads` (scope, min_heads_per_layer, ignore, gqa). Prunes `model` in place.
+    """
+    if steps < 1:
+        raise ValueError("steps must be at least 1")
+    result = IterativeResult(plan={})
+
+    def record(step: int, removed: int) -> None:
+        entry = {"step": step, "heads_removed": removed, "loss": mean_loss(model, dataloader, loss)}
+        if evaluate is not None:
+            entry.update(evaluate(model))
+        result.history.append(entry)
+
+    record(0, 0)
+    for step in range(1, steps + 1):
+        scores = score_heads(model, dataloader, method=method, loss=loss, seed=seed + step, progress=progress)
+        target = sparsity * step / steps
+        plan = select_heads(scores, sparsity=target, **select_kwargs)
+        prune(model, plan)
+        for name, heads in plan.items():
+            result.plan[name] = sorted(result.plan.get(name, []) + heads)
+        result.scores = scores
+        record(step, sum(len(h) for h in result.plan.values()))
+    return result
