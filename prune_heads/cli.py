@@ -205,7 +205,7 @@ def inspect(model_path: str, gguf_file: str | None, as_json: bool) -> None:
     model = load_pruned(model_path, **({"gguf_file": gguf_file} if gguf_file else {}))
     layers, skipped = scan_required(model)
     unsupported = [{"name": u.name, "class": u.class_name, "why": u.why} for u in skipped]
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "index": l.index,
             "name": l.name,
@@ -219,7 +219,7 @@ def inspect(model_path: str, gguf_file: str | None, as_json: bool) -> None:
         }
         for l in layers
     ]
-    summary = {
+    summary: dict[str, Any] = {
         "model": model_path,
         "architecture": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -265,10 +265,9 @@ def _inspect_gguf(path: str, as_json: bool) -> None:
             ),
             f"{'block':>5}  {'heads':>5} {'kv':>4}  removed (original indices)",
         ]
+        blocks = {name: re.search(r"\.(\d+)\.", name) for name in record.get("layers") or {}}  # model.layers.N.*
         removed = {
-            int(re.search(r"\.(\d+)\.", name).group(1)): layer.get("removed", [])  # model.layers.N.*
-            for name, layer in (record.get("layers") or {}).items()
-            if re.search(r"\.(\d+)\.", name)
+            int(found.group(1)): record["layers"][name].get("removed", []) for name, found in blocks.items() if found
         }
         for i, (heads, kv) in enumerate(zip(found["heads"], found["kv_heads"])):
             gone = ",".join(map(str, removed.get(i, []))) or "-"
@@ -517,7 +516,7 @@ def prune_command(
     if sum(v is not None for v in budgets.values()) + (plan_file is not None) != 1:
         raise click.UsageError("give exactly one of --sparsity, --num-heads, --keep-flops or --plan")
     plan = _plan_file(plan_file) if plan_file else None
-    selection = {k: v for k, v in budgets.items() if v is not None} or {"sparsity": 0.0}
+    selection: dict[str, Any] = {k: v for k, v in budgets.items() if v is not None} or {"sparsity": 0.0}
     selection.update(
         scope=scope,
         min_heads_per_layer=min_heads_per_layer,

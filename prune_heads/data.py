@@ -115,7 +115,7 @@ def _sub_config(config: Any, key: str, default: Any = None) -> Any:
 def dummy_inputs(model: torch.nn.Module, batch_size: int, seq_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random inputs of the shape the model takes, one for each input its forward names: token ids (with their
     mask, and decoder ids for encoder-decoders), pixels (vision), log-mel features or waveforms (speech)."""
-    config = model.config
+    config: Any = model.config
     g = torch.Generator().manual_seed(seed)
     accepted = inspect.signature(model.forward).parameters
     main_input = getattr(model, "main_input_name", "input_ids")
@@ -207,12 +207,14 @@ def _builder(path: Path) -> str:
     return _BUILDERS[path.suffix]
 
 
-def _column(dataset: datasets.Dataset, column: str | None, role: str) -> None:
-    if column is not None and column not in dataset.column_names:
+def _column(dataset: datasets.Dataset, column: str | None, role: str) -> str:
+    """`column`, checked to be one of the dataset's (DataError naming those that are)."""
+    if column is None or column not in dataset.column_names:
         raise DataError(
             f"no {role} column {column!r}; the data has columns {', '.join(dataset.column_names)} "
             f"(set the {role} column)"
         )
+    return column
 
 
 def _labels(dataset: datasets.Dataset, column: str, label2id: dict[str, int] | None) -> tuple[list, list | None]:
@@ -225,7 +227,7 @@ def _labels(dataset: datasets.Dataset, column: str, label2id: dict[str, int] | N
             unknown = sorted(set(strings) - set(label2id))
             if unknown:
                 raise DataError(f"labels {unknown[:5]} are not among the model's labels {sorted(label2id)}")
-            return [label2id[s] for s in strings], sorted(label2id, key=label2id.get)
+            return [label2id[s] for s in strings], sorted(label2id, key=lambda s: label2id[s])
         vocabulary = names or sorted(set(strings))
         return [vocabulary.index(s) for s in strings], list(vocabulary)
     return values, None
@@ -269,14 +271,13 @@ def load_task_data(
         dataset = dataset.select(range(min(max_examples, len(dataset))))
     if task == "image-classification":
         _column(dataset, image_column, "image")
-        _column(dataset, label_column, "label")
-        labels, names = _labels(dataset, label_column, label2id)
+        classes, class_names = _labels(dataset, _column(dataset, label_column, "label"), label2id)
         batches = []
         for start in range(0, len(dataset), batch_size):
             images = [im.convert("RGB") for im in dataset[start : start + batch_size][image_column]]
             pixels = image_processor(images=images, return_tensors="pt")["pixel_values"]
-            batches.append({"pixel_values": pixels, "labels": torch.tensor(labels[start : start + batch_size])})
-        return TaskData(task, batches, len(dataset), names)
+            batches.append({"pixel_values": pixels, "labels": torch.tensor(classes[start : start + batch_size])})
+        return TaskData(task, batches, len(dataset), class_names)
     _column(dataset, text_column, "text")
     texts = list(dataset[text_column])
     if task == "causal-lm":
@@ -287,8 +288,7 @@ def load_task_data(
         pairs = list(dataset[text_pair_column])
     labels, names = None, None
     if task == "classification" or task == "feature-extraction" and label_column:
-        _column(dataset, label_column, "label")
-        labels, names = _labels(dataset, label_column, label2id)
+        labels, names = _labels(dataset, _column(dataset, label_column, "label"), label2id)
     encoded = tokenizer(texts, pairs, truncation=True, max_length=max_length)
     # batches of similar lengths (stable order by token count): padding no longer doubles the work
     order = sorted(range(len(texts)), key=lambda i: len(encoded["input_ids"][i])) if by_length else range(len(texts))

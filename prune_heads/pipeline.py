@@ -212,7 +212,9 @@ def changes(before: Evaluation | None, after: Evaluation | None, seed: int) -> d
 def measure_speed(models: list[nn.Module], recipe: Recipe) -> list[dict[str, Any]]:
     """Speed of the models in one interleaved run, as the recipe's evaluation.speed asks."""
     speed = recipe.evaluation.speed
-    return benchmark(
+    if speed is None:
+        raise ValueError("the recipe has no evaluation.speed section to time the models with")
+    timed = benchmark(
         models,
         batch_size=speed.batch_size,
         seq_len=speed.seq_len,
@@ -222,6 +224,8 @@ def measure_speed(models: list[nn.Module], recipe: Recipe) -> list[dict[str, Any
         generate_tokens=speed.generate_tokens,
         generate_batch_sizes=speed.generate_batch_sizes or None,
     )
+    assert isinstance(timed, list)  # a list in, a list out
+    return timed
 
 
 def run(
@@ -277,6 +281,7 @@ def run(
     timed = evaluate and recipe.evaluation.speed is not None
     original = copy.deepcopy(model) if timed else None  # timed beside the pruned one, in turns
     if plan is None:
+        assert score_data is not None  # loaded above whenever no plan is given
         found = prune_model(model, score_data, config, progress=progress)
         examples = score_data.num_examples
     else:
@@ -284,7 +289,7 @@ def run(
         prune(model, plan)
         found, examples = PruneResult(plan=plan, seconds=time.perf_counter() - tick), 0
     after, evaluated_after = measure(model, eval_data, recipe, reference, train, processor, progress)
-    if timed:
+    if original is not None:
         before["speed"], after["speed"] = measure_speed([original, model], recipe)
     del original
     meta = {

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,7 @@ def _type_ok(value: Any, hint: Any) -> bool:
 
 def _type_name(hint: Any) -> str:
     return (
-        getattr(hint, "__name__", None)
+        hint.__name__
         if isinstance(hint, type)
         else str(hint).replace("typing.", "").replace("prune_heads.recipes.", "")
     )
@@ -149,7 +150,9 @@ def _build(cls: type, data: Any, where: str) -> Any:
                 raise RecipeError(f"{path} is missing (a {_type_name(hints[name])})")
             continue
         value, hint = data[name], hints[name]
-        nested = next((h for h in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(h)), None)
+        nested = next(
+            (h for h in (hint, *typing.get_args(hint)) if isinstance(h, type) and dataclasses.is_dataclass(h)), None
+        )
         if nested is not None and isinstance(value, dict):
             value = _build(nested, value, path)
         elif not _type_ok(value, hint):
@@ -189,7 +192,7 @@ def recipe_path(name_or_path: str) -> Path:
     raise RecipeError(f"no recipe file or shipped recipe named {name_or_path!r}; shipped: {', '.join(sorted(shipped))}")
 
 
-def parse_recipe(data: Any, overrides: list[str] = ()) -> Recipe:
+def parse_recipe(data: Any, overrides: Sequence[str] = ()) -> Recipe:
     """Validate a recipe given as a dict (after applying `key=value` overrides)."""
     data = dict(data) if isinstance(data, dict) else data
     for assignment in overrides:
@@ -211,7 +214,7 @@ def parse_recipe(data: Any, overrides: list[str] = ()) -> Recipe:
     return recipe
 
 
-def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
+def load_recipe(name_or_path: str, overrides: Sequence[str] = ()) -> Recipe:
     """Read, override and validate a recipe file (a path or a shipped recipe's name).
 
     Raises RecipeError for a corrupt file, an unknown key (naming the valid ones), a wrong type or a

@@ -238,8 +238,12 @@ class Report:
                 )
         work = self.meta.get("work") or {}
         if "calibration_pass" in work:
-            budget = work.get("tuning_budget")
-            limit = f" of its {_tflops(budget)} budget" if budget is not None and math.isfinite(budget) else ""
+            tuning_budget = work.get("tuning_budget")
+            limit = (
+                f" of its {_tflops(tuning_budget)} budget"
+                if tuning_budget is not None and math.isfinite(tuning_budget)
+                else ""
+            )
             lines += [
                 "",
                 f"Work, counted in FLOPs (the limits never read a clock): one forward and backward pass over "

@@ -111,7 +111,9 @@ def _latencies(models: list[nn.Module], inputs: list[dict], repeats: int, warmup
 def benchmark_pair(before: nn.Module, after: nn.Module, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """`benchmark` two models (say, before and after pruning) in one run with interleaved repeats, so their
     ratio is not skewed by the machine's state changing between two runs. Same keyword arguments."""
-    return tuple(benchmark([before, after], **kwargs))
+    pair = benchmark([before, after], **kwargs)
+    assert isinstance(pair, list)  # a list in, a list out
+    return pair[0], pair[1]
 
 
 def benchmark(
@@ -145,7 +147,7 @@ def benchmark(
     results = []
     for m, d, x, times in zip(models, devices, batches, _latencies(models, batches, repeats, warmup)):
         median = statistics.median(times)
-        result = {
+        result: dict[str, Any] = {
             "latency_ms": 1000 * median,
             "latency_p90_ms": 1000 * times[min(len(times) - 1, int(0.9 * len(times)))],
             "examples_per_s": examples / median,
@@ -175,7 +177,7 @@ def benchmark(
     return results if isinstance(model, list) else results[0]
 
 
-def _generation(model: nn.Module, inputs: dict, new_tokens: int, device: torch.device) -> dict[str, Any]:
+def _generation(model: Any, inputs: dict, new_tokens: int, device: torch.device) -> dict[str, Any]:
     prompt = {k: v for k, v in inputs.items() if k != "decoder_input_ids"}
     kwargs = dict(
         max_new_tokens=new_tokens,

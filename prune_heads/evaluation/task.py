@@ -6,7 +6,7 @@ difference gets a paired interval (`prune_heads.confidence`)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ def load_metric(name: str) -> evaluate.EvaluationModule:
 
 def _device_batches(model: nn.Module, batches: Iterable[dict], desc: str, progress: bool):
     device = input_device(model)
-    total = len(batches) if hasattr(batches, "__len__") else None
+    total = len(batches) if isinstance(batches, Sized) else None
     for batch in progress_bar(batches, desc, total, progress):
         yield to_device(batch, device)
 
@@ -142,6 +142,12 @@ class Evaluation:
     correct: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+def _resampled(module: Any, kwargs: dict, key: str, predictions: np.ndarray, references: np.ndarray) -> Callable:
+    """The metric `key` of `module` on a resample of the examples (index -> value), through the module's own
+    computation (`compute()` converts through datasets: slow)."""
+    return lambda index: module._compute(predictions=predictions[index], references=references[index], **kwargs)[key]
+
+
 def evaluation(
     model: nn.Module,
     data: TaskData,
@@ -174,13 +180,7 @@ def evaluation(
         module, kwargs = load_metric(name), (metric_args or {}).get(name, {})
         for key, value in module.compute(predictions=predictions, references=references, **kwargs).items():
             result.metrics[key] = value
-            # resamples through the module's own computation (compute() converts through datasets: slow)
-            result.statistics[key] = Statistic(
-                lambda index, m=module, kw=kwargs, k=key: m._compute(predictions=p[index], references=r[index], **kw)[
-                    k
-                ],
-                len(references),
-            )
+            result.statistics[key] = Statistic(_resampled(module, kwargs, key, p, r), len(references))
     if "accuracy" in result.statistics:
         result.correct["accuracy"] = p == r
     return result

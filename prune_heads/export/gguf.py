@@ -148,9 +148,13 @@ class GgufWrite:
     written: dict[str, str] = field(default_factory=dict)
 
 
+def _model_type(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
 def _arch_of(model: nn.Module) -> GgufArch:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    arch = ARCHITECTURES.get(model_type)
+    model_type = _model_type(model)
+    arch = ARCHITECTURES.get(model_type) if model_type else None
     layers = find_attention(model)
     if arch is None or any(l.spec.name != "llama" or l.kind != "self" for l in layers):
         known = ", ".join(sorted(ARCHITECTURES))
@@ -217,8 +221,7 @@ def check_gguf(
         found = str(_reader(path).fields["general.architecture"].contents())
         if found != arch.source:
             raise GgufError(
-                f"the source {path.name} is a {found} file; a {model.config.model_type} model comes "
-                f"from {arch.source} files"
+                f"the source {path.name} is a {found} file; a {_model_type(model)} model comes from {arch.source} files"
             )
     elif tokenizer is None:
         raise GgufError("writing GGUF from Hugging Face weights needs the tokenizer (tokenizer=)")
@@ -422,7 +425,7 @@ def _config_fields(writer, model: nn.Module, tokenizer: Any, targets: dict, head
     """The metadata of a file written from Hugging Face weights: sizes, rope, and the tokenizer."""
     import gguf
 
-    config = model.config
+    config: Any = model.config
     rope = dict(getattr(config, "rope_parameters", None) or {})
     writer.add_rope_dimension_count(head_dim)
     writer.add_name(Path(str(getattr(config, "_name_or_path", "") or "model")).name or "model")
@@ -460,7 +463,8 @@ def _vocabulary(tokenizer: Any, size: int) -> tuple[list[str], list[int]]:
 
     by_id = {i: text for text, i in tokenizer.get_vocab().items()}
     added = tokenizer.added_tokens_decoder
-    tokens, types = [], []
+    tokens: list[str] = []
+    types: list[int] = []
     for i in range(size):
         if i not in by_id:
             tokens.append(f"[PAD{i}]")
@@ -521,7 +525,8 @@ def save_gguf(
     path, source = Path(path), _source(model, source)
     check_gguf(model, tokenizer, source, tensor_type, output=path, overwrite=overwrite)
     wanted = tensor_type or ("source" if source is not None else "f16")
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, model.config.num_hidden_layers)
+    config: Any = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
     blocks = _blocks(model, names)
     if not any(b.kv_heads for b in blocks):
         raise GgufError(

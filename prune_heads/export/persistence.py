@@ -68,7 +68,7 @@ def _check_shapes(model: nn.Module, shapes: dict[str, tuple[int, ...]], record: 
             )
 
 
-def _pruned_subclass(base: type, shapes: dict[str, tuple[int, ...]]) -> type:
+def _pruned_subclass(base: type, shapes: dict[str, tuple[int, ...]]) -> Any:
     def __init__(self, config, *args, **kwargs):
         base.__init__(self, config, *args, **kwargs)
         record = getattr(config, RECORD_KEY, None)
@@ -81,7 +81,7 @@ def _pruned_subclass(base: type, shapes: dict[str, tuple[int, ...]]) -> type:
     )
 
 
-def model_class(config, gguf: bool = False) -> type:
+def model_class(config: Any, gguf: bool = False) -> Any:
     """The transformers class named by `config.architectures[0]`; for a GGUF file, whose config names none,
     the causal language model of the config's type."""
     architectures = getattr(config, "architectures", None) or []
@@ -313,7 +313,7 @@ def stock_config(model: nn.Module) -> Any | None:
     if len(shapes) != 1 or next(iter(shapes))[0] == 0:
         return None
     heads, kv_heads, head_dim = shapes.pop()
-    stock = copy.deepcopy(config)
+    stock: Any = copy.deepcopy(config)
     stock.num_attention_heads, stock.num_key_value_heads, stock.head_dim = heads, kv_heads, head_dim
     delattr(stock, RECORD_KEY)
     stock.pruned_from = record
@@ -385,7 +385,10 @@ def head_bound(model: nn.Module) -> bool:
         for name in ("PermuteForRope", "VisionFuseAndPermuteForRope", "VisionUnfuseAndPermuteForRope")
         if hasattr(core_model_loading, name)
     )
-    conversions = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model, add_legacy=False)
+    pretrained: Any = model  # a transformers model (its conversions are looked up)
+    conversions = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(
+        pretrained, add_legacy=False
+    )
     return any(
         isinstance(op, kinds) for conversion in conversions or [] for op in getattr(conversion, "operations", [])
     )
@@ -406,9 +409,10 @@ def write_model(model: nn.Module, folder: Path, tokenizer: Any = None, standalon
     if config is not None:
         model.config = config
     layout = {"save_original_format": False} if getattr(model.config, RECORD_KEY, None) and head_bound(model) else {}
+    pretrained: Any = model
     try:
         with library_bars():
-            model.save_pretrained(folder, state_dict={**model.state_dict(), **fill} if fill else None, **layout)
+            pretrained.save_pretrained(folder, state_dict={**model.state_dict(), **fill} if fill else None, **layout)
     finally:
         model.config = original
     if tokenizer is not None:

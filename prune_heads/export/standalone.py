@@ -40,7 +40,8 @@ class {name}(transformers.{base}):
 
 def auto_classes(model: nn.Module) -> list[str]:
     """The transformers Auto classes that map this model's config type to this model's class."""
-    model_type, class_name = model.config.model_type, type(model).__name__
+    config: Any = model.config
+    model_type, class_name = config.model_type, type(model).__name__
     found = []
     for name in dir(modeling_auto):
         mapping = getattr(getattr(modeling_auto, name), "_model_mapping", None)
@@ -56,12 +57,12 @@ def standalone_config(model: nn.Module) -> Any:
     """A copy of the model's config with an `auto_map` that points every matching Auto class at the
     modeling file that `write_code` writes."""
     autos = auto_classes(model) if hasattr(transformers, type(model).__name__) else []
+    config: Any = copy.deepcopy(model.config)
     if not autos:
         raise ValueError(
             f"no transformers Auto class loads {type(model).__name__} (model_type "
-            f"{model.config.model_type!r}); save without standalone=True and load with ph.load_pruned"
+            f"{config.model_type!r}); save without standalone=True and load with ph.load_pruned"
         )
-    config = copy.deepcopy(model.config)
     config.auto_map = {auto: f"{Path(MODELING_FILE).stem}.{type(model).__name__}" for auto in autos}
     return config
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,12 +43,12 @@ class AttentionSpec:
     name: str
     module_types: tuple[str, ...]
     o: str
-    head_dim: str | Callable[[nn.Module], int]
+    head_dim: str | Callable[[Any], int]  # a function of the module (a transformers module: Any attributes)
     q: str | None = None
     k: str | None = None
     v: str | None = None
     fused_qkv: str | None = None
-    fused_layout: str | Callable[[nn.Module], str] = "blocks"
+    fused_layout: str | Callable[[Any], str] = "blocks"
     q_blocks: int = 1
     grouped: bool = False
     updates: tuple[tuple[str, str, str], ...] = ()
@@ -64,7 +65,7 @@ class AttentionSpec:
 _T5_SELF = ("SelfAttention", "LocalSelfAttention", "TransientGlobalSelfAttention")  # T5, LongT5
 
 
-def _t5_attention(sub: nn.Module) -> tuple[nn.Module | None, bool]:
+def _t5_attention(sub: Any) -> tuple[Any, bool]:
     """A T5 sub-layer's attention module and whether it is self-attention."""
     for name in _T5_SELF:
         if hasattr(sub, name):
@@ -80,11 +81,14 @@ def _t5_own_position_bias(model: nn.Module) -> None:
     (exact: same values) and computes the bias itself; cross-attention layers compute their zero bias. UMT5
     layers already compute their own and are left alone.
     """
+    stack: Any
     for stack in model.modules():
         blocks = getattr(stack, "block", None)
         if not isinstance(blocks, nn.ModuleList) or not blocks or not hasattr(blocks[0], "layer"):
             continue
-        source = _t5_attention(blocks[0].layer[0])[0].relative_attention_bias
+        first: Any = blocks[0]
+        source = _t5_attention(first.layer[0])[0].relative_attention_bias
+        block: Any
         for block in blocks:
             for sub in block.layer:
                 attn, is_self = _t5_attention(sub)
@@ -112,13 +116,13 @@ def _drop_shared_position_bias(module: nn.Module, args: tuple, kwargs: dict) -> 
     return args, kwargs
 
 
-def _heads(module: nn.Module) -> int:
+def _heads(module: Any) -> int:
     """The head count a module keeps under one of the common names (for layouts that keep no head size)."""
     names = ("num_heads", "num_attention_heads", "n_head", "n_heads")
     return next(getattr(module, n) for n in names if hasattr(module, n))
 
 
-def _falcon_layout(module: nn.Module) -> str:
+def _falcon_layout(module: Any) -> str:
     """Falcon's fused layout: per KV group (new architecture), one shared KV head (multi-query), or per head."""
     if module.new_decoder_architecture:
         return "groups"
@@ -131,7 +135,7 @@ def _per_head_argument(class_name: str, argument: str, position: int, dim: int, 
     the slices of the heads it still has, along `dim` of `argument` (or positional `position`).
     `batch_major`: the tensor is [batch * heads, ...] (BLOOM)."""
 
-    def select(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def select(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         present = getattr(module, "_ph_present", None)
         value = kwargs.get(argument, args[position] if len(args) > position else None)
         if present is None or value is None:
@@ -149,6 +153,7 @@ def _per_head_argument(class_name: str, argument: str, position: int, dim: int, 
         return args, kwargs
 
     def prepare(model: nn.Module) -> None:
+        module: Any
         for module in model.modules():
             if type(module).__name__ == class_name and not getattr(module, "_ph_head_argument", False):
                 module.register_forward_pre_hook(select, with_kwargs=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -78,7 +79,7 @@ def head_dim_of(module: nn.Module, spec: AttentionSpec) -> int:
     return int(spec.head_dim(module) if callable(spec.head_dim) else resolve(module, spec.head_dim))
 
 
-def _structural_spec(module: nn.Module, spec: AttentionSpec) -> AttentionSpec:
+def _structural_spec(module: Any, spec: AttentionSpec) -> AttentionSpec:
     """A structural match's spec, also handling what the module keeps per head under common shapes and names
     (the probe then proves the result): head counts in its attributes or config (`inner` names only where
     they equal heads * head_dim), parameters whose first dimension is the heads (attention sinks, logit
@@ -158,7 +159,7 @@ class Projection:
     """An nn.Linear or a GPT-2 style Conv1D (which stores its weight [in, out]) behind one interface."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.module = module
+        self.module: Any = module  # nn.Linear or Conv1D: weight, bias and their sizes
         self.transposed = not isinstance(module, nn.Linear)
 
     def features(self, side: str) -> int:
@@ -332,7 +333,7 @@ def scan_attention(model: nn.Module) -> tuple[list[AttentionLayer], list[Unsuppo
         owns_projection = any(_projects(m) for m in module.modules())
         if owns_projection and not inside and not any(name.startswith(u.name + ".") for u in unsupported):
             unsupported.append(Unsupported(name, type(module).__name__, "an attention module of no registered family"))
-    layers = []
+    layers: list[AttentionLayer] = []
     for name, module, spec in found:
         try:
             layers.append(describe(module, spec, name, len(layers)))

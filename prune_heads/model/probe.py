@@ -203,6 +203,7 @@ def _prove(model: nn.Module, planned: list[AttentionLayer], plan: dict[str, list
     for layer in planned:
         by_table = spec_for_type(type(layer.module).__name__) is layer.spec
         call = calls.get(layer.name)
+        why: str | None
         if call is None:
             if by_table:
                 continue

@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache
 
 from .layers import AttentionLayer, Projection, describe, find_attention, qkv_parts, resolve
 
-Plan = Mapping[int | str, Iterable[int]]
+Plan = Mapping[int, Iterable[int]] | Mapping[str, Iterable[int]] | Mapping[int | str, Iterable[int]]
 RECORD_KEY = "prune_heads"
 
 
@@ -49,7 +49,7 @@ class HeadlessLayer(DynamicLayer):
     layer lost every head would tell `generate` that nothing is cached (transformers reads layer 0's length)."""
 
     def get_seq_length(self) -> int:
-        return self.keys.shape[-2] if self.is_initialized else 0
+        return self.keys.shape[-2] if self.is_initialized and self.keys is not None else 0
 
 
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")  # by transformers version and family
@@ -69,7 +69,7 @@ def mark_headless(cache: Cache, layer_idx: int) -> None:
         layers[layer_idx].__class__ = HeadlessLayer
 
 
-def _headless_after_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+def _headless_after_forward(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
     """A forward hook for an emptied layer that runs its own attention code: its cache counts its tokens."""
     cache = self_cache(args, kwargs)
     if cache is not None and getattr(module, "layer_idx", None) is not None:
@@ -86,7 +86,8 @@ class NoHeads:
     def __init__(
         self, project: nn.Module | None, outputs: int, head_dim: int, layer_idx: int | None, cross: bool
     ) -> None:
-        self.project, self.outputs, self.head_dim = project, outputs, head_dim
+        self.project: Any = project  # the output projection, whose bias the layer still adds (or None)
+        self.outputs, self.head_dim = outputs, head_dim
         self.layer_idx, self.cross = layer_idx, cross
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple:
@@ -193,7 +194,8 @@ def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
     KV heads whose query heads are all gone are removed with them. The weights keep their dtype, device
     and requires_grad. Callers validate the plan first (see normalize_plan).
     """
-    spec, module, dim = layer.spec, layer.module, layer.head_dim
+    spec, dim = layer.spec, layer.head_dim
+    module: Any = layer.module  # its own attributes are updated and recorded
     remove = set(heads)
     kept = [h for h in layer.heads if h not in remove]
     kept_kv = sorted({h // layer.group_size for h in kept})
@@ -282,9 +284,15 @@ def record_digest(layers: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(layers, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _zero_bias(o_proj: nn.Module) -> None:
+def _zero_bias(o_proj: Any) -> None:
     weight = o_proj.weight
     o_proj.bias = nn.Parameter(weight.new_zeros(Projection(o_proj).features("out")), requires_grad=weight.requires_grad)
+
+
+def _record_bias(layer: AttentionLayer, default: dict) -> None:
+    """Record that the layer's output projection has a bias prune-heads created, so `load_pruned` creates it."""
+    module: Any = layer.module
+    module._ph_record = {**(getattr(module, "_ph_record", None) or default), "bias": True}
 
 
 @torch.no_grad()
@@ -298,12 +306,12 @@ def add_output_bias(model: nn.Module, biases: Mapping[str, torch.Tensor]) -> Non
         o_proj = resolve(layer.module, layer.spec.o)
         if o_proj.bias is None:
             _zero_bias(o_proj)
-            record = getattr(layer.module, "_ph_record", None) or {
+            default = {
                 "num_heads": layer.original_num_heads,
                 "num_kv_heads": layer.original_num_kv_heads,
                 "removed": [],
             }
-            layer.module._ph_record = {**record, "bias": True}
+            _record_bias(layer, default)
         o_proj.bias.add_(biases[layer.name].to(o_proj.bias.device, o_proj.bias.dtype))
     write_record(model, layers)
 
@@ -375,4 +383,4 @@ def reapply_record(model: nn.Module, record: dict | None) -> None:
             o_proj = resolve(layer.module, layer.spec.o)
             if o_proj.bias is None:
                 _zero_bias(o_proj)
-            layer.module._ph_record = {**getattr(layer.module, "_ph_record", entry), "bias": True}
+            _record_bias(layer, entry)

@@ -17,7 +17,9 @@ def split_holdout(batches: list[dict], fraction: float) -> tuple[list[dict], lis
     total = sum(batch_size(b) for b in batches)
     if fraction <= 0 or total < 2:
         return batches, []
-    calib, held, seen = [], [], 0
+    calib: list[dict] = []
+    held: list[dict] = []
+    seen = 0
     for batch in batches:
         rows = batch_size(batch)
         out = [r for r in range(rows) if math.floor((seen + r + 1) * fraction) > math.floor((seen + r) * fraction)]

@@ -3,14 +3,15 @@ least-squares problem per layer against a separate unpruned reference, folded in
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..data import input_device, to_device, without_labels
 from ..model.gates import fold_gates
-from ..model.hooks import hooks
+from ..model.hooks import Hook, hooks
 from ..model.layers import AttentionLayer, find_attention, output_projection, resolve
 from ..scoring.recording import token_rows
 
@@ -35,6 +36,16 @@ class _Statistics:
         self.n += y.shape[0]
 
 
+def _keep_input(store: dict[int, torch.Tensor], i: int) -> Callable:
+    """A forward pre-hook that keeps the module's input under `i`."""
+    return lambda module, args: store.__setitem__(i, args[0].detach())
+
+
+def _keep_output(store: dict[int, torch.Tensor], i: int) -> Callable:
+    """A forward hook that keeps the module's output under `i`."""
+    return lambda module, args, output: store.__setitem__(i, output.detach())
+
+
 @torch.no_grad()
 def _collect(
     model: nn.Module, reference: nn.Module, pairs: list[tuple[AttentionLayer, AttentionLayer]], batches: list[dict]
@@ -43,14 +54,10 @@ def _collect(
     stats = [_Statistics(l.num_heads * l.head_dim, output_projection(l).features("out")) for l, _ in pairs]
     xs: dict[int, torch.Tensor] = {}
     ys: dict[int, torch.Tensor] = {}
-    watch = [
-        (resolve(l.module, l.spec.o), "forward_pre", lambda m, a, i=i: xs.__setitem__(i, a[0].detach()))
-        for i, (l, _) in enumerate(pairs)
+    watch: list[Hook] = [
+        (resolve(l.module, l.spec.o), "forward_pre", _keep_input(xs, i)) for i, (l, _) in enumerate(pairs)
     ]
-    watch += [
-        (resolve(r.module, r.spec.o), "forward", lambda m, a, out, i=i: ys.__setitem__(i, out.detach()))
-        for i, (_, r) in enumerate(pairs)
-    ]
+    watch += [(resolve(r.module, r.spec.o), "forward", _keep_output(ys, i)) for i, (_, r) in enumerate(pairs)]
     with hooks(watch):
         for batch in batches:
             xs.clear()
@@ -65,7 +72,7 @@ def _collect(
 
 
 @torch.no_grad()
-def _solve(layer: AttentionLayer, s: _Statistics, scales: bool, bias: bool, ridge: float) -> dict[str, float]:
+def _solve(layer: AttentionLayer, s: _Statistics, scales: bool, bias: bool, ridge: float) -> dict[str, Any]:
     """Fit the kept heads' scales and/or the output bias to the statistics, and fold them into the layer."""
     o_proj = resolve(layer.module, layer.spec.o)
     W = output_projection(layer).matrix().detach().double().cpu()  # [width, inner]

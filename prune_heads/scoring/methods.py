@@ -9,7 +9,7 @@ variances. The gradient family (gradient, taylor, fisher) shares one pass with p
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -49,7 +49,7 @@ class ScoringRun:
         the batches are shared out; freed memory goes back to the system after each one. Once all are seen,
         `examples` holds the count over all processes."""
         rank, size = rank_and_size()
-        total = -(-(len(self.batches) - rank) // size) if hasattr(self.batches, "__len__") else None
+        total = -(-(len(self.batches) - rank) // size) if isinstance(self.batches, Sized) else None
         self.examples = 0
         mine = itertools.islice(enumerate(self.batches), rank, None, size)
         for index, batch in progress_bar(mine, desc, total, self.progress and rank == 0):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,6 +14,7 @@ from ..data import to_device, without_labels
 from ..runtime.memory import release_freed_memory
 
 Loss = Callable[[object, dict], torch.Tensor]
+Reference = torch.Tensor | tuple[torch.Tensor, ...]  # what `Objective.reference` keeps of an output
 TOP_K = 64  # classes kept per token in a reference distribution (the rest share one bin)
 
 
@@ -34,6 +36,11 @@ def pooled(outputs, batch: dict) -> torch.Tensor:
         return hidden.mean(1)
     mask = mask.to(hidden.dtype).unsqueeze(-1)
     return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+def unit_embedding(outputs: Any, batch: dict) -> torch.Tensor:
+    """The L2-normalised mean-pooled embedding [batch, hidden] (see `pooled`)."""
+    return nn.functional.normalize(pooled(outputs, batch), dim=-1)
 
 
 NEIGHBOUR_TEMPERATURE = 0.05  # of the softmax over cosine similarities (SimCSE's): close to hard neighbours
@@ -165,14 +172,14 @@ class Objective:
                 ).reshape(sampled.shape),
                 batch,
             )
-        unit = self.embedding(outputs, batch)
+        unit = unit_embedding(outputs, batch)
         z = torch.randn(unit.shape, generator=generator).to(unit.device)
         return (unit * z).sum(-1)
 
     def _task_loss(self, outputs, batch: dict) -> torch.Tensor:
         labels = batch["labels"]
         if self.probe is not None:
-            embedding = self.embedding(outputs, batch)
+            embedding = unit_embedding(outputs, batch)
             logits = self.probe.to(embedding.device)(embedding.double())
             return nn.functional.cross_entropy(logits, labels, reduction="none").to(embedding.dtype)
         logits = outputs.logits.float()
@@ -204,9 +211,9 @@ class Objective:
         """The L2-normalised pooled embedding [batch, hidden] of a model without logits, else None."""
         if getattr(outputs, "logits", None) is not None:
             return None
-        return nn.functional.normalize(pooled(outputs, batch), dim=-1)
+        return unit_embedding(outputs, batch)
 
-    def reference(self, outputs, batch: dict) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def reference(self, outputs, batch: dict) -> Reference:
         """What the ungated model produced, as `divergence` takes it: log-probabilities (over at most
         TOP_K classes: beyond that the top TOP_K and one bin for the rest, so per-token targets of a large
         vocabulary stay small), or the normalised pooled embedding."""
@@ -235,25 +242,25 @@ class Objective:
             kl = (top.exp() * (top - q_top)).sum(-1) + rest.exp() * (rest - _log_rest(q_top))
         return self._token_mean(kl, batch)
 
-    def heldout(self, runs: Iterable[tuple[object, dict, object]]) -> torch.Tensor:
+    def heldout(self, runs: Iterable[tuple[Any, dict, Any]]) -> torch.Tensor:
         """Per-example held-out values [examples] float64, which recovery's decisions minimise, from
         (outputs, batch, reference) per batch (a generator keeps one batch's outputs at a time): the
         divergence from the reference; for embeddings plus the divergence of its neighbour distribution among all
         these examples (`neighbour_divergence`), so ranking, what a retrieval user sees, is judged beside cosine."""
-        values, embeddings, references = [], [], []
+        parts, embeddings, references = [], [], []
         for outputs, batch, reference in runs:
-            values.append(self.divergence(outputs, batch, reference).double().cpu())
+            parts.append(self.divergence(outputs, batch, reference).double().cpu())
             embedding = self.embedding(outputs, batch)
             if embedding is not None:
                 embeddings.append(embedding.detach().cpu())
                 references.append(reference.cpu())
             release_freed_memory()
-        values = torch.cat(values)
+        values = torch.cat(parts)
         if embeddings:
             values += neighbour_divergence(torch.cat(references), torch.cat(embeddings))
         return values
 
-    def value(self, outputs, batch: dict, reference: torch.Tensor | None) -> torch.Tensor:
+    def value(self, outputs, batch: dict, reference: Reference | None) -> torch.Tensor:
         """The exact per-example objective: task loss with labels, else the divergence from `reference`."""
         if self.custom is not None:
             return self.custom(outputs, batch).reshape(1)

@@ -9,7 +9,7 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from ..model.hooks import hooks
+from ..model.hooks import Hook, hooks
 from ..model.layers import AttentionLayer, find_attention, resolve
 from ..runtime.memory import release_freed_memory
 from ..runtime.parallel import sum_across
@@ -40,7 +40,7 @@ class Recorder:
         self._stack = ExitStack()
 
     def __enter__(self) -> Recorder:
-        watch = [(self.model, "forward_pre", self._inputs), (self.model, "forward", self._outputs)]
+        watch: list[Hook] = [(self.model, "forward_pre", self._inputs), (self.model, "forward", self._outputs)]
         watch += [(resolve(l.module, l.spec.o), "forward_pre", self._channels(i)) for i, l in enumerate(self.layers)]
         self._stack.enter_context(hooks(watch, with_kwargs=True))
         return self

@@ -270,6 +270,8 @@ def requested_heads(
     if keep_per_layer is not None:
         keep = keep_per_layer if isinstance(keep_per_layer, dict) else {l.name: keep_per_layer for l in layers}
         return sum(len(l.heads) - keep.get(l.name, len(l.heads)) for l in layers)
+    if sparsity is None:
+        raise PlanError("give exactly one of sparsity, num_heads or keep_per_layer")
     total = sum(l.original for l in layers)
     return round_half_up(sparsity * total) - (total - sum(len(l.heads) for l in layers))
 
@@ -293,7 +295,8 @@ def _ranked_options(
         cost = [sum(values[p] for p in u) for u in units]
     else:
         order = sorted(range(len(units)), key=lambda i: cost[i])
-    options, so_far, removed = {0: (0.0, ())}, 0.0, []
+    options: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
+    so_far, removed = 0.0, []
     for i in order:
         so_far += cost[i]
         removed += units[i]
@@ -385,7 +388,7 @@ def select_heads(
     for layer in (l for l in layers if l.name in names):
         units = layer.units(gqa, granularity)
         allowed = counts[layer.name] if isinstance(wanted, int) else [0, wanted[layer.name]]
-        if strategy == "interactions":
+        if strategy == "interactions" and blocks is not None:
             block = torch.as_tensor(blocks[layer.name], dtype=torch.float64)
             options[layer.name] = _interaction_options(layer, units, block, allowed)
         else:
