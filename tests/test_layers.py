@@ -163,3 +163,81 @@ def test_gemma3_with_its_siglip_pooling_head_prunes_everything_else():
     ph.prune(model, {3: [0, 1]})
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
+
+
+def _zamba(layers: int | None = None):
+    import transformers
+
+    sizes = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_head_dim=8,
+        intermediate_size=64,
+        vocab_size=128,
+        mamba_d_state=4,
+        mamba_dt_rank=4,
+    )
+    config = transformers.ZambaConfig(**sizes, **({"num_hidden_layers": layers} if layers else {}))
+    torch.manual_seed(0)
+    return transformers.ZambaForCausalLM(config).eval()
+
+
+def test_attention_layers_with_tied_weights_are_refused_with_the_layers_they_share_with():
+    # Zamba's shared transformer block serves several depths through modules of its own that hold the same
+    # parameters: cutting one would untie them, and a reload would tie them again to other weights
+    model = _zamba()
+    layers, unsupported = scan_attention(model)
+    assert not layers and len(unsupported) == 13
+    assert all("tied to" in u.why for u in unsupported) and not any(u.registrable for u in unsupported)
+    with pytest.raises(
+        ph.UnsupportedModelError,
+        match=r"tied to model\.layers\.\d+\.shared_transf\.self_attn and "
+        r"11 more.*no attention layer of this model can lose heads",
+    ):
+        ph.find_attention(model)
+
+
+def test_a_tie_between_two_layers_leaves_them_and_prunes_the_others(caplog):
+    llama = tm.build("llama")  # 3 layers
+    first, second = (llama.model.layers[i].self_attn for i in (1, 2))
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        getattr(second, name).weight = getattr(first, name).weight
+    layers, unsupported = scan_attention(llama)
+    assert [l.name for l in layers] == ["model.layers.0.self_attn"]
+    assert {u.name: u.why.split(":")[0] for u in unsupported} == {
+        "model.layers.1.self_attn": "its weights are tied to model.layers.2.self_attn",
+        "model.layers.2.self_attn": "its weights are tied to model.layers.1.self_attn",
+    }
+    before = sum(p.numel() for p in llama.parameters())
+    ph.prune(llama, {"model.layers.0.self_attn": [0, 1]})
+    assert sum(p.numel() for p in llama.parameters()) < before and second.q_proj.weight is first.q_proj.weight
+
+
+def test_a_module_reused_at_every_depth_is_not_tied_to_itself():
+    albert = tm.build("albert")  # one layer object called at every depth
+    assert len(ph.find_attention(albert)) == 1 and not scan_attention(albert)[1]
+
+
+def test_attention_that_keeps_its_heads_in_parameter_tensors_is_named_not_missed():
+    import transformers
+
+    xlnet = transformers.XLNetLMHeadModel(
+        transformers.XLNetConfig(d_model=32, n_head=4, n_layer=2, d_inner=64, vocab_size=128)
+    )
+    with pytest.raises(
+        ph.UnsupportedModelError,
+        match=r"rel_attn \(XLNetRelativeAttention\).*its heads live in its "
+        r"own parameter tensors q, k, v, o, r",
+    ):
+        ph.find_attention(xlnet)
+
+
+def test_saving_a_model_with_tied_blocks_keeps_them_tied(tmp_path):
+    model = _zamba(num_layers := 12)
+    inputs = {"input_ids": torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))}
+    ph.save_pruned(model, tmp_path / "m")
+    loaded = ph.load_pruned(tmp_path / "m").eval()
+    assert num_layers and sum(p.numel() for p in loaded.parameters()) == sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-5)

@@ -305,9 +305,11 @@ def stock_config(model: nn.Module) -> Any | None:
     class reads it), the prune record moved to `pruned_from`. None otherwise, and None unless the class
     built from it has exactly the model's weights (missing ones may only be biases, saved as zeros)."""
     config = getattr(model, "config", None)
-    layers = find_attention(model)
     record = getattr(config, RECORD_KEY, None)
-    if not record or not layers or any(l.spec.name not in _STOCK_FAMILIES for l in layers):
+    if not record:  # nothing removed (a model with no layer prune_heads handles saves as it is)
+        return None
+    layers = find_attention(model)
+    if not layers or any(l.spec.name not in _STOCK_FAMILIES for l in layers):
         return None
     shapes = {(l.num_heads, l.num_kv_heads, l.head_dim) for l in layers}
     if len(shapes) != 1 or next(iter(shapes))[0] == 0:

@@ -294,6 +294,7 @@ class Unsupported:
     name: str
     class_name: str
     why: str
+    registrable: bool = True  # whether describing it with register_family would let prune_heads handle it
 
 
 def scan_attention(model: nn.Module) -> tuple[list[AttentionLayer], list[Unsupported]]:
@@ -330,16 +331,48 @@ def scan_attention(model: nn.Module) -> tuple[list[AttentionLayer], list[Unsuppo
             taken.append(name)
     for name, module in unmatched:
         inside = any(n.startswith(name + ".") or not name for n, _, _ in found)
-        owns_projection = any(_projects(m) for m in module.modules())
+        own = [n for n, p in module.named_parameters(recurse=False) if p.dim() >= 2]
+        owns_projection = own or any(_projects(m) for m in module.modules())
         if owns_projection and not inside and not any(name.startswith(u.name + ".") for u in unsupported):
-            unsupported.append(Unsupported(name, type(module).__name__, "an attention module of no registered family"))
+            why = "an attention module of no registered family"
+            if own:  # XLNet's relative attention: q, k, v, o and r are parameter tensors [model, heads, head_dim]
+                why += f" (its heads live in its own parameter tensors {', '.join(own)}, which no layout describes)"
+            unsupported.append(Unsupported(name, type(module).__name__, why))
+    tied = _tied(model, {name: module for name, module, _ in found})
     layers: list[AttentionLayer] = []
     for name, module, spec in found:
+        if name in tied:
+            unsupported.append(Unsupported(name, type(module).__name__, tied[name], registrable=False))
+            continue
         try:
             layers.append(describe(module, spec, name, len(layers)))
         except UnsupportedModelError as error:
             unsupported.append(Unsupported(name, type(module).__name__, str(error).split(": ", 1)[-1]))
     return layers, unsupported
+
+
+def _tied(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, str]:
+    """Why each attention module (by name) whose parameters other modules hold too cannot lose heads: tied
+    weights (Zamba's shared transformer block, used at several depths through modules of its own). Removing
+    heads replaces a module's parameters, which would untie them (more parameters, and a reload that ties them
+    again computes something else). A module object reused at several places is not tied: it is one layer."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for path, owner in model.named_modules(remove_duplicate=False):
+        for parameter in owner.parameters(recurse=False):
+            owners.setdefault(id(parameter), []).append((path, owner))
+    why = {}
+    for name, module in modules.items():
+        own = {id(m) for m in module.modules()}
+        paths = {path for p in module.parameters() for path, o in owners[id(p)] if id(o) not in own}
+        # the other attention layers holding them, else the modules themselves
+        others = sorted({next((n for n in modules if path.startswith(n + ".")), path) for path in paths})
+        if others:
+            more = f" and {len(others) - 1} more" if len(others) > 1 else ""
+            why[name] = (
+                f"its weights are tied to {others[0]}{more}: one set of weights serves several layers, and removing "
+                f"heads from one would untie them (prune_heads removes heads from one layer at a time)"
+            )
+    return why
 
 
 def _projects(module: nn.Module) -> bool:
@@ -358,10 +391,13 @@ def _supported(layers: list[AttentionLayer], unsupported: list[Unsupported]) -> 
     """The layers, or UnsupportedModelError when there are attention modules but none prune_heads handles."""
     if unsupported and not layers:
         first = unsupported[0]
-        raise UnsupportedModelError(
-            f"{first.name} ({first.class_name}): {first.why}; register it with prune_heads.register_family("
-            f"AttentionSpec(name, ({first.class_name!r},), q=..., k=..., v=..., o=..., head_dim=...))"
+        fix = (
+            f"; register it with prune_heads.register_family(AttentionSpec(name, ({first.class_name!r},), q=..., "
+            f"k=..., v=..., o=..., head_dim=...))"
+            if first.registrable
+            else "; no attention layer of this model can lose heads"
         )
+        raise UnsupportedModelError(f"{first.name} ({first.class_name}): {first.why}{fix}")
     return layers
 
 

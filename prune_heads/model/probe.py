@@ -31,22 +31,18 @@ from .surgery import Plan, PlanError, apply_plan, normalize_plan, prepare, remov
 TOLERANCE = 1e-4  # relative to the largest output value: float32 reordering, never a removed head's effect
 
 
-class _Captured(Exception):
-    """Stops the capturing forward pass once every probed layer has been called."""
+CALLS = 3  # calls of one layer proven: a module reached from several places is proven on more than its first
 
 
 def _capture(model: nn.Module, layers: list[AttentionLayer], inputs: dict | None) -> tuple[dict, str | None]:
-    """The (args, kwargs) each layer's module is first called with, from one forward pass; and why the pass
-    failed, if it did before reaching them all."""
-    calls: dict[str, tuple] = {}
-    wanted = {layer.name for layer in layers}
+    """The (args, kwargs) of each layer module's first CALLS calls in one forward pass (a module used at
+    several depths is called with other inputs each time); and why the pass failed, if it did."""
+    calls: dict[str, list[tuple]] = {}
 
     def hook_for(name: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if name not in calls:  # copied now: the layer's own call would update a cache inside them
-                calls[name] = copy.deepcopy((args, kwargs))
-            if calls.keys() >= wanted:
-                raise _Captured
+            if len(calls.setdefault(name, [])) < CALLS:  # copied now: the call would update a cache inside them
+                calls[name].append(copy.deepcopy((args, kwargs)))
 
         return hook
 
@@ -63,8 +59,6 @@ def _capture(model: nn.Module, layers: list[AttentionLayer], inputs: dict | None
                 inputs = {**inputs, "use_cache": False}  # a cache the pass fills would grow under the copies
             with torch.no_grad():
                 model(**inputs)
-        except _Captured:
-            pass
         except Exception as failure:  # the model's own code (or a model dummy_inputs cannot feed): anything
             error = _reason(failure)
     return calls, error
@@ -202,14 +196,17 @@ def _prove(model: nn.Module, planned: list[AttentionLayer], plan: dict[str, list
     calls, failure = _capture(model, planned, inputs)
     for layer in planned:
         by_table = spec_for_type(type(layer.module).__name__) is layer.spec
-        call = calls.get(layer.name)
-        why: str | None
-        if call is None:
+        why: str | None = None
+        if layer.name not in calls:
             if by_table:
                 continue
             why = f"a forward pass on random inputs did not reach it ({failure or 'the layer was not called'})"
-        else:
+        for use, call in enumerate(calls.get(layer.name, [])):
             why = _differs(layer, plan[layer.name], call)
+            if why is not None and use:
+                why = f"in its call number {use + 1} of the forward pass, {why}"
+            if why is not None:
+                break
         if why is not None:
             raise PlanError(
                 f"cannot remove heads from {layer.name} ({type(layer.module).__name__}, handled as "
