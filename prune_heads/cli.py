@@ -36,6 +36,26 @@ BAD_INPUT = (
     ModelNotFoundError,
     GgufError,
 )
+
+
+class _Budget(click.ParamType):
+    """A number of passes, 0 or more, or 'none' for no limit."""
+
+    name = "passes"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float | None:
+        if value is None or str(value).lower() in ("none", "null"):
+            return None
+        try:
+            number = float(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a number of passes or 'none'", param, ctx)
+        if number < 0:
+            self.fail(f"{value} is below 0; give 0 or more passes, or 'none' for no limit", param, ctx)
+        return number
+
+
+BUDGET = _Budget()
 METHOD_HELP = f"Scoring method: {', '.join(sorted(METHODS))}."
 
 
@@ -419,10 +439,16 @@ def _plan_file(path: str) -> dict:
     help="Also try the Fisher-block (Kwon) and fluctuation (FLAP) plans.",
 )
 @click.option(
+    "--reconstruction/--no-reconstruction",
+    default=RecoveryConfig.reconstruction,
+    show_default=True,
+    help="Try refitting each pruned layer's output projection and bias to its unpruned output (least squares).",
+)
+@click.option(
     "--bias-compensation/--no-bias-compensation",
     default=RecoveryConfig.bias_compensation,
     show_default=True,
-    help="Try adding the removed heads' mean output to the output bias (FLAP).",
+    help="Without reconstruction: try adding the removed heads' mean output to the output bias (FLAP).",
 )
 @click.option(
     "--gate-tuning/--no-gate-tuning",
@@ -442,6 +468,14 @@ def _plan_file(path: str) -> dict:
     default=RecoveryConfig.epochs,
     show_default=True,
     help="At most this many tuning epochs (stops early on held-out data).",
+)
+@click.option(
+    "--tuning-budget",
+    type=BUDGET,
+    default=str(RecoveryConfig.tuning_budget),
+    show_default=True,
+    help="Work of candidates and tuning, in forward+backward passes over the calibration data (counted, never "
+    "timed; 'none' for no limit).",
 )
 @click.option(
     "--holdout",
@@ -491,10 +525,12 @@ def prune_command(
     uniform: bool,
     recovery: bool,
     rearrange: bool,
+    reconstruction: bool,
     bias_compensation: bool,
     gate_tuning: bool,
     bias_tuning: bool,
     epochs: int,
+    tuning_budget: float | None,
     holdout: float,
     standalone: bool,
     output: str,
@@ -526,7 +562,12 @@ def prune_command(
         round=rounding,
     )
     steps_on = dict(
-        rearrange=rearrange, bias_compensation=bias_compensation, gate_tuning=gate_tuning, bias_tuning=bias_tuning
+        rearrange=rearrange,
+        reconstruction=reconstruction,
+        bias_compensation=bias_compensation,
+        gate_tuning=gate_tuning,
+        bias_tuning=bias_tuning,
+        tuning_budget=tuning_budget,
     )
     recovery_section = (
         {**vars(RecoveryConfig.off()), "holdout": holdout, "epochs": epochs}

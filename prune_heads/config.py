@@ -60,15 +60,19 @@ class RecoveryConfig:
     """Retraining-free recovery, each step decided on held-out calibration data (`holdout` of the scoring
     batches, at least one batch, never the evaluation split): a step is kept only if it lowers the held-out
     divergence from the unpruned model by more than one standard error of the paired per-example differences
-    (Breiman's rule: not on noise). `rearrange` adds Kwon et al.'s Fisher-block selection as a candidate
-    plan beside the plain one; `bias_compensation` adds the removed heads' mean output to the output bias
-    (FLAP, An et al. 2024); `gate_tuning` tunes one scale per kept head to the unpruned model's outputs, and
+    (Breiman's rule: not on noise). `rearrange` adds Kwon et al.'s Fisher-block selection and FLAP's
+    fluctuation as candidate plans beside the plain one (and, with reconstruction, the structured-OBS plan);
+    `reconstruction` refits each pruned layer's output projection (its kept columns and bias) to the unpruned
+    layer's output by ridge least squares, closed form from Gram matrices recorded while scoring, the ridge
+    chosen per layer on the held-out tokens (`prune_heads.recovery.reconstruction`); without it,
+    `bias_compensation` adds the removed heads' mean output to the output bias (FLAP, An et al. 2024; the
+    reconstruction's limit); `gate_tuning` tunes one scale per kept head to the unpruned model's outputs, and
     `bias_tuning` the output biases with them, for at most `epochs` epochs, stopping when the held-out
     divergence stops falling, or before a step would take the recovery (trying candidates and tuning) past
     `tuning_budget` times the work of one forward and backward pass over the calibration batches (the
     default fisher scoring's cost; None: no limit); tuning still gets at least `min_tuning_flops`, so small
     models tune fully, and a cut epoch is checked like a whole one. Work is counted in FLOPs from the model
-    and the data (`prune_heads.work`), never timed: the same inputs, config and seed give the same model on
+    and the data (`prune_heads.runtime.work`), never timed: the same inputs, config and seed give the same model on
     any machine. Each check tries both the tuned values and their moving average over the steps (`average`,
     its decay per step; 0: the tuned values alone) and keeps the lower. Everything is tuned on the gated
     model (no copy of it) and folded into the weights. `holdout: 0` applies every enabled step without
@@ -76,6 +80,7 @@ class RecoveryConfig:
 
     holdout: float = 0.2
     rearrange: bool = True
+    reconstruction: bool = True
     bias_compensation: bool = True
     gate_tuning: bool = True
     bias_tuning: bool = True
@@ -103,12 +108,12 @@ class RecoveryConfig:
     @classmethod
     def off(cls) -> RecoveryConfig:
         """No recovery: the plain selection, pruned as it is."""
-        return cls(rearrange=False, bias_compensation=False, gate_tuning=False, bias_tuning=False)
+        return cls(rearrange=False, reconstruction=False, bias_compensation=False, gate_tuning=False, bias_tuning=False)
 
     @property
     def enabled(self) -> bool:
         """Whether any recovery step is on."""
-        return self.rearrange or self.bias_compensation or self.gate_tuning or self.bias_tuning
+        return self.rearrange or self.reconstruction or self.bias_compensation or self.gate_tuning or self.bias_tuning
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,10 @@ one model through gates and added biases, then folded into the weights and the h
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import logging
+import math
 import time
 from collections.abc import Iterable
 from contextlib import nullcontext
@@ -17,14 +21,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ConfigError, PruneConfig
+from .config import ConfigError, PruneConfig, RecoveryConfig
 from .data import DataError, TaskData, batch_size, input_device, to_device, with_targets, without_labels
+from .export.persistence import output_biases_load
 from .model.layers import require_attention
 from .model.probe import probe_layers
 from .model.surgery import PlanError
 from .recovery.gated import GatedModel
 from .recovery.holdout import one_standard_error, split_holdout
+from .recovery.reconstruction import Refit, refit, refit_flops, removal_cost
 from .recovery.tuning import tune
+from .runtime.memory import release_freed_memory
 from .runtime.work import Budget, Work
 from .scoring.head_scores import HeadScores
 from .scoring.iterative import prune_iteratively
@@ -32,6 +39,8 @@ from .scoring.methods import fluctuation, head_scores, score_heads
 from .scoring.objective import Objective, frozen
 from .scoring.recording import Recorder, record
 from .scoring.selection import check_budget, heads_for_flops, requested_heads, select_heads
+
+logger = logging.getLogger("prune_heads")
 
 
 @dataclass
@@ -81,21 +90,56 @@ def selection_budget(model: nn.Module, config: PruneConfig, seq_len: int = 128) 
 
 
 def _candidates(
-    scores: HeadScores, recorder: Recorder | None, layers, kwargs: dict, rearrange: bool, notes: list[str]
+    scores: HeadScores, recorder: Recorder | None, layers, kwargs: dict, config: RecoveryConfig, notes: list[str]
 ) -> dict[str, dict[str, list[int]]]:
-    """The plans to try: the plain ranking, and with `rearrange` the Fisher-block and FLAP plans."""
+    """The plans to try: the plain ranking, and with `rearrange` the Fisher-block and FLAP plans and, with
+    `reconstruction`, the structured-OBS plan (what the kept heads can stand in for, refitted)."""
     plans = {"ranked": select_heads(scores, **kwargs)}
-    if not rearrange:
+    if recorder is None or not config.rearrange:
         return plans
-    try:
-        plans["interactions"] = select_heads(scores, strategy="interactions", **kwargs)
-    except PlanError as error:
-        notes.append(f"interactions not tried: {error}")
+    strategies: dict[str, Any] = {"interactions": "interactions"}
+    if config.reconstruction:
+        strategies["OBS"] = removal_cost(layers, recorder.moments)
+    for name, strategy in strategies.items():
+        try:
+            plans[name] = select_heads(scores, strategy=strategy, **kwargs)
+        except PlanError as error:
+            notes.append(f"{name} not tried: {error}")
     variances = recorder.variances()
     groups = kwargs.get("gqa", "groups") == "groups"
     fluct = head_scores("fluctuation", layers, fluctuation(layers, variances, groups), scores.num_examples)
     plans["fluctuation"] = select_heads(fluct, **kwargs)
     return plans
+
+
+def _refits(
+    layers, plan: dict[str, list[int]], recorder: Recorder, heldout: Recorder | None, bias: bool, notes: list[str]
+) -> dict[str, Refit]:
+    """Each pruned layer's reconstruction for the plan (with its output bias unless `bias` is False); a
+    fallback to bias compensation is said in the notes."""
+    found = {}
+    for i, layer in enumerate(layers):
+        if plan.get(layer.name):
+            held = heldout.moments[i] if heldout is not None else None
+            found[layer.name] = refit(layer, plan[layer.name], recorder.moments[i], held, bias)
+            why = found[layer.name].fallback
+            note = f"{layer.name}: reconstruction fell back to bias compensation: {why}"
+            if why is not None and note not in notes:
+                notes.append(note)
+                logger.warning(note)
+    return found
+
+
+def _summary(refits: dict[str, Refit]) -> dict[str, Any]:
+    """What a candidate's reconstruction chose, for the report: the ridges and the mean relative error."""
+    ridges = collections.Counter(
+        "bias compensation" if math.isinf(r.ridge) else f"{r.ridge:g}" for r in refits.values()
+    )
+    return {
+        "layers": len(refits),
+        "ridges": dict(ridges),
+        "relative_error": sum(r.error for r in refits.values()) / max(len(refits), 1),
+    }
 
 
 def prune_model(
@@ -136,19 +180,30 @@ def prune_model(
     timings: dict[str, float] = {}
     tick = time.perf_counter()
     # recovery needs the unpruned model's statistics and outputs: recorded during scoring, not recomputed
-    with Recorder(model, layers, objective) if r.enabled else nullcontext() as recorder:
+    with Recorder(model, layers, objective, r.reconstruction) if r.enabled else nullcontext() as recorder:
         scores = score_heads(model, calib, method=s.method, normalize=s.normalize, seed=s.seed, progress=progress)
     device = input_device(model)
     calib = [to_device(without_labels(b), device) for b in calib]
     if recorder is not None and recorder.calls != len(calib):  # the method ran no plain pass per batch
-        recorder = record(model, calib, objective)
+        recorder = record(model, calib, objective, r.reconstruction)
     timings["scoring"] = time.perf_counter() - tick
     notes: list[str] = []
-    plans = _candidates(scores, recorder, layers, kwargs, r.rearrange, notes)
+    if (
+        r.enabled
+        and (r.bias_compensation or r.bias_tuning)
+        and config.selection.uniform
+        and not output_biases_load(model)
+    ):
+        notes.append("no output biases added: a stock config of this model cannot hold them (uniform)")
+        config = dataclasses.replace(
+            config, recovery=dataclasses.replace(r, bias_compensation=False, bias_tuning=False)
+        )
+        r = config.recovery
+    plans = _candidates(scores, recorder, layers, kwargs, r, notes)
     result = PruneResult(plan=plans["ranked"], scores=scores, asked=asked)
     gated = GatedModel(model, layers)
     with frozen(model), gated:
-        plan = _decide(gated, plans, recorder, calib, heldout, objective, config, result, timings, device)
+        plan = _decide(gated, plans, recorder, calib, heldout, objective, config, result, timings, notes, device)
     gated.fold(plan, calib[0])
     result.plan = plan
     if notes:
@@ -168,56 +223,73 @@ def _decide(
     config: PruneConfig,
     result: PruneResult,
     timings: dict,
+    notes: list[str],
     device,
 ) -> dict:
-    """Choose the plan, bias compensation and tuning on the held-out batches; leave `gated` in the chosen
-    state and return the plan. The work is counted in FLOPs (`result.work`) and bounds the tuning."""
+    """Choose the plan and its reconstruction (or bias compensation), then tuning, on the held-out batches;
+    leave `gated` in the chosen state and return the plan. The work is counted in FLOPs (`result.work`) and
+    bounds the tuning."""
     r, seed = config.recovery, config.scoring.seed
     tick = time.perf_counter()
     heldout = [to_device(without_labels(b), device) for b in heldout]
     work = Work.of(gated.model, calib[0])
     result.work = {"calibration_pass": work.forward_backward(calib), "heldout_pass": work.forward(heldout)}
-    with torch.no_grad():
-        gated.use({})
-        targets = [objective.reference(gated(b), b) for b in heldout]
+    unpruned: Recorder | None = None  # the unpruned outputs on the held-out part, and its Gram matrices
+    if heldout:
+        with torch.no_grad(), Recorder(gated.model, gated.layers, objective, gram=r.reconstruction) as unpruned:
+            gated.use({})
+            for batch in heldout:
+                gated(batch)
+                release_freed_memory()
+    targets = unpruned.targets if unpruned is not None else []
 
-    def divergences(plan: dict, biases: dict | None) -> torch.Tensor | None:
-        gated.use(plan, biases)
+    def divergences(state: State) -> torch.Tensor | None:
+        gated.use(state.plan, state.biases, state.refits)
         return gated.divergences(heldout, targets, objective) if heldout else None
 
-    means = recorder.means() if r.bias_compensation else None
-    tried = {}  # name -> (per-example held-out divergences, plan, added biases), in order of preference
+    tried: dict[str, tuple[torch.Tensor | None, State]] = {}  # in order of preference
+    result.work["reconstruction"] = 0.0
     for name, plan in plans.items():
-        tried[name] = (divergences(plan, None), plan, None)
-        if r.bias_compensation:
-            biases = gated.compensation(plan, means)
-            tried[f"{name} + bias compensation"] = (divergences(plan, biases), plan, biases)
+        if name == "ranked" or not r.reconstruction:
+            tried[name] = (divergences(State(plan)), State(plan))
+        if recorder is None:
+            continue
+        if r.reconstruction:
+            gated.restore()  # fitted against the unpruned weights, not a candidate's refit written into them
+            fitted = _refits(gated.layers, plan, recorder, unpruned, r.bias_tuning or r.bias_compensation, notes)
+            result.work["reconstruction"] += refit_flops(gated.layers, plan)
+            state = State(plan, refits=fitted)
+            tried[f"{name} + reconstruction"] = (divergences(state), state)
+        elif r.bias_compensation:
+            state = State(plan, biases=gated.compensation(plan, recorder.means()))
+            tried[f"{name} + bias compensation"] = (divergences(state), state)
     if heldout:
-        chosen = one_standard_error({k: v[0] for k, v in tried.items()})
+        chosen = one_standard_error({k: v[0] for k, v in tried.items() if v[0] is not None})
     else:  # nothing to check against: every enabled step, as configured
-        chosen = ("interactions" if "interactions" in plans else "ranked") + (
-            " + bias compensation" if r.bias_compensation else ""
-        )
-    values, plan, biases = tried[chosen]
+        plan_name = "OBS" if "OBS" in plans else "interactions" if "interactions" in plans else "ranked"
+        step = " + reconstruction" if r.reconstruction else " + bias compensation" if r.bias_compensation else ""
+        chosen = plan_name + step
+    values, state = tried[chosen]
     value = None if values is None else float(values.mean())
-    result.work["selection"] = (len(tried) + 1) * result.work["heldout_pass"]  # + the unpruned targets
-    result.recovery.append(
-        {
-            "step": "selection",
-            "kept": chosen,
-            "seconds": round(time.perf_counter() - tick, 3),
-            "tried": {k: None if v[0] is None else float(v[0].mean()) for k, v in tried.items()},
-        }
-    )
+    result.work["selection"] = (len(tried) + 1) * result.work["heldout_pass"] + result.work["reconstruction"]
+    entry: dict[str, Any] = {
+        "step": "selection",
+        "kept": chosen,
+        "seconds": round(time.perf_counter() - tick, 3),
+        "tried": {k: None if v[0] is None else float(v[0].mean()) for k, v in tried.items()},
+    }
+    if state.refits:
+        entry["reconstruction"] = _summary(state.refits)
+    result.recovery.append(entry)
     result.heldout = {
         "batches": len(heldout),
         "examples": sum(batch_size(b) for b in heldout),
-        "plain": result.recovery[-1]["tried"]["ranked"],
+        "plain": entry["tried"]["ranked"],
         "selected": value,
     }
     timings["selection"] = time.perf_counter() - tick
-    gated.use(plan, biases)
-    if (r.gate_tuning or r.bias_tuning) and r.epochs > 0:
+    gated.use(state.plan, state.biases, state.refits)
+    if (r.gate_tuning or r.bias_tuning) and r.epochs > 0 and recorder is not None:
         tick = time.perf_counter()
         gated.scales = [s.requires_grad_(r.gate_tuning) for s in gated.scales]
         gated.biases = [b.requires_grad_(r.bias_tuning) for b in gated.biases]
@@ -244,7 +316,7 @@ def _decide(
             else "bias tuning"
         )
         result.work.update(tuning=spent, tuning_budget=limit)
-        entry = {
+        tuning: dict[str, Any] = {
             "step": step,
             "epochs_run": round(steps / len(calib), 2),
             "heldout_by_epoch": history,
@@ -253,13 +325,22 @@ def _decide(
             "budget_flops": None if r.tuning_budget is None else limit,
             "averaged": averaged,
         }
-        if history:  # kept only when it beats the untuned state by more than one standard error (not on noise)
-            tuned = gated.divergences(heldout, targets, objective)
-            entry["kept"] = one_standard_error({"untuned": values, "tuned": tuned}) == "tuned"
-            value = float((tuned if entry["kept"] else values).mean())
-            if not entry["kept"]:
-                gated.use(plan, biases)
-        result.recovery.append(entry)
+        if history and values is not None:  # kept only when it beats the untuned state by more than one
+            tuned = gated.divergences(heldout, targets, objective)  # standard error (not on noise)
+            tuning["kept"] = one_standard_error({"untuned": values, "tuned": tuned}) == "tuned"
+            value = float((tuned if tuning["kept"] else values).mean())
+            if not tuning["kept"]:
+                gated.use(state.plan, state.biases, state.refits)
+        result.recovery.append(tuning)
         timings["tuning"] = time.perf_counter() - tick
     result.heldout["final"] = value
-    return plan
+    return state.plan
+
+
+@dataclass
+class State:
+    """A candidate state of the gated model: the plan, and the added biases or the reconstruction with it."""
+
+    plan: dict[str, list[int]]
+    biases: dict[str, torch.Tensor] | None = None
+    refits: dict[str, Refit] | None = None

@@ -138,7 +138,8 @@ def test_prune_without_flags_is_the_default_path(tmp_path, fixture_model_path, f
     assert report["meta"]["method"] == "fisher" and report["summary"]["heads"]["after"] == 36
     steps = [e["step"] for e in report["recovery"]]
     assert steps == ["selection", "gate and bias tuning"]
-    assert {"ranked", "interactions", "fluctuation + bias compensation"} <= set(report["recovery"][0]["tried"])
+    tried = set(report["recovery"][0]["tried"])
+    assert {"ranked", "interactions + reconstruction", "fluctuation + reconstruction", "OBS + reconstruction"} <= tried
     assert report["meta"]["heldout"]["final"] <= report["meta"]["heldout"]["plain"]
     tuning = report["recovery"][1]
     assert isinstance(tuning["averaged"], bool)  # whether the moving average or the last step was kept

@@ -41,6 +41,20 @@ def test_the_shipped_task_is_built_from_the_shipped_sentences_deterministically(
     assert labels.min() > 180  # the true ending is placed anywhere, not always first
 
 
+def test_review_sentiment_is_the_shipped_sentences_with_their_labels_and_runs_offline(smollm2):
+    sys.path.insert(0, str(SHIPPED_TASKS))
+    try:
+        import sentiment
+    finally:
+        sys.path.remove(str(SHIPPED_TASKS))
+    docs = sentiment.documents()["test"]
+    assert len(docs) == 1000 and sorted(set(docs["label"])) == [0, 1] and sum(docs["label"]) == 509
+    model, tokenizer = smollm2
+    found = lm_eval(model, tokenizer, ["review_sentiment"], limit=40)
+    assert len(found.correct["review_sentiment:acc"]) == 40
+    assert found.metrics["review_sentiment:acc"] > 0.6  # SmolLM2 reads sentiment zero-shot (0.77 measured)
+
+
 def test_lm_eval_on_the_model_object_gives_metrics_errors_and_examples(smollm2):
     model, tokenizer = smollm2
     found = lm_eval(model, tokenizer, ["sentence_endings"], limit=24)

@@ -31,7 +31,8 @@ def test_default_config_is_the_best_measured_path():
     config = ph.PruneConfig()
     assert config.scoring.method == "fisher" and config.selection.sparsity == 0.5
     r = config.recovery
-    assert (r.rearrange, r.bias_compensation, r.gate_tuning, r.bias_tuning, r.holdout) == (True, True, True, True, 0.2)
+    steps = (r.rearrange, r.reconstruction, r.bias_compensation, r.gate_tuning, r.bias_tuning, r.holdout)
+    assert steps == (True, True, True, True, True, 0.2)
     assert not ph.RecoveryConfig.off().enabled
 
 
@@ -44,7 +45,9 @@ def test_prune_model_removes_exactly_the_budget_and_reports_its_decisions(name):
     assert result.heads_removed == result.asked == 4
     assert sum(l.num_heads for l in ph.find_attention(model)) == 12 - 4
     selection = next(e for e in result.recovery if e["step"] == "selection")
-    assert {"ranked", "ranked + bias compensation", "fluctuation"} <= set(selection["tried"])
+    assert {"ranked", "ranked + reconstruction", "fluctuation + reconstruction", "OBS + reconstruction"} <= set(
+        selection["tried"]
+    )
     assert selection["kept"] in selection["tried"]
     # never worse on held-out data than the plain selection it started from
     assert result.heldout["final"] <= result.heldout["plain"] + 1e-12
@@ -61,6 +64,27 @@ def test_prune_model_result_is_the_gated_state_it_measured():
     _, heldout = split_holdout([{k: v for k, v in b.items() if k != "labels"} for b in data], 0.2)
     measured = kl(model, original, heldout) / sum(b["input_ids"].shape[0] for b in heldout)
     assert measured == pytest.approx(result.heldout["final"], rel=1e-4, abs=1e-7)
+
+
+def test_each_candidate_is_measured_as_if_it_were_tried_alone(monkeypatch):
+    """A candidate's reconstruction is fitted to the unpruned weights, not to the one tried before it."""
+    from prune_heads import pruner
+
+    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(epochs=0))
+    seen = {}
+
+    def candidates(*args, **kwargs):
+        seen.update(real(*args, **kwargs))
+        return dict(seen)
+
+    real = pruner._candidates
+    monkeypatch.setattr(pruner, "_candidates", candidates)
+    tried = next(e for e in ph.prune_model(tm.build("llama"), batches("llama"), config, False).recovery)["tried"]
+    assert len(seen) >= 3
+    for name, plan in seen.items():
+        monkeypatch.setattr(pruner, "_candidates", lambda *a, plan=plan, **k: {"ranked": plan})
+        alone = ph.prune_model(tm.build("llama"), batches("llama"), config, False).recovery[0]["tried"]
+        assert alone["ranked + reconstruction"] == pytest.approx(tried[f"{name} + reconstruction"], rel=1e-9)
 
 
 def test_embedding_models_decide_on_neighbour_divergence_and_cosine():

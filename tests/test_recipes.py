@@ -125,7 +125,7 @@ def test_recovery_section_maps_onto_prune_model():
     found = prune_model(model, _synthetic("bert", recipe), PruneConfig.from_recipe(recipe), progress=False)
     assert found.heads_removed == 6
     assert [e["step"] for e in found.recovery] == ["selection", "gate and bias tuning"]
-    assert found.recovery[0]["kept"] == "ranked + bias compensation"  # no hold-out: every enabled step
+    assert found.recovery[0]["kept"] == "ranked + reconstruction"  # no hold-out: every enabled step
     assert any(not torch.equal(l.module.output.dense.bias, before[l.name]) for l in find_attention(model))
     off = parse_recipe({**_base(), "recovery": "off"})
     assert not off.recovery.enabled

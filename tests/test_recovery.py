@@ -181,3 +181,112 @@ def test_bias_tuning_moves_only_output_biases_and_lowers_the_divergence():
     ph.prune(llama, {0: [0, 1]})
     ph.tune_gates(llama, tm.build("llama"), [tm.make_inputs("llama")], epochs=1, bias_lr=0.01)
     assert all(l.module.o_proj.bias is None for l in ph.find_attention(llama))
+
+
+def _moments(model, batches, gram=True):
+    """The Recorder's statistics over the batches, as scoring records them."""
+    from prune_heads.scoring.objective import Objective
+    from prune_heads.scoring.recording import record
+
+    return record(model, [{k: v for k, v in b.items() if k != "labels"} for b in batches], Objective(model), gram)
+
+
+def _output_error(model, reference, index, batches) -> float:
+    return float(((layer_outputs(model, index, batches) - layer_outputs(reference, index, batches)) ** 2).sum())
+
+
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_refit_beats_bias_compensation_on_held_out_tokens_and_folds_exactly(name):
+    from prune_heads.recovery.gated import GatedModel
+    from prune_heads.recovery.reconstruction import refit
+
+    reference = tm.build(name)
+    calib, held = calibration(name, 6), [tm.make_inputs(name, batch=4, seq=9, seed=100 + s) for s in range(3)]
+    stats, held_stats = _moments(reference, calib), _moments(reference, held)
+    layers = ph.find_attention(reference)
+    plan = {layers[0].name: [0, 1] if name == "llama" else [1, 3]}  # llama: one whole KV group
+    fitted = refit(layers[0], plan[layers[0].name], stats.moments[0], held_stats.moments[0])
+    limit = refit(layers[0], plan[layers[0].name], stats.moments[0], held_stats.moments[0], bias=True)
+    assert fitted.fallback is None and fitted.error <= limit.error
+    errors = {}
+    for kind, refits in (("fitted", {layers[0].name: fitted}), ("bias compensation", None)):
+        model = copy.deepcopy(reference)
+        gated = GatedModel(model, ph.find_attention(model))
+        with gated:
+            biases = None if refits else gated.compensation(plan, stats.means())
+            gated.use(plan, biases, refits)
+            with torch.no_grad():
+                expected = [tm.main_output(gated(b)) for b in held]
+        gated.fold(plan)
+        with torch.no_grad():  # the folded, pruned model is the gated state that was measured
+            for b, e in zip(held, expected):
+                torch.testing.assert_close(tm.main_output(model(**b)), e, rtol=0, atol=1e-5)
+        errors[kind] = _output_error(model, reference, 0, held)
+    assert errors["fitted"] < errors["bias compensation"]
+
+
+def test_the_infinite_ridge_is_bias_compensation_and_no_bias_keeps_the_bias():
+    from prune_heads.recovery import reconstruction
+
+    reference = tm.build("llama")
+    stats = _moments(reference, calibration("llama", 4))
+    layer = ph.find_attention(reference)[0]
+    model = copy.deepcopy(reference)
+    gated = ph.recovery.gated.GatedModel(model, ph.find_attention(model))
+    compensation = gated.compensation({layer.name: [2, 3]}, stats.means())[layer.name]
+    held = _moments(reference, [tm.make_inputs("llama", batch=4, seq=9, seed=50)])
+    original = reconstruction.RIDGES
+    try:
+        reconstruction.RIDGES = (float("inf"),)
+        limit = reconstruction.refit(layer, [2, 3], stats.moments[0], held.moments[0])
+    finally:
+        reconstruction.RIDGES = original
+    weight = ph.model.layers.output_projection(layer).matrix().detach().double()
+    torch.testing.assert_close(limit.weight, weight[:, :16])  # kept heads 0, 1: columns as they are
+    torch.testing.assert_close(limit.bias.float(), compensation, rtol=0, atol=1e-6)
+    no_bias = reconstruction.refit(layer, [2, 3], stats.moments[0], held.moments[0], bias=False)
+    assert torch.equal(no_bias.bias, torch.zeros(32, dtype=torch.float64))  # llama's o_proj has none
+
+
+def test_a_refit_that_cannot_be_trusted_falls_back_to_bias_compensation_and_says_why():
+    from prune_heads.recovery.reconstruction import refit
+    from prune_heads.scoring.recording import Moments
+
+    layer = ph.find_attention(tm.build("llama"))[0]
+    few = Moments(32, True)
+    few.add(torch.randn(5, 32, generator=torch.Generator().manual_seed(0)))
+    found = refit(layer, [0, 1], few, None)
+    assert (
+        found.fallback
+        == "the fit has 17 unknowns per output and the calibration data gave 5 tokens; give at least 17 tokens"
+        and found.ridge == float("inf")
+    )
+    silent = Moments(32, True)
+    silent.add(torch.zeros(64, 32))  # the kept heads write nothing
+    assert "carry no energy" in refit(layer, [0, 1], silent, None).fallback
+    half = copy.deepcopy(layer.module).half()
+    half_layer = ph.model.layers.describe(half, layer.spec, layer.name, 0)
+    loud = Moments(32, True)
+    loud.add(1e-4 * torch.randn(64, 32, generator=torch.Generator().manual_seed(1)))  # tiny features, huge fit
+    found = refit(half_layer, [0, 1], loud, loud)
+    assert torch.isfinite(found.weight.half()).all() and torch.isfinite(found.bias.half()).all()
+
+
+def test_a_refused_fold_puts_the_refitted_projections_back():
+    from prune_heads.recovery.gated import GatedModel
+    from prune_heads.recovery.reconstruction import refit
+
+    model = tm.build("llama")
+    stats = _moments(model, calibration("llama", 4))
+    layers = ph.find_attention(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    gated = GatedModel(model, layers)
+    plan = {layers[0].name: [0, 1]}
+    with gated:
+        gated.use(plan, None, {layers[0].name: refit(layers[0], [0, 1], stats.moments[0], None)})
+    assert not torch.equal(
+        model.state_dict()["model.layers.0.self_attn.o_proj.weight"], before["model.layers.0.self_attn.o_proj.weight"]
+    )
+    with pytest.raises(ph.PlanError):
+        gated.fold({layers[0].name: [0]})  # half a KV group: refused
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

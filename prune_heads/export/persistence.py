@@ -27,7 +27,7 @@ from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..data import library_bars
-from ..model.layers import UnsupportedModelError, find_attention
+from ..model.layers import UnsupportedModelError, find_attention, resolve
 from ..model.surgery import RECORD_KEY, RecordError, reapply_record
 from .standalone import standalone_config, write_code
 
@@ -322,6 +322,20 @@ def stock_config(model: nn.Module) -> Any | None:
     if stock_fill(model, stock) is None and hasattr(stock, "attention_bias") and not stock.attention_bias:
         stock.attention_bias = True  # pruning added output biases: q/k/v get zero ones
     return stock if stock_fill(model, stock) is not None else None
+
+
+def output_biases_load(model: nn.Module) -> bool:
+    """Whether a stock config of the model (see `stock_config`) can hold a bias on every attention layer's
+    output projection, as recovery adds: the class built from its config with `attention_bias` set (where the
+    config has it) has those biases (Llama, Qwen3, Gemma; not Qwen2, Mistral)."""
+    config: Any = copy.deepcopy(getattr(model, "config", None))
+    if config is None:
+        return False
+    if hasattr(config, "attention_bias"):
+        config.attention_bias = True
+    with torch.device("meta"):
+        shell = type(model)(config)
+    return all(resolve(l.module, l.spec.o).bias is not None for l in find_attention(shell))
 
 
 def stock_fill(model: nn.Module, config: Any) -> dict[str, torch.Tensor] | None:

@@ -16,23 +16,47 @@ from ..model.layers import AttentionLayer, find_attention, output_projection, re
 from ..model.probe import probe_plan, remove_proven
 from ..model.surgery import add_output_bias, head_features, normalize_plan
 from ..scoring.objective import Objective
+from .reconstruction import Refit, _kept_and_removed
 
 
 class GatedModel:
     """The model with a gate per head (`scales` x `masks`) and an added bias per output projection
     (`biases`), all hooks: call it on a batch to run the gated model. Plans are tried by zeroing masks; gate
-    0 gives exactly the outputs of the model with that head removed, and `fold` makes it so."""
+    0 gives exactly the outputs of the model with that head removed, and `fold` makes it so. A plan's
+    reconstruction (`Refit`s) is written into the output projections' kept columns, the originals kept aside
+    until `fold` (or `restore`) so that any other state can be tried after it."""
 
     def __init__(self, model: nn.Module, layers: list[AttentionLayer]) -> None:
         self.model, self.layers = model, layers
         projections = [output_projection(l) for l in layers]
         self.devices = [p.module.weight.device for p in projections]
         self.widths = [p.features("out") for p in projections]
+        self._originals: dict[int, torch.Tensor] = {}  # layer position -> its output projection's weight
         self.use({})
         self._stack = ExitStack()
 
-    def use(self, plan: dict[str, list[int]], biases: dict[str, torch.Tensor] | None = None) -> None:
-        """Gates of 0 for the plan's heads and 1 for the others, and the given added biases (else none)."""
+    def use(
+        self,
+        plan: dict[str, list[int]],
+        biases: dict[str, torch.Tensor] | None = None,
+        refits: dict[str, Refit] | None = None,
+    ) -> None:
+        """Gates of 0 for the plan's heads and 1 for the others, and the given added biases (else none); with
+        `refits`, those layers' fitted kept columns and biases (in place of any added bias)."""
+        self.restore()
+        biases = dict(biases or {})
+        with torch.no_grad():
+            for i, layer in enumerate(self.layers):
+                fitted = (refits or {}).get(layer.name)
+                if fitted is None:
+                    continue
+                projection = output_projection(layer)
+                self._originals[i] = projection.matrix().detach().clone()
+                kept, _ = _kept_and_removed(layer, plan.get(layer.name, ()))
+                weight = projection.matrix()
+                weight[:, kept.to(weight.device)] = fitted.weight.to(weight.device, weight.dtype)
+                old = projection.module.bias
+                biases[layer.name] = fitted.bias - (old.detach().double().cpu() if old is not None else 0.0)
         removed = [set(plan.get(l.name, ())) for l in self.layers]
         self.masks = [
             torch.tensor([0.0 if h in r else 1.0 for h in l.heads], device=d)
@@ -43,6 +67,13 @@ class GatedModel:
             (biases or {}).get(l.name, torch.zeros(w)).float().to(d).clone()
             for l, w, d in zip(self.layers, self.widths, self.devices)
         ]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put back the output projections that a reconstruction changed."""
+        for i, original in self._originals.items():
+            output_projection(self.layers[i]).matrix().copy_(original)
+        self._originals.clear()
 
     def __enter__(self) -> GatedModel:
         self.gates = self._stack.enter_context(head_gates(self.model, requires_grad=False))
@@ -84,8 +115,13 @@ class GatedModel:
         (created and recorded where missing), then the plan's heads removed. The plan is proven on copies
         first (`probe_plan`, on `inputs`), so a refused plan leaves the model as it was."""
         layers = find_attention(self.model)
-        plan = normalize_plan(layers, plan)
-        probe_plan(self.model, layers, plan, inputs)
+        try:
+            plan = normalize_plan(layers, plan)
+            probe_plan(self.model, layers, plan, inputs)
+        except BaseException:
+            self.restore()  # a refused plan leaves the model as it was
+            raise
+        self._originals.clear()
         with torch.no_grad():
             for layer, scale in zip(self.layers, self.scales):
                 if not torch.equal(scale, torch.ones_like(scale)):

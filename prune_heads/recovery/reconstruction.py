@@ -1,9 +1,24 @@
-"""Least-squares reconstruction after removal: mask tuning (Kwon et al. 2022) and bias compensation as one
-least-squares problem per layer against a separate unpruned reference, folded into the output projection."""
+"""Least-squares reconstruction after removal: what the removed heads wrote, rebuilt from what the kept ones
+write, in closed form.
+
+- `refit`: per pruned layer, ridge least squares for the output projection's kept columns and its bias so that
+  the layer gives the unpruned layer's output on the calibration tokens, solved from the Gram matrix of its
+  inputs that scoring recorded (`Moments`); the ridge pulls towards FLAP's bias compensation (its limit) and
+  its strength is chosen per layer on the held-out tokens' Gram matrix (GRAIL, SlimGPT: a fit folded into
+  o_proj).
+- `removal_cost`: structured OBS (SlimGPT; Kurtic et al. 2023's ZipLM): the increase of that fit's error when a
+  set of heads goes and the others are refitted, in closed form, for a plan that removes what the others can
+  stand in for.
+- `reconstruct`: mask tuning (Kwon et al. 2022) and bias compensation as one least-squares problem per layer
+  against a separate unpruned reference model, folded into the output projection.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,7 +28,169 @@ from ..data import input_device, to_device, without_labels
 from ..model.gates import fold_gates
 from ..model.hooks import Hook, hooks
 from ..model.layers import AttentionLayer, find_attention, output_projection, resolve
-from ..scoring.recording import token_rows
+from ..model.surgery import head_features
+from ..scoring.recording import Moments, token_rows
+
+logger = logging.getLogger("prune_heads")
+RIDGES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, math.inf)  # x the mean diagonal; inf: bias compensation itself
+RIDGE_WITHOUT_HOLDOUT = 1e-2  # when no held-out tokens choose one
+DAMPING = 1e-2  # of the Gram matrix's mean diagonal, added before inverting it for removal costs (GPTQ's)
+
+
+@dataclass
+class Refit:
+    """One pruned layer's reconstruction: the output projection's kept columns `weight` [out, kept features]
+    and its whole `bias` [out] (float64), the ridge chosen (inf: bias compensation), the squared error per
+    token relative to the unpruned output's energy on the held-out tokens (on the calibration tokens without
+    them) and, where the fit fell back to bias compensation, why."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    ridge: float
+    error: float
+    fallback: str | None = None
+
+
+def _kept_and_removed(layer: AttentionLayer, removed: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output-projection input features of the layer's kept and removed heads (positions among its heads)."""
+    gone = set(removed)
+    kept = [p for p, h in enumerate(layer.heads) if h not in gone]
+    out = [p for p, h in enumerate(layer.heads) if h in gone]
+    cpu = torch.device("cpu")
+    return head_features(kept, layer.head_dim, cpu), head_features(out, layer.head_dim, cpu)
+
+
+def _unpruned(layer: AttentionLayer) -> torch.Tensor:
+    """[W, b] of the layer's output projection, float64 [out, in + 1] (b zeros where it has no bias)."""
+    projection = output_projection(layer)
+    weight = projection.matrix().detach().double().cpu()
+    bias = projection.module.bias
+    bias = bias.detach().double().cpu() if bias is not None else weight.new_zeros(weight.shape[0])
+    return torch.cat([weight, bias[:, None]], 1)
+
+
+def _squared_error(theta: torch.Tensor, full: torch.Tensor, columns: torch.Tensor, gram: torch.Tensor) -> float:
+    """Sum over the Gram matrix's tokens of |theta z - full x~|^2, z the `columns` of x~."""
+    difference = -full.clone()
+    difference[:, columns] += theta
+    return float((difference @ gram * difference).sum())
+
+
+@torch.no_grad()
+def refit(
+    layer: AttentionLayer, removed: Iterable[int], calibration: Moments, heldout: Moments | None, bias: bool = True
+) -> Refit:
+    """The ridge least-squares fit of the kept columns of the layer's output projection and its bias to the
+    unpruned layer's output on the calibration tokens (from their Gram matrix; the target is the layer's own
+    output, which generalises beyond the calibration text better than chasing the unpruned model's stream).
+    The ridge pulls towards bias compensation (the kept columns as they are, the removed heads' mean output
+    added to the bias), scaled by the kept features' mean energy; its strength is chosen among RIDGES on the
+    held-out tokens. With `bias=False` the bias stays as it is (a stock config that cannot hold an output
+    bias) and only the kept columns are fitted, pulled towards themselves. A fit that cannot be trusted (fewer
+    tokens than unknowns per output, features without energy, values that are not finite or overflow the
+    weights' dtype) falls back to bias compensation (to the kept columns as they are without a bias) and says
+    why."""
+    full = _unpruned(layer)  # [out, in + 1]
+    inner = full.shape[1] - 1
+    kept, gone = _kept_and_removed(layer, removed)
+    gram = calibration.matrix()
+    tokens = calibration.tokens
+    mean = gram[:inner, inner] / max(tokens, 1)
+    if bias:  # the kept features and the constant 1
+        columns = torch.cat([kept, torch.tensor([inner])])
+        prior = torch.cat([full[:, kept], (full[:, inner] + full[:, gone] @ mean[gone])[:, None]], 1)
+    else:  # the bias on both sides of the fit: it cancels
+        old_bias, full = full[:, inner], torch.cat([full[:, :inner], full.new_zeros(full.shape[0], 1)], 1)
+        columns, prior = kept, full[:, kept]
+    held = heldout.matrix() if heldout is not None and heldout.tokens else None
+    judge = held if held is not None else gram
+    energy = max(float((full @ judge * full).sum()), 1e-30)
+
+    def done(theta: torch.Tensor, ridge: float, fallback: str | None = None) -> Refit:
+        error = _squared_error(theta, full, columns, judge) / energy
+        return (
+            Refit(theta[:, :-1], theta[:, -1], ridge, error, fallback)
+            if bias
+            else Refit(theta, old_bias, ridge, error, fallback)
+        )
+
+    scale = float(gram.diagonal()[kept].mean()) if len(kept) else 0.0
+    if tokens < len(columns):
+        return done(
+            prior,
+            math.inf,
+            f"the fit has {len(columns)} unknowns per output and the calibration data gave "
+            f"{tokens} tokens; give at least {len(columns)} tokens",
+        )
+    if not scale > 0:
+        return done(prior, math.inf, "the kept heads' outputs carry no energy on the calibration tokens")
+    values, vectors = torch.linalg.eigh(gram[columns][:, columns])  # G_kk = V diag(values) V^T, shared by ridges
+    target = (full @ gram[:, columns]) @ vectors  # [W, b] G[:, k] V
+    start = prior @ vectors
+    ridges = RIDGES if held is not None else (RIDGE_WITHOUT_HOLDOUT,)
+    best: Refit | None = None
+    for ridge in ridges:
+        if math.isinf(ridge):
+            theta = prior
+        else:
+            damping = ridge * scale
+            theta = ((target + damping * start) / (values + damping)) @ vectors.T
+        dtype = output_projection(layer).module.weight.dtype
+        if not torch.isfinite(theta).all() or not torch.isfinite(theta.to(dtype)).all():
+            continue
+        candidate = done(theta, ridge)
+        if best is None or candidate.error < best.error:
+            best = candidate
+    if best is None or not math.isfinite(best.error):
+        return done(prior, math.inf, "the least-squares system gave values that are not finite in the weights' dtype")
+    return best
+
+
+def refit_flops(layers: list[AttentionLayer], plan: dict[str, list[int]]) -> float:
+    """The counted work of the plan's reconstruction: per pruned layer an eigendecomposition of the kept
+    features' Gram matrix (9 m^3, m kept features + 1) and per ridge the fit (2 out m^2) and its error (2 out
+    w^2, w the layer's input features + 1)."""
+    total = 0.0
+    for layer in layers:
+        if plan.get(layer.name):
+            out, w = output_projection(layer).features("out"), layer.num_heads * layer.head_dim + 1
+            m = (layer.num_heads - len(plan[layer.name])) * layer.head_dim + 1
+            total += 9 * m**3 + len(RIDGES) * (2 * out * m * m + 2 * out * w * w)
+    return total
+
+
+def removal_cost(layers: list[AttentionLayer], moments: list[Moments]) -> Callable[[str, tuple[int, ...]], float]:
+    """Structured OBS: `cost(layer name, removed heads)` is the increase of the squared error of the layer's
+    output when those heads go and the output projection's other columns and bias are refitted, tr(W_R
+    ((H^-1)_RR)^-1 W_R^T) with H the Gram matrix of [x, 1] (damped by DAMPING), relative to the unpruned output's
+    energy so that layers compare. Inverses are made one layer at a time, as selection asks."""
+    by_name = {layer.name: (layer, m) for layer, m in zip(layers, moments)}
+    cache: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+
+    def inverse(name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+        if name not in cache:
+            cache.clear()
+            layer, m = by_name[name]
+            full, gram = _unpruned(layer), m.matrix()
+            inner = full.shape[1] - 1
+            damped = gram.clone()
+            damped[:inner, :inner] += (
+                DAMPING * float(gram.diagonal()[:inner].mean()) * torch.eye(inner, dtype=gram.dtype)
+            )
+            cache[name] = (
+                full,
+                torch.linalg.pinv(damped, hermitian=True),
+                max(float((full @ gram * full).sum()), 1e-30),
+            )
+        return cache[name]
+
+    def cost(name: str, removed: tuple[int, ...]) -> float:
+        full, inverted, energy = inverse(name)
+        _, gone = _kept_and_removed(by_name[name][0], removed)
+        weight = full[:, gone]
+        return float((weight @ torch.linalg.pinv(inverted[gone][:, gone], hermitian=True) * weight).sum()) / energy
+
+    return cost
 
 
 class _Statistics:

@@ -23,17 +23,71 @@ def token_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-class Recorder:
-    """Hooks that watch forward passes of the unpruned model: per attention layer, the sum and squared sum
-    over tokens of every output-projection input channel (padding left out), and per pass the compact
-    reference outputs (`Objective.reference`, on the CPU). Use it around the scoring pass so the statistics
-    cost no extra forward; `calls` tells whether it saw one plain pass per batch."""
+_PACKED: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # width -> upper-triangle indices, shared by layers
 
-    def __init__(self, model: nn.Module, layers: list[AttentionLayer], objective: Objective) -> None:
+
+def _upper(width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if width not in _PACKED:
+        rows, cols = torch.triu_indices(width, width)
+        _PACKED[width] = rows.int(), cols.int()
+    return _PACKED[width]
+
+
+class Moments:
+    """Sums over tokens of x~ x~^T for x~ = [x, 1] (x: one layer's output-projection input): the Gram matrix,
+    whose last row holds the sums of x and the token count. Kept as its upper triangle, in float64 (float32 for
+    a half-precision model: a fixed share of the weights either way), or with `full=False` as its diagonal and
+    last column alone (FLAP's means and variances, what scoring by fluctuation needs)."""
+
+    def __init__(self, width: int, full: bool, dtype: torch.dtype = torch.float64) -> None:
+        self.width, self.full = width + 1, full
+        size = self.width * (self.width + 1) // 2 if full else 2 * width
+        self.values = torch.zeros(size, dtype=dtype)
+        self.tokens = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        """Add the token rows x [tokens, width]."""
+        x = x.double()
+        self.tokens += x.shape[0]
+        if self.full:
+            x = torch.cat([x, x.new_ones(x.shape[0], 1)], 1)
+            rows, cols = _upper(self.width)
+            gram = x.T @ x
+            self.values += gram[rows.to(gram.device), cols.to(gram.device)].to(self.values)
+        else:
+            self.values += torch.cat([x.sum(0), (x * x).sum(0)]).to(self.values)
+
+    def matrix(self) -> torch.Tensor:
+        """The Gram matrix [width + 1, width + 1] of [x, 1], float64 (needs full=True)."""
+        rows, cols = _upper(self.width)
+        gram = torch.zeros(self.width, self.width, dtype=torch.float64)
+        gram[rows.long(), cols.long()] = self.values.double()
+        return gram + gram.triu(1).T
+
+    def means_and_squares(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each channel's mean over the tokens and the mean of its square."""
+        n = max(self.tokens, 1)
+        if self.full:
+            gram = self.matrix()
+            return gram[:-1, -1] / n, gram.diagonal()[:-1] / n
+        sums, squares = self.values.double().chunk(2)
+        return sums / n, squares / n
+
+
+class Recorder:
+    """Hooks that watch forward passes of the unpruned model: per attention layer, the `Moments` of the
+    output-projection inputs over the tokens (padding left out; the whole Gram matrix with `gram`, which
+    reconstruction fits on), and per pass the compact reference outputs (`Objective.reference`, on the CPU).
+    Use it around the scoring pass so the statistics cost no extra forward; `calls` tells whether it saw one
+    plain pass per batch."""
+
+    def __init__(
+        self, model: nn.Module, layers: list[AttentionLayer], objective: Objective, gram: bool = False
+    ) -> None:
         self.model, self.layers, self.objective = model, layers, objective
-        self.sums = [torch.zeros(l.num_heads * l.head_dim, dtype=torch.float64) for l in layers]
-        self.squares = [torch.zeros(l.num_heads * l.head_dim, dtype=torch.float64) for l in layers]
-        self.tokens = [0] * len(layers)
+        half = any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
+        dtype = torch.float32 if half else torch.float64
+        self.moments = [Moments(l.num_heads * l.head_dim, gram, dtype) for l in layers]
         self.targets: list = []
         self.calls = 0
         self._mask: torch.Tensor | None = None
@@ -42,7 +96,7 @@ class Recorder:
     def __enter__(self) -> Recorder:
         watch: list[Hook] = [(self.model, "forward_pre", self._inputs), (self.model, "forward", self._outputs)]
         watch += [(resolve(l.module, l.spec.o), "forward_pre", self._channels(i)) for i, l in enumerate(self.layers)]
-        self._stack.enter_context(hooks(watch, with_kwargs=True))
+        self._stack.enter_context(hooks(watch, with_kwargs=True, prepend=True))  # before any gate
         return self
 
     def __exit__(self, *exc) -> None:
@@ -58,33 +112,29 @@ class Recorder:
 
     def _channels(self, i: int):
         def hook(module, args, kwargs) -> None:
-            x = token_rows(args[0].detach(), self._mask).double().cpu()  # [tokens, heads * head_dim]
-            self.sums[i] += x.sum(0)
-            self.squares[i] += (x * x).sum(0)
-            self.tokens[i] += x.shape[0]
+            self.moments[i].add(token_rows(args[0].detach(), self._mask))  # [tokens, heads * head_dim]
 
         return hook
 
     def reduce(self) -> None:
         """Sum the statistics over data-parallel processes (a no-op in a single process)."""
-        n = len(self.layers)
-        summed = sum_across([*self.sums, *self.squares, torch.tensor(self.tokens, dtype=torch.float64)])
-        self.sums, self.squares = summed[:n], summed[n : 2 * n]
-        self.tokens = [int(t) for t in summed[-1].tolist()]
+        summed = sum_across([m.values for m in self.moments] + [torch.tensor([float(m.tokens) for m in self.moments])])
+        for moments, values, tokens in zip(self.moments, summed, summed[-1].tolist()):
+            moments.values, moments.tokens = values, int(tokens)
 
     def means(self) -> list[torch.Tensor]:
         """Per layer, each output-projection input channel's mean over the recorded tokens."""
-        return [s / max(n, 1) for s, n in zip(self.sums, self.tokens)]
+        return [m.means_and_squares()[0] for m in self.moments]
 
     def variances(self) -> list[torch.Tensor]:
         """Per layer, each output-projection input channel's variance over the recorded tokens."""
-        return [(q / max(n, 1) - m * m).clamp(min=0) for q, n, m in zip(self.squares, self.tokens, self.means())]
+        return [(squares - mean * mean).clamp(min=0) for mean, squares in (m.means_and_squares() for m in self.moments)]
 
 
 @torch.no_grad()
-def record(model: nn.Module, batches: list[dict], objective: Objective) -> Recorder:
+def record(model: nn.Module, batches: list[dict], objective: Objective, gram: bool = False) -> Recorder:
     """A `Recorder` filled by one plain no-grad pass over the batches."""
-    with frozen(model), Recorder(model, find_attention(model), objective) as recorder:
+    with frozen(model), Recorder(model, find_attention(model), objective, gram) as recorder:
         for batch in batches:
             model(**batch)
             release_freed_memory()

@@ -10,10 +10,12 @@ taken. `check_budget` does the same check from the model alone, before any data 
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,7 @@ GRANULARITIES = ("head", "layer")
 ROUNDING = ("down", "nearest", "up")
 STRATEGIES = ("ranked", "interactions")
 _MAX_ENUMERATED = 20_000  # subsets of one layer's units, beyond which the set is grown greedily
+_MAX_COSTED = 64  # the same for a cost function (each call solves a linear system)
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,6 @@ def _validate(sparsity, num_heads, keep_per_layer, scope, gqa, granularity, stra
     for value, name, choices in (
         (gqa, "gqa", GQA_MODES),
         (granularity, "granularity", GRANULARITIES),
-        (strategy, "strategy", STRATEGIES),
         (round, "round", (None, *ROUNDING)),
     ):
         if value not in choices:
@@ -90,9 +92,14 @@ def _validate(sparsity, num_heads, keep_per_layer, scope, gqa, granularity, stra
         raise PlanError(f"num_heads must be a whole number of heads to remove (0 or more), not {num_heads}")
     if num_heads is not None and scope == "layer":
         raise PlanError("num_heads needs scope='global'; with scope='layer' give sparsity or keep_per_layer")
-    if strategy == "interactions" and (gqa == "even" or uniform or keep_per_layer is not None or scope == "layer"):
+    if not callable(strategy) and strategy not in STRATEGIES:
         raise PlanError(
-            "strategy='interactions' shares a global budget between layers: it needs scope='global', "
+            f"strategy must be one of {', '.join(map(repr, STRATEGIES))} or a cost function, not {strategy!r}"
+        )
+    named = "a cost function" if callable(strategy) else repr(strategy)
+    if strategy != "ranked" and (gqa == "even" or uniform or keep_per_layer is not None or scope == "layer"):
+        raise PlanError(
+            f"strategy={named} shares a global budget between layers: it needs scope='global', "
             "gqa='groups', uniform=False and sparsity or num_heads"
         )
     return gqa
@@ -242,7 +249,7 @@ def check_budget(
     gqa: str = "groups",
     uniform: bool = False,
     granularity: str = "head",
-    strategy: str = "ranked",
+    strategy: str | Callable[[str, tuple[int, ...]], float] = "ranked",
     round: str | None = None,
 ) -> int:
     """Check a `select_heads` budget against the model's structure alone (no scores, no data): returns the
@@ -305,29 +312,43 @@ def _ranked_options(
     return options
 
 
-def _interaction_options(
-    layer: _Layer, units: list[list[int]], block: torch.Tensor, counts: list[int]
+def _cheapest_subsets(
+    layer: _Layer, units: list[list[int]], cost: Callable[[tuple[int, ...]], float], counts: list[int], enumerated: int
 ) -> dict[int, tuple[float, tuple[int, ...]]]:
-    """Per count, the set of units with the smallest 1_S^T F 1_S / 2 (the Fisher block estimate of the loss
-    increase, interactions included): every subset when that is cheap, else grown greedily."""
+    """Per count, the set of units with the smallest `cost` (a function of the removed heads, original
+    indices): every subset when there are at most `enumerated` of that size, else grown greedily."""
     options: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
     chosen: list[int] = []
 
-    def cost(subset) -> float:
-        index = [p for u in subset for p in units[u]]
-        return float(block[index][:, index].sum()) / 2  # block: [present heads, present heads]
+    def heads(subset) -> tuple[int, ...]:
+        return tuple(sorted(layer.heads[p] for u in subset for p in units[u]))
 
     for k in range(1, len(units) + 1):
-        if math.comb(len(units), k) <= _MAX_ENUMERATED:
-            value, subset = min((cost(s), s) for s in itertools.combinations(range(len(units)), k))
+        if sum(len(units[u]) for u in range(k)) > max(counts):
+            break
+        if math.comb(len(units), k) <= enumerated:
+            value, subset = min((cost(heads(s)), s) for s in itertools.combinations(range(len(units)), k))
         else:
-            value, extra = min((cost((*chosen, u)), u) for u in range(len(units)) if u not in chosen)
+            value, extra = min((cost(heads((*chosen, u))), u) for u in range(len(units)) if u not in chosen)
             subset = (*chosen, extra)
         chosen = list(subset)
         size = sum(len(units[u]) for u in subset)
         if size in counts:
-            options[size] = (value, tuple(sorted(layer.heads[p] for u in subset for p in units[u])))
+            options[size] = (value, heads(subset))
     return options
+
+
+def _interaction_options(
+    layer: _Layer, units: list[list[int]], block: torch.Tensor, counts: list[int]
+) -> dict[int, tuple[float, tuple[int, ...]]]:
+    """Per count, the set of units with the smallest 1_S^T F 1_S / 2 (the Fisher block estimate of the loss
+    increase, interactions included)."""
+
+    def cost(removed: tuple[int, ...]) -> float:
+        index = [layer.heads.index(h) for h in removed]
+        return float(block[index][:, index].sum()) / 2  # block: [present heads, present heads]
+
+    return _cheapest_subsets(layer, units, cost, counts, _MAX_ENUMERATED)
 
 
 def _share_out(options: dict[str, dict[int, tuple[float, tuple[int, ...]]]], budget: int) -> dict[str, tuple]:
@@ -357,7 +378,7 @@ def select_heads(
     gqa: str = "groups",
     uniform: bool = False,
     granularity: str = "head",
-    strategy: str = "ranked",
+    strategy: str | Callable[[str, tuple[int, ...]], float] = "ranked",
     round: str | None = None,
 ) -> dict[str, list[int]]:
     """Choose the least important heads to remove; returns `{layer name: [original heads]}` for `prune`.
@@ -371,9 +392,11 @@ def select_heads(
     `uniform=True` makes every layer keep the same heads and KV heads (so Llama-style models save a stock
     config); `granularity="layer"` removes whole attention blocks, ranked by their summed scores.
     `strategy="interactions"` (scores from method "fisher") picks each layer's set with its Fisher block, so
-    interactions between heads count (Kwon et al. 2022's mask rearrangement, solved exactly per layer).
-    The plan removes exactly what was asked; when the structure cannot, PlanError names the nearest counts
-    that it can, unless `round` ("down" or "nearest") says to take one of them.
+    interactions between heads count (Kwon et al. 2022's mask rearrangement, solved exactly per layer); a
+    function `strategy(layer name, removed heads) -> cost` picks each layer's cheapest sets by that cost
+    (structured OBS, `prune_heads.recovery.reconstruction.removal_cost`). The plan removes exactly what was
+    asked; when the structure cannot, PlanError names the nearest counts that it can, unless `round` ("down" or
+    "nearest") says to take one of them.
     """
     gqa = _validate(sparsity, num_heads, keep_per_layer, scope, gqa, granularity, strategy, round, uniform)
     blocks = scores.meta.get("fisher_blocks")
@@ -388,7 +411,11 @@ def select_heads(
     for layer in (l for l in layers if l.name in names):
         units = layer.units(gqa, granularity)
         allowed = counts[layer.name] if isinstance(wanted, int) else [0, wanted[layer.name]]
-        if strategy == "interactions" and blocks is not None:
+        if callable(strategy):
+            options[layer.name] = _cheapest_subsets(
+                layer, units, functools.partial(strategy, layer.name), allowed, _MAX_COSTED
+            )
+        elif strategy == "interactions" and blocks is not None:
             block = torch.as_tensor(blocks[layer.name], dtype=torch.float64)
             options[layer.name] = _interaction_options(layer, units, block, allowed)
         else:

