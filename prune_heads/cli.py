@@ -436,7 +436,7 @@ def _plan_file(path: str) -> dict:
     "--rearrange/--no-rearrange",
     default=RecoveryConfig.rearrange,
     show_default=True,
-    help="Also try the Fisher-block (Kwon) and fluctuation (FLAP) plans.",
+    help="Also try the Fisher-block (Kwon), fluctuation (FLAP) and, with reconstruction, structured-OBS plans.",
 )
 @click.option(
     "--reconstruction/--no-reconstruction",

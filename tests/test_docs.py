@@ -1,0 +1,101 @@
+"""The front page and docs/: size, links, the generated CLI reference, and every command and snippet they show."""
+
+import ast
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import click
+import pytest
+
+from prune_heads.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+FENCE = re.compile(r"```(\w+)\n(.*?)```", re.S)
+
+
+def blocks(language: str) -> list[tuple[Path, str]]:
+    return [(page, body) for page in PAGES for lang, body in FENCE.findall(page.read_text()) if lang == language]
+
+
+def test_the_front_page_is_short_and_reaches_every_docs_page():
+    assert len((ROOT / "README.md").read_bytes()) <= 12 * 1024
+    seen, todo = set(), [ROOT / "README.md"]
+    while todo:
+        page = todo.pop()
+        for target in LINK.findall(page.read_text()):
+            if target.startswith("http"):
+                continue
+            path = (page.parent / target).resolve()
+            assert path.exists(), f"{page.name} links to {target}, which does not exist"
+            if path.suffix == ".md" and path not in seen:
+                seen.add(path)
+                todo.append(path)
+    assert {p.resolve() for p in PAGES} - {(ROOT / "README.md").resolve()} <= seen
+
+
+def test_the_cli_reference_is_generated_from_the_commands():
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import make_cli_reference
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    assert (ROOT / "docs" / "cli-reference.md").read_text() == make_cli_reference.reference(), (
+        "docs/cli-reference.md is stale: run .venv/bin/python docs/make_cli_reference.py"
+    )
+
+
+def commands() -> list[tuple[str, list[str]]]:
+    """Every `prune-heads ...` line of the bash blocks, split as the shell would (comments dropped)."""
+    found = []
+    for page, body in blocks("bash"):
+        for line in body.splitlines():
+            words = shlex.split(line, comments=True)
+            if "&&" in words:  # `bash .ci/setup && .venv/bin/prune-heads demo`: the part after the last &&
+                words = words[len(words) - words[::-1].index("&&") :]
+            if words and Path(words[0]).name == "prune-heads":
+                found.append((f"{page.name}: {line.strip()}", words[1:]))
+    return found
+
+
+def test_the_documents_show_commands():
+    assert len(commands()) >= 15
+
+
+@pytest.mark.parametrize("shown, words", commands(), ids=[c[0][:90] for c in commands()])
+def test_every_command_shown_parses(shown, words, tmp_path, monkeypatch):
+    """Options, choices, ranges and arity are checked by click; only paths that do not exist here may fail."""
+    monkeypatch.chdir(tmp_path)
+    context = click.Context(main, info_name="prune-heads")
+    while words and words[0] in ("-q", "--quiet"):  # the group's only option
+        words = words[1:]
+    name, *args = words
+    command = main.get_command(context, name)
+    assert command is not None, f"{shown}: no command {name}"
+    try:
+        command.make_context(name, args, parent=context)
+    except click.BadParameter as error:
+        assert "does not exist" in str(error), f"{shown}: {error}"
+
+
+def test_every_python_snippet_is_valid_python():
+    snippets = blocks("python")
+    assert len(snippets) >= 8
+    for page, body in snippets:
+        try:
+            ast.parse(body)
+        except SyntaxError as error:
+            raise AssertionError(f"{page.name}: {error}\n{body}") from None
+
+
+def test_the_short_commands_run(tmp_path):
+    from click.testing import CliRunner
+
+    runner = CliRunner()
+    listed = runner.invoke(main, ["recipes"])
+    assert listed.exit_code == 0 and "demo-minilm-embeddings" in listed.output
+    shown = runner.invoke(main, ["recipes", "fixture-minilm-sentiment"])
+    assert shown.exit_code == 0 and "selection" in shown.output

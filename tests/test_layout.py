@@ -1,0 +1,69 @@
+"""The package's layout: at most about eight modules at the top, one folder per wing, imports flowing one way
+(a module imports only from its own wing or the wings below it; CONTRIBUTING.md draws the order)."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "prune_heads"
+ORDER = [  # lowest first
+    "data",
+    "runtime",
+    "model",
+    "scoring",
+    "recovery",
+    "evaluation",
+    "export",
+    "config",
+    "pruner",
+    "recipes",
+    "pipeline",
+    "cli",
+    "__init__",
+]
+
+
+def wing(path: Path) -> str:
+    """The wing of a module: its folder under prune_heads/, or its own name at the top."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return parts[0]
+
+
+def imported(path: Path) -> set[str]:
+    """The wings a module imports from (relative imports resolved against its own package)."""
+    tree = ast.parse(path.read_text())
+    package = path.relative_to(PACKAGE).parent.parts
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = list(package[: len(package) - node.level + 1])
+            target = base + (node.module.split(".") if node.module else [])
+            names = [target[0]] if target else [alias.name for alias in node.names]
+            found.update(names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("prune_heads."):
+            found.add(node.module.split(".")[1])
+    return found
+
+
+def modules() -> list[Path]:
+    skip = (PACKAGE / "shipped_recipes", PACKAGE / "data")  # recipe files; lm-eval's task code, loaded by lm-eval
+    return [p for p in PACKAGE.rglob("*.py") if not any(p.is_relative_to(folder) for folder in skip)]
+
+
+def test_the_top_level_holds_the_wings_and_a_few_modules():
+    top = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 8, top
+    assert {"model", "scoring", "recovery", "evaluation", "export", "runtime"} <= {
+        p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()
+    }
+
+
+def test_imports_flow_one_way():
+    rank = {name: i for i, name in enumerate(ORDER)}
+    wrong = []
+    for path in modules():
+        own = wing(path)
+        assert own in rank, f"{path}: a wing ORDER does not place"
+        for other in imported(path):
+            if other in rank and rank[other] > rank[own]:
+                wrong.append(f"{path.relative_to(PACKAGE)} imports {other}")
+    assert not wrong, wrong
