@@ -126,6 +126,12 @@ def main(quiet: bool) -> None:
         warnings.simplefilter("ignore")
 
 
+GGUF_TYPE_HELP = (
+    "Lower case: the GGUF type of the tensors written anew (default: the source's; f16 from Hugging Face "
+    "weights). Upper case (Q8_0, Q4_K_M, Q5_K_M, ...): the whole file quantized by llama.cpp's own quantizer."
+)
+
+
 def data_options(command: Callable) -> Callable:
     """Options that describe the model's task data (see ph.load_task_data)."""
     options = [
@@ -505,7 +511,7 @@ def _plan_file(path: str) -> dict:
     "--gguf-type",
     type=click.Choice(CHOICES["output.gguf_type"]),
     default=None,
-    help="GGUF type of the tensors written anew (default: the source's; f16 from Hugging Face weights).",
+    help=GGUF_TYPE_HELP,
 )
 @click.option("--force", is_flag=True, help="Overwrite the output folder.")
 @handle_errors
@@ -768,7 +774,7 @@ def run_command(
     "--gguf-type",
     type=click.Choice(CHOICES["output.gguf_type"]),
     default=None,
-    help="GGUF type of the tensors written anew (default: the source's; f16 from Hugging Face weights).",
+    help=GGUF_TYPE_HELP,
 )
 @click.option("--force", is_flag=True, help="Overwrite the output file.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")

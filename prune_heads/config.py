@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .data import TASKS
-from .export.gguf import GGUF_TYPES
+from .export.gguf import FILE_TYPES, GGUF_TYPES
 from .recovery.tuning import AVERAGE, MIN_TUNING_FLOPS
 from .scoring.methods import METHODS
 from .scoring.selection import GQA_MODES, GRANULARITIES, ROUNDING
@@ -141,5 +141,5 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "selection.round": ROUNDING,
     "dtype": DTYPES,
     "output.format": FORMATS,
-    "output.gguf_type": GGUF_TYPES,
+    "output.gguf_type": GGUF_TYPES + FILE_TYPES,
 }

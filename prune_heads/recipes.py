@@ -73,7 +73,8 @@ class EvaluationConfig:
 class OutputConfig:
     """Where and how the pruned model is written: `format` safetensors (a transformers folder, `save_pruned`)
     or gguf (`save_gguf`: one GGUF file for llama.cpp, at `path` when it ends in .gguf, else as model.gguf in
-    the run's folder); `gguf_type` is the type of the tensors written anew (see `save_gguf`)."""
+    the run's folder); `gguf_type` is the type of the tensors written anew, or a llama.cpp file type for the
+    whole file (see `save_gguf`)."""
 
     path: str | None = None
     format: str = "safetensors"

@@ -1,12 +1,10 @@
 """llama.cpp as the GGUF tests run it (llama-cpp-python, the `llamacpp` extra): a prompt's logits, greedy
-tokens, tokenization, and llama.cpp's own quantizer."""
+tokens and tokenization."""
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 from llama_cpp import Llama
 
@@ -33,15 +31,3 @@ def tokenize(path: str | Path, text: str) -> list[int]:
     return Llama(model_path=str(path), vocab_only=True, verbose=False).tokenize(
         text.encode(), add_bos=False, special=True
     )
-
-
-def quantize(source: str | Path, target: str | Path, ftype: str) -> Path:
-    """llama.cpp's own quantizer (llama_model_quantize) at `ftype`, e.g. "Q8_0" or "Q4_K_M"; tensors that are
-    already quantized are re-quantized (llama-quantize --allow-requantize)."""
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
-    params.nthread = 2
-    params.allow_requantize = True
-    code = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
-    assert code == 0, f"llama_model_quantize returned {code}"
-    return Path(target)

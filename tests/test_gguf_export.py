@@ -264,20 +264,30 @@ def test_default_type_of_changed_tensors_is_the_sources(tmp_path, smollm2_model)
 
 
 @pytest.mark.parametrize("ftype, expected", [("Q8_0", {"Q8_0"}), ("Q4_K_M", {"Q4_K", "Q5_0"})])
-def test_llama_cpp_quantizer_requantizes_a_deci_file(tmp_path, smollm2_model, ftype, expected):
-    """llama.cpp's own quantizer takes a deci file with emptied layers (the first one too) and the result
-    runs. (How far its next tokens move depends on the model: this heavily pruned one is sensitive; the
-    unpruned SmolLM2 keeps every next token under Q8_0.)"""
+def test_a_pruned_file_is_requantized_whole_by_llama_cpp_in_one_step(tmp_path, smollm2_model, ftype, expected):
+    """`tensor_type` of a llama.cpp file type: the deci file (emptied layers, the first one too) is written and
+    quantized whole by llama.cpp's own quantizer, from the source's 4-bit tensors, and the result runs. (How far
+    its next tokens move depends on the model: this heavily pruned one is sensitive; the unpruned SmolLM2 keeps
+    every next token under Q8_0.)"""
     model = smollm2_model
     ph.prune(model, SMOLLM2_PLANS["layers-emptied"](ph.find_attention(model)))
-    written = ph.save_gguf(model, tmp_path / "pruned.gguf", tensor_type="f16")
-    quantized = gguf.GGUFReader(lc.quantize(written.path, tmp_path / f"pruned-{ftype}.gguf", ftype))
+    written = ph.save_gguf(model, tmp_path / f"pruned-{ftype}.gguf", tensor_type=ftype)
+    assert written.file_type == ftype and sorted(p.name for p in tmp_path.iterdir()) == [f"pruned-{ftype}.gguf"]
+    quantized = gguf.GGUFReader(written.path)
     assert quantized.fields["deci.attention.head_count"].contents() == written.heads
     types = {t.name: t.tensor_type.name for t in quantized.tensors}
     # re-quantized (K-quants take rows of 256 values: llama.cpp falls back to Q5_0 for SmolLM2's 576)
     assert types["blk.1.attn_q.weight"] in expected and types["blk.3.ffn_down.weight"] != "Q4_1"
-    logits, greedy = lc.run(tmp_path / f"pruned-{ftype}.gguf", lc.tokenize(written.path, PROMPT), new_tokens=8)
+    logits, greedy = lc.run(written.path, lc.tokenize(written.path, PROMPT), new_tokens=8)
     assert np.isfinite(logits).all() and len(greedy) == 8
+
+
+def test_a_file_type_needs_llama_cpp_and_is_named_with_the_choices(smollm2_model, monkeypatch):
+    with pytest.raises(ph.GgufError, match="Q4_K_M.*through llama.cpp's quantizer"):
+        ph.check_gguf(smollm2_model, tensor_type="Q4_K_X")
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if the llamacpp extra were not installed
+    with pytest.raises(ph.GgufError, match=r"pip install 'prune-heads\[llamacpp\]'"):
+        ph.check_gguf(smollm2_model, tensor_type="Q4_K_M")
 
 
 def test_smollm2_from_hugging_face_weights_tokenizes_as_llama_cpp_does(tmp_path, smollm2, smollm2_model):

@@ -37,7 +37,10 @@ from ..model.layers import AttentionLayer, find_attention
 from ..model.surgery import RECORD_KEY
 from .persistence import GGUF_SOURCE_KEY, ensure_file_free, replace_file
 
-GGUF_TYPES = ("source", "f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # of tensors written anew
+_BLOCKED = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # gguf-py's quantized types: blocks of 32 values
+GGUF_TYPES = ("source", "f32", "f16", "bf16", *_BLOCKED)  # of tensors written anew
+# whole-file types of llama.cpp's own quantizer (llama-quantize's names): the file is written, then quantized
+FILE_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "Q3_K_M", "Q2_K")
 RECORD_FIELD = "prune_heads.record"
 DIGEST_FIELD = "prune_heads.source_sha256"
 
@@ -146,6 +149,7 @@ class GgufWrite:
     kv_heads: list[int]
     copied: list[str] = field(default_factory=list)
     written: dict[str, str] = field(default_factory=dict)
+    file_type: str | None = None  # the llama.cpp quantizer's type the whole file was quantized to, if any
 
 
 def _model_type(model: nn.Module) -> str | None:
@@ -212,8 +216,19 @@ def check_gguf(
     except ImportError:
         raise GgufError("GGUF output needs the gguf package: pip install 'prune-heads[gguf]'") from None
     arch = _arch_of(model)
-    if tensor_type is not None and tensor_type not in GGUF_TYPES:
-        raise GgufError(f"tensor type {tensor_type!r} is not one of {', '.join(GGUF_TYPES)}")
+    if tensor_type is not None and tensor_type not in GGUF_TYPES + FILE_TYPES:
+        raise GgufError(
+            f"tensor type {tensor_type!r} is not one of {', '.join(GGUF_TYPES)} (tensors written anew) or "
+            f"{', '.join(FILE_TYPES)} (the whole file, through llama.cpp's quantizer)"
+        )
+    if tensor_type in FILE_TYPES:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise GgufError(
+                f"{tensor_type} quantizes the whole file with llama.cpp's own quantizer: pip install "
+                f"'prune-heads[llamacpp]', or give a type of tensors written anew ({', '.join(GGUF_TYPES)})"
+            ) from None
     if output is not None:
         ensure_file_free(Path(output), overwrite)
     path = _source(model, source)
@@ -228,7 +243,7 @@ def check_gguf(
     else:
         pre_tokenizer(tokenizer)
     for layer in find_attention(model):
-        if tensor_type not in (None, "source", "f32", "f16", "bf16") and layer.head_dim % 32:
+        if tensor_type in _BLOCKED and layer.head_dim % 32:
             raise GgufError(
                 f"{tensor_type} packs rows in blocks of 32 values; head_dim {layer.head_dim} does not "
                 f"split into them: use f16 or f32"
@@ -524,7 +539,8 @@ def save_gguf(
     arch = _arch_of(model)
     path, source = Path(path), _source(model, source)
     check_gguf(model, tokenizer, source, tensor_type, output=path, overwrite=overwrite)
-    wanted = tensor_type or ("source" if source is not None else "f16")
+    quantized = tensor_type if tensor_type in FILE_TYPES else None
+    wanted = (None if quantized else tensor_type) or ("source" if source is not None else "f16")
     config: Any = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
     blocks = _blocks(model, names)
@@ -538,7 +554,7 @@ def save_gguf(
     if architecture == UNEVEN:
         _attention_free(targets, blocks, bool(getattr(model.config, "tie_word_embeddings", False)))
     head_dim = max(b.layer.head_dim for b in blocks)
-    result = GgufWrite(path, architecture, [b.heads for b in blocks], [b.kv_heads for b in blocks])
+    result = GgufWrite(path, architecture, [b.heads for b in blocks], [b.kv_heads for b in blocks], file_type=quantized)
     reader = _reader(source) if source is not None else None
     by_index = {b.index: b for b in blocks}
 
@@ -584,8 +600,28 @@ def save_gguf(
         writer.write_tensors_to_file()
         writer.close()
 
-    replace_file(path, overwrite, write)
+    def write_quantized(out: Path) -> None:
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".prune-heads-") as folder:
+            write(Path(folder) / "unquantized.gguf")
+            _quantize(Path(folder) / "unquantized.gguf", out, str(quantized))
+
+    replace_file(path, overwrite, write_quantized if quantized else write)
     return result
+
+
+def _quantize(source: Path, target: Path, file_type: str) -> None:
+    """llama.cpp's own quantizer (the llama-cpp-python binding of `llama_model_quantize`) from `source` to
+    `target` at `file_type`, re-quantizing tensors that are already quantized."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}")
+    params.allow_requantize = True
+    code = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
+    if code != 0:
+        raise GgufError(f"llama.cpp's quantizer failed on the written file (code {code}); try another --gguf-type")
 
 
 def gguf_heads(path: str | Path) -> dict[str, Any]:
