@@ -126,6 +126,12 @@ def main(quiet: bool) -> None:
         warnings.simplefilter("ignore")
 
 
+def recovery_step(name: str, help: str) -> Callable:
+    """The --NAME/--no-NAME flag of one recovery step, defaulting to RecoveryConfig's."""
+    flag = name.replace("_", "-")
+    return click.option(f"--{flag}/--no-{flag}", default=getattr(RecoveryConfig, name), show_default=True, help=help)
+
+
 GGUF_TYPE_HELP = (
     "Lower case: the GGUF type of the tensors written anew (default: the source's; f16 from Hugging Face "
     "weights). Upper case (Q8_0, Q4_K_M, Q5_K_M, ...): the whole file quantized by llama.cpp's own quantizer."
@@ -438,36 +444,18 @@ def _plan_file(path: str) -> dict:
     show_default=True,
     help="Recovery steps, each kept only if it helps on held-out calibration data.",
 )
-@click.option(
-    "--rearrange/--no-rearrange",
-    default=RecoveryConfig.rearrange,
-    show_default=True,
-    help="Also try the Fisher-block (Kwon), fluctuation (FLAP) and, with reconstruction, structured-OBS plans.",
+@recovery_step(
+    "rearrange", "Also try the Fisher-block (Kwon), fluctuation (FLAP) and, with reconstruction, structured-OBS plans."
 )
-@click.option(
-    "--reconstruction/--no-reconstruction",
-    default=RecoveryConfig.reconstruction,
-    show_default=True,
-    help="Try refitting each pruned layer's output projection and bias to its unpruned output (least squares).",
+@recovery_step(
+    "reconstruction",
+    "Try refitting each pruned layer's output projection and bias to its unpruned output (least squares).",
 )
-@click.option(
-    "--bias-compensation/--no-bias-compensation",
-    default=RecoveryConfig.bias_compensation,
-    show_default=True,
-    help="Without reconstruction: try adding the removed heads' mean output to the output bias (FLAP).",
+@recovery_step(
+    "bias_compensation", "Without reconstruction: try adding the removed heads' mean output to the output bias (FLAP)."
 )
-@click.option(
-    "--gate-tuning/--no-gate-tuning",
-    default=RecoveryConfig.gate_tuning,
-    show_default=True,
-    help="Tune one scale per kept head to the unpruned outputs.",
-)
-@click.option(
-    "--bias-tuning/--no-bias-tuning",
-    default=RecoveryConfig.bias_tuning,
-    show_default=True,
-    help="Tune the output biases with the gates.",
-)
+@recovery_step("gate_tuning", "Tune one scale per kept head to the unpruned outputs.")
+@recovery_step("bias_tuning", "Tune the output biases with the gates.")
 @click.option(
     "--epochs",
     type=int,
