@@ -258,8 +258,15 @@ def run(
         check_minimum(model, plan, recipe.selection.min_heads_per_layer)
     processor = load_processor(recipe)
     if gguf:
+        r, scored = config.recovery, plan is None  # with a plan, the pruned model is checked when written
         check_gguf(
-            model, processor, tensor_type=written.gguf_type, output=target if gguf_file else None, overwrite=force
+            model,
+            processor,
+            tensor_type=written.gguf_type,
+            output=target if gguf_file else None,
+            overwrite=force,
+            uniform=config.selection.uniform if scored else None,
+            output_biases=r.enabled and (r.bias_compensation or r.bias_tuning) if scored else None,
         )
     d = recipe.data
     embedding_labels = recipe.task == "feature-extraction" and d.label_column is not None

@@ -494,6 +494,81 @@ def test_qwen2_is_written_as_llama_or_deci_and_equals_transformers(tmp_path, bpe
         assert greedy == expected_greedy
 
 
+def tiny_qwen3(vocab: int, head_dim: int) -> torch.nn.Module:
+    """A Qwen3 whose per-head q/k norms are not all ones (so a wrong norm shows)."""
+    torch.manual_seed(0)
+    config = T.Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=False,
+    )
+    model = T.Qwen3ForCausalLM(config).eval()
+    for layer in ph.find_attention(model):
+        for norm in (layer.module.q_norm, layer.module.k_norm):
+            norm.weight.data.uniform_(0.5, 1.5)
+    return model
+
+
+def test_qwen3_even_plans_are_written_as_qwen3_and_equal_transformers(tmp_path, bpe_tokenizer):
+    """Qwen3's q/k norms are computed by llama.cpp's qwen3 alone: an even plan keeps that architecture, from
+    weights (head size 32 against a width of 64 / 4 heads: key_length and value_length say it) and GGUF in,
+    GGUF out (head size 128, what transformers' GGUF loader assumes: every tensor copied from the source)."""
+    ids = bpe_tokenizer(PROMPT)["input_ids"]
+    for head_dim, from_file in ((32, False), (128, True)):
+        model = tiny_qwen3(len(bpe_tokenizer), head_dim)
+        if from_file:
+            ph.save_gguf(model, tmp_path / "qwen3.gguf", tokenizer=bpe_tokenizer, tensor_type="f32")
+            model = ph.load_pruned(tmp_path, gguf_file="qwen3.gguf").eval()
+        ph.prune(model, {0: [2, 3], 1: [0, 1], 2: [2, 3]})  # one KV group from every layer
+        written = ph.save_gguf(model, tmp_path / f"pruned-{head_dim}.gguf", tokenizer=bpe_tokenizer, tensor_type="f32")
+        fields = gguf.GGUFReader(written.path).fields
+        assert written.architecture == "qwen3" and fields["qwen3.attention.key_length"].contents() == head_dim
+        assert fields["qwen3.attention.head_count"].contents() == 2 and (written.written == {}) == from_file
+        logits, greedy = lc.run(written.path, ids, f32_cache=True)
+        expected, expected_greedy = transformers_run(model, ids)
+        np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+        assert greedy == expected_greedy
+
+
+def test_qwen3_uneven_plans_and_output_biases_are_refused_naming_the_flags(tmp_path, bpe_tokenizer, monkeypatch):
+    model = tiny_qwen3(len(bpe_tokenizer), 16)
+    with pytest.raises(ph.GgufError, match="one head count for every layer.*--uniform"):
+        ph.check_gguf(model, bpe_tokenizer, uniform=False)
+    with pytest.raises(ph.GgufError, match="no attention output bias.*--no-bias-compensation --no-bias-tuning"):
+        ph.check_gguf(model, bpe_tokenizer, uniform=True, output_biases=True)
+    uneven = copy.deepcopy(model)
+    ph.prune(uneven, {0: [0, 1]})
+    with pytest.raises(ph.GgufError, match="--uniform"):
+        ph.save_gguf(uneven, tmp_path / "uneven.gguf", tokenizer=bpe_tokenizer)
+    ph.prune(model, {layer: [0, 1] for layer in range(3)})
+    add_output_bias(model, {l.name: torch.ones(64) for l in ph.find_attention(model)})
+    with pytest.raises(ph.GgufError, match="no attention output bias"):
+        ph.save_gguf(model, tmp_path / "biased.gguf", tokenizer=bpe_tokenizer)
+    import prune_heads.pruner as pruner
+
+    monkeypatch.setattr(pruner, "score_heads", lambda *a, **k: pytest.fail("scored before refusing"))
+    tiny_qwen3(len(bpe_tokenizer), 16).save_pretrained(tmp_path / "qwen3")
+    bpe_tokenizer.save_pretrained(tmp_path / "qwen3")
+    (tmp_path / "data.txt").write_text("\n".join(["a sentence of words"] * 8))
+    args = ["prune", str(tmp_path / "qwen3"), "--data", str(tmp_path / "data.txt"), "--text-column", "text"]
+    args += ["--task", "causal-lm", "--num-heads", "6", "-o", str(tmp_path / "out.gguf")]
+    for extra, message in (([], "--uniform"), (["--uniform"], "--no-bias-compensation")):
+        result = _invoke(args + extra)
+        assert result.exit_code == 2 and message in result.output and len(result.output.splitlines()) == 1
+    assert not (tmp_path / "out.gguf").exists() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "data.txt",
+        "qwen3",
+    ]
+
+
 WRITER = """
 import sys, time, transformers, prune_heads as ph, prune_heads.export.gguf as ge
 encode, told = ge._encode, []

@@ -51,13 +51,21 @@ class GgufError(ValueError):
 
 @dataclass(frozen=True)
 class GgufArch:
-    """How one Hugging Face model type is written. Every mapped type is written as llama.cpp's `llama` (a plan
-    that leaves every layer the same heads) or `deci` (per-layer head counts), whose rope pairs neighbouring
-    values: q/k rows are interleaved per head as llama.cpp's converter does. `source` is the architecture of
-    a GGUF file of this type, and `source_interleaved` whether its q/k rows already are."""
+    """How one Hugging Face model type is written, read from llama.cpp's loaders. `source` is the architecture
+    of a GGUF file of this type, and `source_interleaved` whether its q/k rows are in llama.cpp's interleaved
+    rope order. A plan that leaves every layer the same heads is written as `even`, an uneven one as `uneven`
+    (None: the type's llama.cpp architecture takes one head count for all layers, so uneven plans are
+    refused). `interleaved`: the written architecture's rope pairs neighbouring values, so q/k rows are
+    interleaved per head as llama.cpp's converter does. `names`: gguf-py's tensor-name table. `output_bias`:
+    whether the written architecture loads an attention output bias (what recovery adds)."""
 
     source: str
     source_interleaved: bool
+    even: str = "llama"
+    uneven: str | None = "deci"
+    interleaved: bool = True
+    names: str = "LLAMA"
+    output_bias: bool = True
 
 
 ARCHITECTURES: dict[str, GgufArch] = {  # Hugging Face model_type -> its GGUF files
@@ -66,8 +74,19 @@ ARCHITECTURES: dict[str, GgufArch] = {  # Hugging Face model_type -> its GGUF fi
     # Llama with q/k/v biases and rotate-half rope; llama.cpp's qwen2 wants attn_q of n_embd x n_embd, so no
     # pruned Qwen2 fits it, while llama and deci take the biases
     "qwen2": GgufArch("qwen2", source_interleaved=False),
+    # per-head q/k RMS norms (one weight of head_dim shared by the heads) and rotate-half rope: only llama.cpp's
+    # qwen3 computes them, with one head count for every layer and no attention output bias
+    "qwen3": GgufArch(
+        "qwen3",
+        source_interleaved=False,
+        even="qwen3",
+        uneven=None,
+        interleaved=False,
+        names="QWEN3",
+        output_bias=False,
+    ),
 }
-EVEN, UNEVEN = "llama", "deci"
+UNEVEN = "deci"  # llama.cpp's architecture for layer-wise pruned Llamas: per-layer head counts
 
 
 # llama.cpp's pre-tokenizers, by the splitting of a Hugging Face byte-level BPE tokenizer (tokenizer.json's
@@ -206,11 +225,15 @@ def check_gguf(
     tensor_type: str | None = None,
     output: str | Path | None = None,
     overwrite: bool = False,
+    uniform: bool | None = None,
+    output_biases: bool | None = None,
 ) -> None:
     """Check before any scoring that the model is writable as GGUF: a mapped family (`ARCHITECTURES`), a
     source file of its architecture or else a byte-level BPE tokenizer llama.cpp can split alike, a valid
-    `tensor_type` whose blocks fit the heads' rows, and a free `output` file. Every plan of a mapped family
-    is writable (`deci` holds per-layer head counts). Raises GgufError (or OutputExistsError)."""
+    `tensor_type` whose blocks fit the heads' rows, and a free `output` file. Where the family's llama.cpp
+    architecture takes one head count for all layers (Qwen3), the selection must be `uniform`, and where it
+    loads no output bias, recovery must add none (`output_biases` False); None: not known yet (the written
+    model is checked again). Raises GgufError (or OutputExistsError)."""
     try:
         import gguf  # noqa: F401
     except ImportError:
@@ -229,6 +252,10 @@ def check_gguf(
                 f"{tensor_type} quantizes the whole file with llama.cpp's own quantizer: pip install "
                 f"'prune-heads[llamacpp]', or give a type of tensors written anew ({', '.join(GGUF_TYPES)})"
             ) from None
+    if arch.uneven is None and uniform is False:
+        raise GgufError(_UNEVEN_REFUSED.format(model_type=_model_type(model), arch=arch.even))
+    if not arch.output_bias and output_biases:
+        raise GgufError(_BIAS_REFUSED.format(model_type=_model_type(model), arch=arch.even))
     if output is not None:
         ensure_file_free(Path(output), overwrite)
     path = _source(model, source)
@@ -268,8 +295,8 @@ def _blocks(model: nn.Module, names) -> list[_Block]:
     return sorted(blocks, key=lambda b: b.index)
 
 
-def _targets(model: nn.Module, names, blocks: list[_Block]) -> dict[str, np.ndarray]:
-    """The model's tensors as GGUF wants them: GGUF names, float32, q/k rows interleaved per head."""
+def _targets(model: nn.Module, names, blocks: list[_Block], interleave: bool) -> dict[str, np.ndarray]:
+    """The model's tensors as GGUF wants them: GGUF names, float32, q/k rows interleaved per head (`interleave`)."""
     by_block = {b.index: b for b in blocks}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     out = {}
@@ -281,17 +308,31 @@ def _targets(model: nn.Module, names, blocks: list[_Block]) -> dict[str, np.ndar
             raise GgufError(f"no GGUF name for {name}; GGUF output covers {', '.join(sorted(ARCHITECTURES))}")
         value = tensor.detach().float().cpu().numpy()
         part = re.fullmatch(r"blk\.(\d+)\.attn_(q|k)\.(weight|bias)", target)
-        if part:
+        if part and interleave:
             block = by_block[int(part.group(1))]
             value = _permute(value, block.layer.num_heads if part.group(2) == "q" else block.layer.num_kv_heads)
         out[target] = value
     return out
 
 
-def _architecture(blocks: list[_Block]) -> str:
-    """`llama` when every layer keeps the same heads, else `deci`."""
-    counts = {(b.heads, b.kv_heads) for b in blocks}
-    return EVEN if len(counts) == 1 and blocks[0].heads else UNEVEN
+def _architecture(blocks: list[_Block], arch: GgufArch, model_type: str | None) -> str:
+    """`arch.even` when every layer keeps the same heads, else `arch.uneven` (refused where there is none)."""
+    if len({(b.heads, b.kv_heads) for b in blocks}) == 1 and blocks[0].heads:
+        return arch.even
+    if arch.uneven is None:
+        raise GgufError(_UNEVEN_REFUSED.format(model_type=model_type, arch=arch.even))
+    return arch.uneven
+
+
+_UNEVEN_REFUSED = (
+    "llama.cpp's {arch} architecture takes one head count for every layer, and this plan leaves layers "
+    "different heads; prune {model_type} with --uniform (selection.uniform: true; for GQA: whole KV groups, or "
+    "--gqa even for query heads only) or save safetensors"
+)
+_BIAS_REFUSED = (
+    "llama.cpp's {arch} architecture loads no attention output bias, and recovery adds one; prune {model_type} "
+    "with --no-bias-compensation --no-bias-tuning (recovery then fits without one) or save safetensors"
+)
 
 
 def _attention_free(targets: dict[str, np.ndarray], blocks: list[_Block], tied: bool) -> None:
@@ -542,15 +583,18 @@ def save_gguf(
     quantized = tensor_type if tensor_type in FILE_TYPES else None
     wanted = (None if quantized else tensor_type) or ("source" if source is not None else "f16")
     config: Any = model.config
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.names], config.num_hidden_layers)
     blocks = _blocks(model, names)
     if not any(b.kv_heads for b in blocks):
         raise GgufError(
             "the plan leaves no attention head in any layer: llama.cpp cannot run a model without a KV "
             "cache (it fails to allocate one); keep at least one KV group"
         )
-    architecture = _architecture(blocks)
-    targets = _targets(model, names, blocks)
+    architecture = _architecture(blocks, arch, _model_type(model))
+    targets = _targets(model, names, blocks, arch.interleaved)
+    if not arch.output_bias and any(n.endswith("attn_output.bias") and v.any() for n, v in targets.items()):
+        raise GgufError(_BIAS_REFUSED.format(model_type=_model_type(model), arch=architecture))
+    targets = {n: v for n, v in targets.items() if arch.output_bias or not n.endswith("attn_output.bias")}
     if architecture == UNEVEN:
         _attention_free(targets, blocks, bool(getattr(model.config, "tie_word_embeddings", False)))
     head_dim = max(b.layer.head_dim for b in blocks)
@@ -560,7 +604,7 @@ def save_gguf(
 
     def write(out: Path) -> None:
         writer = gguf.GGUFWriter(out, architecture)
-        even = architecture == EVEN
+        even = architecture != UNEVEN
         counts = {
             f"{architecture}.attention.head_count": result.heads[0] if even else result.heads,
             f"{architecture}.attention.head_count_kv": result.kv_heads[0] if even else result.kv_heads,
@@ -587,7 +631,8 @@ def save_gguf(
             n for n in targets if n not in source_tensors
         ]
         for name in order:
-            raw = _unchanged(name, targets.get(name), source_tensors, by_index, not arch.source_interleaved)
+            interleave = arch.interleaved and not arch.source_interleaved
+            raw = _unchanged(name, targets.get(name), source_tensors, by_index, interleave)
             if raw is not None:
                 result.copied.append(name)
             else:
