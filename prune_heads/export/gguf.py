@@ -57,7 +57,8 @@ class GgufArch:
     (None: the type's llama.cpp architecture takes one head count for all layers, so uneven plans are
     refused). `interleaved`: the written architecture's rope pairs neighbouring values, so q/k rows are
     interleaved per head as llama.cpp's converter does. `names`: gguf-py's tensor-name table. `output_bias`:
-    whether the written architecture loads an attention output bias (what recovery adds)."""
+    whether the written architecture loads an attention output bias (what recovery adds). `norm_shift`: what
+    the converter adds to every RMS norm weight."""
 
     source: str
     source_interleaved: bool
@@ -66,6 +67,11 @@ class GgufArch:
     interleaved: bool = True
     names: str = "LLAMA"
     output_bias: bool = True
+    norm_shift: float = 0.0  # added to RMS norm weights (Gemma's norms scale by 1 + w; llama.cpp's by w)
+    from_weights: bool = True  # False: written only from a source GGUF file (its metadata are copied)
+    scale_from_heads: tuple[
+        int, ...
+    ] = ()  # block counts at which llama.cpp takes the attention scale from n_embd / heads
 
 
 ARCHITECTURES: dict[str, GgufArch] = {  # Hugging Face model_type -> its GGUF files
@@ -84,6 +90,19 @@ ARCHITECTURES: dict[str, GgufArch] = {  # Hugging Face model_type -> its GGUF fi
         interleaved=False,
         names="QWEN3",
         output_bias=False,
+    ),
+    # the same per-head q/k norms, norms that scale by 1 + w, sliding-window layers set by the source's metadata
+    "gemma3_text": GgufArch(
+        "gemma3",
+        source_interleaved=False,
+        even="gemma3",
+        uneven=None,
+        interleaved=False,
+        names="GEMMA3",
+        output_bias=False,
+        norm_shift=1.0,
+        from_weights=False,  # its sliding-window pattern, rope bases and attention scale come from the source
+        scale_from_heads=(62,),  # llama.cpp's Gemma 3 27B: 1 / sqrt(n_embd / n_head), which pruning would change
     ),
 }
 UNEVEN = "deci"  # llama.cpp's architecture for layer-wise pruned Llamas: per-layer head counts
@@ -252,6 +271,11 @@ def check_gguf(
                 f"{tensor_type} quantizes the whole file with llama.cpp's own quantizer: pip install "
                 f"'prune-heads[llamacpp]', or give a type of tensors written anew ({', '.join(GGUF_TYPES)})"
             ) from None
+    if getattr(model.config, "num_hidden_layers", None) in arch.scale_from_heads:
+        raise GgufError(
+            f"llama.cpp takes this {_model_type(model)} model's attention scale from its width over its head count, "
+            f"so a pruned one would compute another function; save safetensors instead"
+        )
     if arch.uneven is None and uniform is False:
         raise GgufError(_UNEVEN_REFUSED.format(model_type=_model_type(model), arch=arch.even))
     if not arch.output_bias and output_biases:
@@ -265,6 +289,11 @@ def check_gguf(
             raise GgufError(
                 f"the source {path.name} is a {found} file; a {_model_type(model)} model comes from {arch.source} files"
             )
+    elif not arch.from_weights:
+        raise GgufError(
+            f"{_model_type(model)} is written to GGUF from the GGUF file it was loaded from (--gguf-file, "
+            f"load_pruned(..., gguf_file=)), whose metadata are kept; from Hugging Face weights, save safetensors"
+        )
     elif tokenizer is None:
         raise GgufError("writing GGUF from Hugging Face weights needs the tokenizer (tokenizer=)")
     else:
@@ -295,8 +324,11 @@ def _blocks(model: nn.Module, names) -> list[_Block]:
     return sorted(blocks, key=lambda b: b.index)
 
 
-def _targets(model: nn.Module, names, blocks: list[_Block], interleave: bool) -> dict[str, np.ndarray]:
-    """The model's tensors as GGUF wants them: GGUF names, float32, q/k rows interleaved per head (`interleave`)."""
+def _targets(
+    model: nn.Module, names, blocks: list[_Block], interleave: bool, norm_shift: float = 0.0
+) -> dict[str, np.ndarray]:
+    """The model's tensors as GGUF wants them: GGUF names, float32, q/k rows interleaved per head (`interleave`),
+    `norm_shift` added to the norm weights."""
     by_block = {b.index: b for b in blocks}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     out = {}
@@ -311,6 +343,8 @@ def _targets(model: nn.Module, names, blocks: list[_Block], interleave: bool) ->
         if part and interleave:
             block = by_block[int(part.group(1))]
             value = _permute(value, block.layer.num_heads if part.group(2) == "q" else block.layer.num_kv_heads)
+        if norm_shift and target.endswith("norm.weight"):
+            value = value + np.float32(norm_shift)
         out[target] = value
     return out
 
@@ -591,7 +625,7 @@ def save_gguf(
             "cache (it fails to allocate one); keep at least one KV group"
         )
     architecture = _architecture(blocks, arch, _model_type(model))
-    targets = _targets(model, names, blocks, arch.interleaved)
+    targets = _targets(model, names, blocks, arch.interleaved, arch.norm_shift)
     if not arch.output_bias and any(n.endswith("attn_output.bias") and v.any() for n, v in targets.items()):
         raise GgufError(_BIAS_REFUSED.format(model_type=_model_type(model), arch=architecture))
     targets = {n: v for n, v in targets.items() if arch.output_bias or not n.endswith("attn_output.bias")}
