@@ -14,8 +14,11 @@ whose splitting rules are the tokenizer's own, so llama.cpp tokenizes text to th
 
 Llama, Mistral and Qwen2 (Llama with q/k/v biases) are written as llama.cpp's `llama` when every layer keeps
 the same heads, else as its `deci` (per-layer head counts; a layer left without heads is attention-free),
-so every plan of theirs is held. Read from llama.cpp's loaders: most other architectures build every layer
-with the first layer's counts, and qwen2 wants q of n_embd x n_embd, which no pruned model has.
+so every plan of theirs is held. Qwen3 and Gemma 3 keep their own architectures (only those compute their
+per-head q/k norms), which build every layer with the first layer's head counts and load no attention output
+bias: even plans without biases (`ARCHITECTURES` says what each family takes). Read from llama.cpp's loaders:
+qwen2 wants q of n_embd x n_embd, and phi3 q and the output projection of n_embd x n_embd, which no pruned
+model has.
 """
 
 from __future__ import annotations
