@@ -69,11 +69,13 @@ def default(model, data, num_heads: int, **selection) -> dict:
     return {"fisher_passes": spent / work["calibration_pass"], "kept": [e.get("kept") for e in result.recovery]}
 
 
-METHODS = {
-    "default": default,
-    "whole attention blocks": lambda model, data, n: default(model, data, n, granularity="layer"),
-    "query heads only, even per group": lambda model, data, n: default(model, data, n, gqa="even"),
-    "FLAP": lambda model, data, n: {"plan": {k: len(v) for k, v in flap(model, data.batches, num_heads=n).items()}},
+METHODS = {  # (model, data, heads to remove, the selection a KV group needs) -> what to record
+    "default": lambda model, data, n, groups: default(model, data, n, **groups),
+    "whole attention blocks": lambda model, data, n, groups: default(model, data, n, granularity="layer"),
+    "query heads only, even per group": lambda model, data, n, groups: default(model, data, n, gqa="even"),
+    "FLAP": lambda model, data, n, groups: {
+        "plan": {k: len(v) for k, v in flap(model, data.batches, num_heads=n).items()}
+    },
 }
 
 
@@ -122,7 +124,10 @@ def run(args) -> None:
     unpruned = measured(base, tokenizer, test, other)
     summary = {k: (v[0] if isinstance(v, tuple) else v).value() for k, v in unpruned.items()}
     (OUT / f"{args.model}_unpruned.json").write_text(json.dumps(summary, indent=1))
-    heads = sum(l.num_heads for l in ph.find_attention(base))
+    layers = ph.find_attention(base)
+    heads = sum(l.num_heads for l in layers)
+    # one KV head per layer (Gemma 3 270M): a KV group is the whole attention block, so layers may lose all heads
+    groups = {"min_heads_per_layer": 0} if all(l.num_kv_heads == 1 for l in layers) else {}
     for depth in args.depth or DEPTHS:
         for method, prune in METHODS.items():
             saved = OUT / f"{args.model}_{method}_{depth}.json".replace(" ", "_").replace("/", "-", 1)
@@ -130,7 +135,7 @@ def run(args) -> None:
                 continue
             model = copy.deepcopy(base)
             with Timer() as timer:
-                found = prune(model, calibration, round(heads * DEPTHS[depth]))
+                found = prune(model, calibration, round(heads * DEPTHS[depth]), groups)
             row = cell(unpruned, measured(model, tokenizer, test, other))
             row.update(found, seconds=timer.seconds, threads=torch_threads(), model=args.model, method=method)
             row["depth"] = depth

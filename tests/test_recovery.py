@@ -246,6 +246,10 @@ def test_the_infinite_ridge_is_bias_compensation_and_no_bias_keeps_the_bias():
     torch.testing.assert_close(limit.bias.float(), compensation, rtol=0, atol=1e-6)
     no_bias = reconstruction.refit(layer, [2, 3], stats.moments[0], held.moments[0], bias=False)
     assert torch.equal(no_bias.bias, torch.zeros(32, dtype=torch.float64))  # llama's o_proj has none
+    emptied = reconstruction.refit(layer, [0, 1, 2, 3], stats.moments[0], held.moments[0])
+    everything = gated.compensation({layer.name: [0, 1, 2, 3]}, stats.means())[layer.name]
+    assert emptied.fallback is None and emptied.weight.numel() == 0  # no heads left: the mean output, said nowhere
+    torch.testing.assert_close(emptied.bias.float(), everything, rtol=0, atol=1e-6)
 
 
 def test_a_refit_that_cannot_be_trusted_falls_back_to_bias_compensation_and_says_why():

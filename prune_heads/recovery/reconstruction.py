@@ -114,7 +114,9 @@ def refit(
             else Refit(theta, old_bias, ridge, error, fallback)
         )
 
-    scale = float(gram.diagonal()[kept].mean()) if len(kept) else 0.0
+    if not len(kept):  # a layer that lost every head: the least-squares bias is the mean output, the prior
+        return done(prior, math.inf)
+    scale = float(gram.diagonal()[kept].mean())
     if tokens < len(columns):
         return done(
             prior,
