@@ -142,6 +142,18 @@ def _summary(refits: dict[str, Refit]) -> dict[str, Any]:
     }
 
 
+@torch.no_grad()
+def unpruned_heldout(gated: GatedModel, heldout: list[dict], objective: Objective, gram: bool) -> Recorder:
+    """The unpruned model's outputs on the held-out batches (what every candidate is compared with) and, with
+    `gram`, the Gram matrices there (what chooses each reconstruction's ridge)."""
+    with Recorder(gated.model, gated.layers, objective, gram=gram) as recorder:
+        gated.use({})
+        for batch in heldout:
+            gated(batch)
+            release_freed_memory()
+    return recorder
+
+
 def prune_model(
     model: nn.Module, data: TaskData | Iterable[dict], config: PruneConfig | None = None, progress: bool = True
 ) -> PruneResult:
@@ -234,13 +246,7 @@ def _decide(
     heldout = [to_device(without_labels(b), device) for b in heldout]
     work = Work.of(gated.model, calib[0])
     result.work = {"calibration_pass": work.forward_backward(calib), "heldout_pass": work.forward(heldout)}
-    unpruned: Recorder | None = None  # the unpruned outputs on the held-out part, and its Gram matrices
-    if heldout:
-        with torch.no_grad(), Recorder(gated.model, gated.layers, objective, gram=r.reconstruction) as unpruned:
-            gated.use({})
-            for batch in heldout:
-                gated(batch)
-                release_freed_memory()
+    unpruned = unpruned_heldout(gated, heldout, objective, r.reconstruction) if heldout else None
     targets = unpruned.targets if unpruned is not None else []
 
     def divergences(state: State) -> torch.Tensor | None:
