@@ -66,7 +66,9 @@ def default(model, data, num_heads: int, **selection) -> dict:
     )
     work = result.work
     spent = sum(work.get(k, 0.0) for k in ("selection", "tuning")) + work["calibration_pass"]
-    return {"fisher_passes": spent / work["calibration_pass"], "kept": [e.get("kept") for e in result.recovery]}
+    tried = next((e["tried"] for e in result.recovery if e.get("step") == "selection"), {})
+    kept = [e.get("kept") for e in result.recovery if e.get("step") != "notes"]
+    return {"fisher_passes": spent / work["calibration_pass"], "kept": kept, "heldout_kl": tried}
 
 
 METHODS = {  # (model, data, heads to remove, the selection a KV group needs) -> what to record
