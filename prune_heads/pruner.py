@@ -164,10 +164,11 @@ def prune_model(
     scores, half the heads, held-out recovery) sets scoring, selection and recovery; `PruneConfig.from_recipe`
     builds one from a recipe. The budget is checked against the model's structure before any data is read.
     With recovery on, `recovery.holdout` of the batches is held out: the candidate plans (the plain ranking,
-    Kwon et al.'s Fisher-block rearrangement, FLAP's fluctuation) and each recovery step (bias compensation,
-    gate and bias tuning with early stopping) are kept only when they lower the divergence from the unpruned
-    model there, so the result is never worse on held-out data than the plain selection. No copy of the
-    model is made: candidates and tuning run on the model itself through gates, then folded in.
+    Kwon et al.'s Fisher-block rearrangement, FLAP's fluctuation, structured OBS), each with its closed-form
+    reconstruction (or bias compensation), and gate and bias tuning with early stopping are kept only when
+    they lower the divergence from the unpruned model there, so the result is never worse on held-out data
+    than the plain selection (docs/recovery.md). No copy of the model is made: candidates and tuning run on
+    the model itself through gates, then folded in.
     """
     config = config or PruneConfig()
     start = time.perf_counter()
