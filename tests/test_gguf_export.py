@@ -73,11 +73,18 @@ def bpe_tokenizer():
     return T.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
 
 
-def tiny_llama(vocab: int, kv_heads: int, rope: dict | None = None, model_type: str = "llama") -> torch.nn.Module:
+CLASSES = {
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM),
+    "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
+}
+
+
+def tiny_llama(
+    vocab: int, kv_heads: int, rope: dict | None = None, model_type: str = "llama", **extra
+) -> torch.nn.Module:
     torch.manual_seed(0)
-    config_class, model_class = (
-        (T.LlamaConfig, T.LlamaForCausalLM) if model_type == "llama" else (T.Qwen2Config, T.Qwen2ForCausalLM)
-    )
+    config_class, model_class = CLASSES[model_type]
     config = config_class(
         hidden_size=64,
         intermediate_size=128,
@@ -90,6 +97,7 @@ def tiny_llama(vocab: int, kv_heads: int, rope: dict | None = None, model_type: 
         eos_token_id=0,
         tie_word_embeddings=False,
         rope_scaling=rope,
+        **extra,
     )
     return model_class(config).eval()
 
@@ -496,21 +504,7 @@ def test_qwen2_is_written_as_llama_or_deci_and_equals_transformers(tmp_path, bpe
 
 def tiny_qwen3(vocab: int, head_dim: int) -> torch.nn.Module:
     """A Qwen3 whose per-head q/k norms are not all ones (so a wrong norm shows)."""
-    torch.manual_seed(0)
-    config = T.Qwen3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=head_dim,
-        vocab_size=vocab,
-        max_position_embeddings=256,
-        bos_token_id=0,
-        eos_token_id=0,
-        tie_word_embeddings=False,
-    )
-    model = T.Qwen3ForCausalLM(config).eval()
+    model = tiny_llama(vocab, 2, model_type="qwen3", head_dim=head_dim)
     for layer in ph.find_attention(model):
         for norm in (layer.module.q_norm, layer.module.k_norm):
             norm.weight.data.uniform_(0.5, 1.5)
