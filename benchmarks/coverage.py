@@ -325,6 +325,14 @@ def _user_config(config_class: str, model_class: str, backbone: bool = False, **
     return build_it
 
 
+_ZAMBA = dict(  # Zamba and Zamba2 as the issue built them: one shared attention block
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attention_head_dim=16,
+    intermediate_size=128,
+    vocab_size=128,
+)
 # models built the way users configured them when a sweep by another builder found them wrong (issue 30)
 USER_CONFIGS = {
     "d_fine (user)": _user_config(
@@ -340,26 +348,8 @@ USER_CONFIGS = {
         decoder_ffn_dim=128,
         head_dim=16,
     ),
-    "zamba (user)": _user_config(
-        "ZambaConfig",
-        "ZambaForCausalLM",
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_head_dim=16,
-        intermediate_size=128,
-        vocab_size=128,
-    ),
-    "zamba2 (user)": _user_config(
-        "Zamba2Config",
-        "Zamba2ForCausalLM",
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_head_dim=16,
-        intermediate_size=128,
-        vocab_size=128,
-    ),
+    "zamba (user)": _user_config("ZambaConfig", "ZambaForCausalLM", **_ZAMBA),
+    "zamba2 (user)": _user_config("Zamba2Config", "Zamba2ForCausalLM", **_ZAMBA),
     "xlnet (user)": _user_config("XLNetConfig", "XLNetLMHeadModel", d_model=64, n_head=4, n_layer=2, vocab_size=128),
 }
 

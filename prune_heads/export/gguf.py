@@ -23,6 +23,7 @@ model has.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -72,11 +73,13 @@ class GgufArch:
     output_bias: bool = True
     norm_shift: float = 0.0  # added to RMS norm weights (Gemma's norms scale by 1 + w; llama.cpp's by w)
     from_weights: bool = True  # False: written only from a source GGUF file (its metadata are copied)
-    scale_from_heads: tuple[
-        int, ...
-    ] = ()  # block counts at which llama.cpp takes the attention scale from n_embd / heads
+    # block counts at which llama.cpp takes the attention scale from n_embd / heads, which pruning would change
+    scale_from_heads: tuple[int, ...] = ()
 
 
+_QWEN3 = GgufArch(
+    "qwen3", source_interleaved=False, even="qwen3", uneven=None, interleaved=False, names="QWEN3", output_bias=False
+)
 ARCHITECTURES: dict[str, GgufArch] = {  # Hugging Face model_type -> its GGUF files
     "llama": GgufArch("llama", source_interleaved=True),
     "mistral": GgufArch("llama", source_interleaved=True),
@@ -85,27 +88,16 @@ ARCHITECTURES: dict[str, GgufArch] = {  # Hugging Face model_type -> its GGUF fi
     "qwen2": GgufArch("qwen2", source_interleaved=False),
     # per-head q/k RMS norms (one weight of head_dim shared by the heads) and rotate-half rope: only llama.cpp's
     # qwen3 computes them, with one head count for every layer and no attention output bias
-    "qwen3": GgufArch(
-        "qwen3",
-        source_interleaved=False,
-        even="qwen3",
-        uneven=None,
-        interleaved=False,
-        names="QWEN3",
-        output_bias=False,
-    ),
+    "qwen3": _QWEN3,
     # the same per-head q/k norms, norms that scale by 1 + w, sliding-window layers set by the source's metadata
-    "gemma3_text": GgufArch(
-        "gemma3",
-        source_interleaved=False,
+    "gemma3_text": dataclasses.replace(
+        _QWEN3,
+        source="gemma3",
         even="gemma3",
-        uneven=None,
-        interleaved=False,
         names="GEMMA3",
-        output_bias=False,
         norm_shift=1.0,
         from_weights=False,  # its sliding-window pattern, rope bases and attention scale come from the source
-        scale_from_heads=(62,),  # llama.cpp's Gemma 3 27B: 1 / sqrt(n_embd / n_head), which pruning would change
+        scale_from_heads=(62,),  # llama.cpp's Gemma 3 27B: 1 / sqrt(n_embd / n_head)
     ),
 }
 UNEVEN = "deci"  # llama.cpp's architecture for layer-wise pruned Llamas: per-layer head counts
@@ -638,6 +630,7 @@ def save_gguf(
     result = GgufWrite(path, architecture, [b.heads for b in blocks], [b.kv_heads for b in blocks], file_type=quantized)
     reader = _reader(source) if source is not None else None
     by_index = {b.index: b for b in blocks}
+    interleave = arch.interleaved and not arch.source_interleaved  # the source's q/k rows into the written order
 
     def write(out: Path) -> None:
         writer = gguf.GGUFWriter(out, architecture)
@@ -668,7 +661,6 @@ def save_gguf(
             n for n in targets if n not in source_tensors
         ]
         for name in order:
-            interleave = arch.interleaved and not arch.source_interleaved
             raw = _unchanged(name, targets.get(name), source_tensors, by_index, interleave)
             if raw is not None:
                 result.copied.append(name)

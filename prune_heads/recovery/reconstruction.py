@@ -69,6 +69,11 @@ def _unpruned(layer: AttentionLayer) -> torch.Tensor:
     return torch.cat([weight, bias[:, None]], 1)
 
 
+def _energy(full: torch.Tensor, gram: torch.Tensor) -> float:
+    """Sum over the Gram matrix's tokens of the unpruned output's |[W, b] x~|^2 (at least a tiny positive)."""
+    return max(float((full @ gram * full).sum()), 1e-30)
+
+
 def _squared_error(theta: torch.Tensor, full: torch.Tensor, columns: torch.Tensor, gram: torch.Tensor) -> float:
     """Sum over the Gram matrix's tokens of |theta z - full x~|^2, z the `columns` of x~."""
     difference = -full.clone()
@@ -104,7 +109,7 @@ def refit(
         columns, prior = kept, full[:, kept]
     held = heldout.matrix() if heldout is not None and heldout.tokens else None
     judge = held if held is not None else gram
-    energy = max(float((full @ judge * full).sum()), 1e-30)
+    energy = _energy(full, judge)
 
     def done(theta: torch.Tensor, ridge: float, fallback: str | None = None) -> Refit:
         error = _squared_error(theta, full, columns, judge) / energy
@@ -179,11 +184,7 @@ def removal_cost(layers: list[AttentionLayer], moments: list[Moments]) -> Callab
             damped[:inner, :inner] += (
                 DAMPING * float(gram.diagonal()[:inner].mean()) * torch.eye(inner, dtype=gram.dtype)
             )
-            cache[name] = (
-                full,
-                torch.linalg.pinv(damped, hermitian=True),
-                max(float((full @ gram * full).sum()), 1e-30),
-            )
+            cache[name] = (full, torch.linalg.pinv(damped, hermitian=True), _energy(full, gram))
         return cache[name]
 
     def cost(name: str, removed: tuple[int, ...]) -> float:
