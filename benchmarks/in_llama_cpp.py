@@ -16,6 +16,10 @@ Run: .venv/bin/python benchmarks/in_llama_cpp.py --build   (the pruned files, de
      .venv/bin/python benchmarks/in_llama_cpp.py           (the measurements in llama.cpp, about 25 minutes;
                                                     a quiet machine)
      .venv/bin/python benchmarks/in_llama_cpp.py --table   (the table again from the saved runs)
+     add --gguf-type Q4_K_M (any `ph.save_gguf` file type) to each: the same files, the unpruned and the
+     attention-free one too, written whole in that type by llama.cpp's quantizer (`ph.save_gguf(...,
+     tensor_type=...)`) and measured in a run of their own (ratios only within one run); --ratio 1/2 (repeatable)
+     builds only those depths. Their transformers perplexity is the float model's, before llama.cpp quantizes.
 """
 
 from __future__ import annotations
@@ -45,9 +49,14 @@ CONTEXTS = (512, 2048, 8192)
 THREADS, DECODE_TOKENS, REPEATS = 2, 32, 3
 
 
-def build() -> None:
-    """The default path at each ratio on the llm.py calibration windows, each written as GGUF; transformers'
-    perplexity of every model on the movie test windows goes beside them (cache.json)."""
+def _suffix(gguf_type: str | None) -> str:
+    return f"-{gguf_type}" if gguf_type else ""
+
+
+def build(gguf_type: str | None = None, ratios: list[str] | None = None) -> None:
+    """The default path at each ratio on the llm.py calibration windows, each written as GGUF (the source's
+    tensors copied, or the whole file in `gguf_type`); transformers' perplexity of every model on the movie test
+    windows goes beside them (cache.json, or cache-TYPE.json)."""
     OUT.mkdir(exist_ok=True)
     folder = smollm2_folder()
     source, tokenizer = (
@@ -56,15 +65,23 @@ def build() -> None:
     )
     calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
     test = windows(tokenizer, "movie-snippets", "test[:1000]")
-    cache = {"unpruned": {"file": source.config.gguf_source, "transformers": perplexity(source, test)}}
+    unpruned = source.config.gguf_source
+    if gguf_type:
+        unpruned = ph.save_gguf(
+            source, OUT / f"smollm2{_suffix(gguf_type)}.gguf", tensor_type=gguf_type, overwrite=True
+        )
+    cache = {"unpruned": {"file": str(unpruned), "transformers": perplexity(source, test)}}
     for name, heads in RATIOS.items():
+        if ratios and not any(name.startswith(r + " ") for r in ratios):
+            continue
         model = ph.load_pruned(folder, gguf_file=GGUF).eval()
         tick = time.perf_counter()
         result = ph.prune_model(
             model, calibration, ph.PruneConfig(selection=ph.SelectionConfig(num_heads=heads)), progress=False
         )
         seconds = time.perf_counter() - tick
-        written = ph.save_gguf(model, OUT / f"smollm2-{heads}.gguf", overwrite=True)
+        target = OUT / f"smollm2-{heads}{_suffix(gguf_type)}.gguf"
+        written = ph.save_gguf(model, target, tensor_type=gguf_type, overwrite=True)
         cache[name] = {
             "file": str(written.path),
             "transformers": perplexity(model, test),
@@ -74,17 +91,18 @@ def build() -> None:
             "kept": [e.get("kept") for e in result.recovery],
         }
         print(name, cache[name], flush=True)
-    reference()
-    (OUT / "cache.json").write_text(json.dumps(cache, indent=1))
+    reference(gguf_type)
+    (OUT / f"cache{_suffix(gguf_type)}.json").write_text(json.dumps(cache, indent=1))
 
 
-def reference() -> Path:
+def reference(gguf_type: str | None = None) -> Path:
     """SmolLM2 with every head removed but the first layer's first KV group (llama.cpp needs a KV cache): the
     time of everything but attention, for the ceilings."""
     model = ph.load_pruned(smollm2_folder(), gguf_file=GGUF).eval()
     layers = ph.find_attention(model)
     ph.prune(model, {l.index: list(l.heads[l.group_size if l.index == 0 else 0 :]) for l in layers})
-    return ph.save_gguf(model, OUT / "smollm2-attention-free.gguf", overwrite=True).path
+    target = OUT / f"smollm2-attention-free{_suffix(gguf_type)}.gguf"
+    return ph.save_gguf(model, target, tensor_type=gguf_type, overwrite=True).path
 
 
 def attention_work(path: Path, context: int) -> tuple[float, float]:
@@ -173,16 +191,17 @@ def llama_perplexity(path: Path, test: ph.TaskData) -> float:
     return float(np.exp(total / count))
 
 
-def measure(args_table: bool = False) -> None:
-    cache = json.loads((OUT / "cache.json").read_text())
+def measure(args_table: bool = False, gguf_type: str | None = None) -> None:
+    cache_file = OUT / f"cache{_suffix(gguf_type)}.json"
+    cache = json.loads(cache_file.read_text())
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=GGUF)
     test = windows(tokenizer, "movie-snippets", "test[:1000]")
     lines = (FIXTURES / "movie-snippets" / "train.jsonl").read_text().splitlines()
     ids = tokenizer(" ".join(json.loads(line)["sentence"] for line in lines))["input_ids"][: max(CONTEXTS)]
     log = _Log()
-    cache["attention-free"] = {"file": str(OUT / "smollm2-attention-free.gguf")}
+    cache["attention-free"] = {"file": str(OUT / f"smollm2-attention-free{_suffix(gguf_type)}.gguf")}
     names = list(cache)
-    saved = OUT / "runs.json"  # kept as they come: --table prints from them again
+    saved = OUT / f"runs{_suffix(gguf_type)}.json"  # kept as they come: --table prints from them again
     runs = {(n, c): [] for n in names for c in CONTEXTS}
     if args_table:
         runs.update({(n, int(c)): r for n, c, r in json.loads(saved.read_text())})
@@ -210,7 +229,7 @@ def measure(args_table: bool = False) -> None:
                 )
         ours = cache[name].get("llama.cpp") or llama_perplexity(path, test)
         cache[name]["llama.cpp"] = ours
-        (OUT / "cache.json").write_text(json.dumps(cache, indent=1))
+        cache_file.write_text(json.dumps(cache, indent=1))
         theirs = cache[name]["transformers"]
         row.append(f"{ours:.2f} / {theirs:.2f} ({100 * (ours / theirs - 1):+.1f}%)")
         rows.append(row)
@@ -221,9 +240,9 @@ def measure(args_table: bool = False) -> None:
         + ["perplexity llama.cpp / transformers"]
     )
     print(
-        f"\nSmolLM2-135M (Q4_1 GGUF) in llama.cpp {llama_cpp.__version__} (llama-cpp-python), CPU, {THREADS} threads, "
-        f"flash attention; median of {REPEATS} runs in turns; cells: tokens/s (speed-up of {{measured}} of "
-        f"{{ceiling}}); perplexity on movie-snippets test[:1000] windows:\n"
+        f"\nSmolLM2-135M ({gguf_type or 'Q4_1'} GGUF) in llama.cpp {llama_cpp.__version__} (llama-cpp-python), CPU, "
+        f"{THREADS} threads, flash attention; median of {REPEATS} runs in turns; cells: tokens/s (speed-up of "
+        f"{{measured}} of {{ceiling}}); perplexity on movie-snippets test[:1000] windows:\n"
     )
     print(markdown_table(head, rows))
 
@@ -233,13 +252,15 @@ def main() -> None:
     parser.add_argument("--build", action="store_true", help="prune and write the GGUF files first")
     parser.add_argument("--table", action="store_true", help="print the table from the saved runs")
     parser.add_argument("--reference", action="store_true", help="write only the attention-free file")
+    parser.add_argument("--gguf-type", choices=ph.export.gguf.FILE_TYPES, help="the whole files in this type")
+    parser.add_argument("--ratio", action="append", choices=[r.split()[0] for r in RATIOS], help="only these depths")
     args = parser.parse_args()
     if args.build:
-        build()
+        build(args.gguf_type, args.ratio)
     elif args.reference:
-        reference()
+        reference(args.gguf_type)
     else:
-        measure(args.table)
+        measure(args.table, args.gguf_type)
 
 
 if __name__ == "__main__":

@@ -254,8 +254,8 @@ def load_task_data(
     """Load a split and turn it into padded batches for `task`.
 
     Tasks: "classification" (single text or a pair, labels), "causal-lm" (the texts joined and cut into
-    windows of `max_length` tokens; `stride` < max_length overlaps them and masks the overlap, as for
-    sliding-window perplexity), "feature-extraction" (texts, and with `label_column` their labels in
+    windows of `max_length` tokens, each starting with the BOS token where the tokenizer adds one; `stride` <
+    max_length overlaps them and masks the overlap, as for sliding-window perplexity), "feature-extraction" (texts, and with `label_column` their labels in
     `targets` for task metrics), "image-classification" (images through
     `image_processor`, labels). String labels map through `label2id` (the model config's). Batches are
     padded to their own longest example; with `by_length` (default) text examples are batched in order of
@@ -281,7 +281,7 @@ def load_task_data(
     _column(dataset, text_column, "text")
     texts = list(dataset[text_column])
     if task == "causal-lm":
-        return _lm_windows(texts, tokenizer, max_length, stride or max_length, batch_size)
+        return _lm_windows(texts, tokenizer, max_length, stride, batch_size)
     pairs = None
     if text_pair_column:
         _column(dataset, text_pair_column, "text pair")
@@ -304,15 +304,32 @@ def load_task_data(
     return TaskData(task, batches, len(texts), names, targets=targets)
 
 
-def _lm_windows(texts: list[str], tokenizer: Any, max_length: int, stride: int, batch_size: int) -> TaskData:
+def _leading_bos(tokenizer: Any) -> torch.Tensor | None:
+    """The beginning-of-sequence token the tokenizer starts every text with (Gemma's <bos>), else None."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    first = tokenizer("a")["input_ids"][:1]
+    return torch.tensor([bos]) if bos is not None and first == [bos] else None
+
+
+def _lm_windows(texts: list[str], tokenizer: Any, max_length: int, stride: int | None, batch_size: int) -> TaskData:
+    """The texts joined and cut into windows of `max_length` tokens, each advanced `stride` tokens (default: no
+    overlap) with the overlap masked. A tokenizer that starts every text with a BOS token (models trained
+    so, like Gemma, drift far without one) starts every window with it, as llama.cpp's perplexity does: then
+    every text token is predicted, the first one included."""
     ids = tokenizer("\n\n".join(t for t in texts if t.strip()), return_tensors="pt")["input_ids"][0]
+    bos = _leading_bos(tokenizer)
+    if bos is not None:
+        ids = ids[1:]
+    body = max_length - (bos is not None)  # text tokens in a window
     windows, labels = [], []
     previous_end = 0
-    for begin in range(0, max(len(ids) - 1, 1), stride):
-        end = min(begin + max_length, len(ids))
+    for begin in range(0, max(len(ids) - (bos is None), 1), stride or body):
+        end = min(begin + body, len(ids))
         window = ids[begin:end]
         target = window.clone()
         target[: max(previous_end - begin, 0)] = -100  # tokens already scored by the previous window
+        if bos is not None:
+            window, target = torch.cat([bos, window]), torch.cat([torch.tensor([-100]), target])
         windows.append(window)
         labels.append(target)
         previous_end = end

@@ -94,6 +94,37 @@ def test_language_model_windows_score_each_token_once(tmp_path, tokenizer):
     assert len(windows) == data.num_examples > 1
 
 
+@pytest.mark.parametrize("stride", [None, 8])
+def test_language_model_windows_start_with_the_bos_the_tokenizer_adds(tmp_path, stride):
+    """A tokenizer that starts every text with <bos> (Gemma's) gets it at the start of every window, unscored;
+    every text token is then predicted exactly once, the first one included."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<bos>": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(100)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
+    bos_tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", unk_token="[UNK]")
+    (tmp_path / "corpus.txt").write_text("\n".join(" ".join(f"w{(i + j) % 100}" for j in range(7)) for i in range(30)))
+    data = load_task_data(
+        str(tmp_path / "corpus.txt"),
+        bos_tokenizer,
+        task="causal-lm",
+        split="train",
+        text_column="text",
+        max_length=16,
+        stride=stride,
+        batch_size=4,
+    )
+    ids = torch.cat([b["input_ids"] for b in data])
+    labels = torch.cat([b["labels"] for b in data])
+    text = torch.cat([b["attention_mask"] for b in data])[:, 1:] == 1
+    assert (ids[:, 0] == 0).all() and (labels[:, 0] == -100).all() and (ids[:, 1:][text] != 0).all()
+    assert int((labels[:, 1:] != -100).sum()) == data.info["tokens"] == 30 * 7
+    assert data.num_examples == (14 if stride is None else 26)
+
+
 def test_no_library_bars_when_stderr_is_not_a_terminal(tmp_path, monkeypatch, capfd):
     import datasets
 

@@ -16,6 +16,7 @@ import copy
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,6 +78,7 @@ CLASSES = {
     "llama": (T.LlamaConfig, T.LlamaForCausalLM),
     "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
     "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
+    "phi3": (T.Phi3Config, T.Phi3ForCausalLM),
 }
 
 
@@ -500,6 +502,90 @@ def test_qwen2_is_written_as_llama_or_deci_and_equals_transformers(tmp_path, bpe
         expected, expected_greedy = transformers_run(pruned, ids)
         np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
         assert greedy == expected_greedy
+
+
+def _as_phi3_file(llama_file: Path, target: Path, head_dim: int) -> Path:
+    """A llama file of an unpruned Phi-3 turned into the phi3 file llama.cpp's converter writes: q, k, v fused
+    into attn_qkv and the FFN's gate and up into ffn_up (gate first), q/k rows in rotate-half order, phi3 keys."""
+    reader = gguf.GGUFReader(llama_file)
+    writer = gguf.GGUFWriter(target, "phi3")
+    _copy_fields(writer, reader, "llama", "phi3", set())
+    half = np.arange(head_dim).reshape(head_dim // 2, 2).T.reshape(-1)  # interleaved -> rotate-half, per head
+    tensors = {t.name: (np.array(t.data), t.tensor_type) for t in reader.tensors}
+    for name, (data, kind) in tensors.items():
+        block = re.match(r"blk\.\d+\.", name)
+        if block and re.search(r"attn_[kv]\.|ffn_(up|gate)\.", name):
+            continue  # fused below
+        if block and re.search(r"attn_q\.", name):
+            parts = [tensors[name.replace("attn_q", f"attn_{p}")][0] for p in "qkv"]
+            for i in range(2):  # q and k back to rotate-half order
+                parts[i] = parts[i][(np.arange(len(parts[i]) // head_dim)[:, None] * head_dim + half).reshape(-1)]
+            name, data = name.replace("attn_q", "attn_qkv"), np.concatenate(parts)
+        if block and re.search(r"ffn_down\.", name):
+            gate, up = (tensors[name.replace("ffn_down", f"ffn_{p}")][0] for p in ("gate", "up"))
+            writer.add_tensor(name.replace("ffn_down", "ffn_up"), np.concatenate([gate, up]), raw_dtype=kind)
+        writer.add_tensor(name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+@pytest.mark.parametrize(
+    "plan, bias, architecture",
+    [({i: [2, 3] for i in range(3)}, False, "llama"), ({0: [0, 1, 2, 3], 2: [1, 3]}, True, "deci")],
+    ids=["even", "uneven-emptied-biased"],
+)
+def test_phi3_is_written_as_llama_or_deci_with_its_fused_tensors_split(
+    tmp_path, bpe_tokenizer, plan, bias, architecture
+):
+    """llama.cpp's phi3 takes no pruned width: Phi-3 goes out as llama or deci, from weights and from a phi3
+    GGUF file (attn_qkv and ffn_up split row by row into the written tensors, still bytes of the source)."""
+    model = tiny_llama(len(bpe_tokenizer), 2, model_type="phi3", pad_token_id=0)
+    unpruned = ph.save_gguf(model, tmp_path / "unpruned.gguf", tokenizer=bpe_tokenizer, tensor_type="f32")
+    source = _as_phi3_file(unpruned.path, tmp_path / "phi3.gguf", head_dim=16)
+    ids = bpe_tokenizer(PROMPT)["input_ids"]
+    for from_file in (False, True):
+        pruned = (
+            ph.load_pruned(tmp_path, gguf_file="phi3.gguf", pad_token_id=0).eval()
+            if from_file
+            else copy.deepcopy(model)
+        )
+        assert type(pruned) is T.Phi3ForCausalLM
+        ph.prune(pruned, plan)
+        if bias:
+            add_output_bias(pruned, {l.name: torch.randn(64) * 0.5 for l in ph.find_attention(pruned)})
+        written = ph.save_gguf(
+            pruned, tmp_path / f"pruned-{from_file}.gguf", tokenizer=bpe_tokenizer, tensor_type="f32"
+        )
+        assert written.architecture == architecture
+        if from_file:  # every tensor the pruning left alone is the source's rows; written anew: the emptied
+            # first layer's zero projection and the embeddings that take its output bias
+            assert pruned.config.gguf_source == str(source) and "blk.1.attn_q.weight" in written.copied
+            changed = {"token_embd.weight", "blk.0.attn_output.weight"} if bias else set()
+            assert {n for n in written.written if "bias" not in n} == changed
+        logits, greedy = lc.run(written.path, ids, f32_cache=True)
+        expected, expected_greedy = transformers_run(pruned, ids)
+        np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+        assert greedy == expected_greedy
+
+
+@pytest.mark.parametrize(
+    "rope, match",
+    [
+        ({"rope_type": "default", "partial_rotary_factor": 0.75}, "default rope over 0.75 of each head"),
+        (
+            {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+            "longrope rope over 1 of each head",
+        ),
+    ],
+)
+def test_phi3_rope_llama_cpp_cannot_compute_as_llama_is_refused_before_scoring(bpe_tokenizer, rope, match):
+    extra = {"original_max_position_embeddings": 64} if rope["rope_type"] == "longrope" else {}
+    model = tiny_llama(len(bpe_tokenizer), 2, rope=rope, model_type="phi3", pad_token_id=0, **extra)
+    with pytest.raises(ph.GgufError, match=match + ".*save safetensors"):
+        ph.check_gguf(model, bpe_tokenizer)
 
 
 def tiny_qwen3(vocab: int, head_dim: int) -> torch.nn.Module:

@@ -62,7 +62,11 @@ class GgufArch:
     refused). `interleaved`: the written architecture's rope pairs neighbouring values, so q/k rows are
     interleaved per head as llama.cpp's converter does. `names`: gguf-py's tensor-name table. `output_bias`:
     whether the written architecture loads an attention output bias (what recovery adds). `norm_shift`: what
-    the converter adds to every RMS norm weight."""
+    the converter adds to every RMS norm weight. `spec`: the attention family the mapping is for. `fused`: the
+    family keeps q, k, v in one tensor (attn_qkv) and the FFN's gate and up in one (ffn_up, gate first), which
+    are split into the written architecture's own tensors. `rope_types`: the rope scalings the written
+    architecture computes (None: any the source file carries; from weights, see `_config_fields`).
+    `dropped`: source metadata keys (after the architecture) the written architecture must not read."""
 
     source: str
     source_interleaved: bool
@@ -75,6 +79,10 @@ class GgufArch:
     from_weights: bool = True  # False: written only from a source GGUF file (its metadata are copied)
     # block counts at which llama.cpp takes the attention scale from n_embd / heads, which pruning would change
     scale_from_heads: tuple[int, ...] = ()
+    spec: str = "llama"
+    fused: bool = False
+    rope_types: tuple[str, ...] | None = None
+    dropped: tuple[str, ...] = ()
 
 
 _QWEN3 = GgufArch(
@@ -99,8 +107,21 @@ ARCHITECTURES: dict[str, GgufArch] = {  # Hugging Face model_type -> its GGUF fi
         from_weights=False,  # its sliding-window pattern, rope bases and attention scale come from the source
         scale_from_heads=(62,),  # llama.cpp's Gemma 3 27B: 1 / sqrt(n_embd / n_head)
     ),
+    # llama.cpp's phi3 creates q and the output projection n_embd wide, so no pruned Phi-3 loads as phi3: it
+    # goes out as llama / deci with its fused tensors split and its rotate-half q/k rows interleaved. Neither
+    # computes Phi-3's long-context rope factors; llama.cpp's phi3 ignores the sliding window, so do these.
+    "phi3": GgufArch(
+        "phi3",
+        source_interleaved=False,
+        names="PHI3",
+        spec="phi3",
+        fused=True,
+        rope_types=("default",),
+        dropped=("attention.sliding_window",),
+    ),
 }
 UNEVEN = "deci"  # llama.cpp's architecture for layer-wise pruned Llamas: per-layer head counts
+FROM_WEIGHTS_ROPE = ("default", "linear", "llama3")  # the rope scalings written from Hugging Face weights
 
 
 # llama.cpp's pre-tokenizers, by the splitting of a Hugging Face byte-level BPE tokenizer (tokenizer.json's
@@ -193,7 +214,7 @@ def _arch_of(model: nn.Module) -> GgufArch:
     model_type = _model_type(model)
     arch = ARCHITECTURES.get(model_type) if model_type else None
     layers = find_attention(model)
-    if arch is None or any(l.spec.name != "llama" or l.kind != "self" for l in layers):
+    if arch is None or any(l.spec.name != arch.spec or l.kind != "self" for l in layers):
         known = ", ".join(sorted(ARCHITECTURES))
         raise GgufError(
             f"no GGUF mapping for {model_type} ({type(model).__name__}): GGUF output covers {known}; "
@@ -205,6 +226,13 @@ def _arch_of(model: nn.Module) -> GgufArch:
             f"(--output-format safetensors)"
         )
     return arch
+
+
+def _rope(config: Any) -> tuple[str, float]:
+    """The model's rope scaling type and the share of each head's width it rotates."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rotated = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    return rope.get("rope_type", "default"), float(1.0 if rotated is None else rotated)
 
 
 def _source(model: nn.Module, source: str | Path | None) -> Path | None:
@@ -271,6 +299,12 @@ def check_gguf(
             f"llama.cpp takes this {_model_type(model)} model's attention scale from its width over its head count, "
             f"so a pruned one would compute another function; save safetensors instead"
         )
+    kind, rotated = _rope(model.config)
+    if arch.rope_types is not None and (kind not in arch.rope_types or rotated != 1.0):
+        raise GgufError(
+            f"{_model_type(model)} with {kind} rope over {rotated:g} of each head has no GGUF mapping: llama.cpp's "
+            f"{arch.even} computes {', '.join(arch.rope_types)} rope over whole heads; save safetensors instead"
+        )
     if arch.uneven is None and uniform is False:
         raise GgufError(_UNEVEN_REFUSED.format(model_type=_model_type(model), arch=arch.even))
     if not arch.output_bias and output_biases:
@@ -289,6 +323,8 @@ def check_gguf(
             f"{_model_type(model)} is written to GGUF from the GGUF file it was loaded from (--gguf-file, "
             f"load_pruned(..., gguf_file=)), whose metadata are kept; from Hugging Face weights, save safetensors"
         )
+    elif kind not in FROM_WEIGHTS_ROPE:
+        raise GgufError(f"rope scaling {kind!r} is not written from Hugging Face weights; give the source GGUF file")
     elif tokenizer is None:
         raise GgufError("writing GGUF from Hugging Face weights needs the tokenizer (tokenizer=)")
     else:
@@ -311,7 +347,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 def _blocks(model: nn.Module, names) -> list[_Block]:
     blocks = []
     for layer in find_attention(model):
-        found = names.get_name(f"{layer.name}.{layer.spec.q}", try_suffixes=(".weight",))
+        found = names.get_name(f"{layer.name}.{layer.spec.q or layer.spec.fused_qkv}", try_suffixes=(".weight",))
         index = re.match(r"blk\.(\d+)\.", found or "")
         if index is None:
             raise GgufError(f"no GGUF block for {layer.name}")
@@ -319,28 +355,73 @@ def _blocks(model: nn.Module, names) -> list[_Block]:
     return sorted(blocks, key=lambda b: b.index)
 
 
-def _targets(
-    model: nn.Module, names, blocks: list[_Block], interleave: bool, norm_shift: float = 0.0
-) -> dict[str, np.ndarray]:
-    """The model's tensors as GGUF wants them: GGUF names, float32, q/k rows interleaved per head (`interleave`),
-    `norm_shift` added to the norm weights."""
+def _split(name: str, value: Any, heads: int, kv_heads: int, head_dim: int) -> dict[str, Any]:
+    """A fused tensor's rows as the separate tensors llama.cpp's llama architecture loads: attn_qkv as attn_q
+    (`heads` heads of `head_dim` rows), attn_k and attn_v (`kv_heads` each); ffn_up as ffn_gate (its first
+    half) and ffn_up; any other tensor as itself."""
+    part = re.fullmatch(r"(blk\.\d+\.)(attn_qkv|ffn_up)\.(weight|bias)", name)
+    if part is None:
+        return {name: value}
+    block, fused, kind = part.groups()
+    if fused == "ffn_up":
+        half = len(value) // 2
+        return {f"{block}ffn_gate.{kind}": value[:half], f"{block}ffn_up.{kind}": value[half:]}
+    q, kv = heads * head_dim, kv_heads * head_dim
+    rows = {"attn_q": (0, q), "attn_k": (q, q + kv), "attn_v": (q + kv, q + 2 * kv)}
+    return {f"{block}{p}.{kind}": value[a:b] for p, (a, b) in rows.items()}
+
+
+def _targets(model: nn.Module, names, blocks: list[_Block], arch: GgufArch) -> dict[str, np.ndarray]:
+    """The model's tensors as GGUF wants them: GGUF names, float32, fused tensors split (`arch.fused`), q/k
+    rows interleaved per head (`arch.interleaved`), `arch.norm_shift` added to the norm weights."""
     by_block = {b.index: b for b in blocks}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     out = {}
     for name, tensor in model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue
-        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if target is None:
+        found = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if found is None:
             raise GgufError(f"no GGUF name for {name}; GGUF output covers {', '.join(sorted(ARCHITECTURES))}")
         value = tensor.detach().float().cpu().numpy()
-        part = re.fullmatch(r"blk\.(\d+)\.attn_(q|k)\.(weight|bias)", target)
-        if part and interleave:
-            block = by_block[int(part.group(1))]
-            value = _permute(value, block.layer.num_heads if part.group(2) == "q" else block.layer.num_kv_heads)
-        if norm_shift and target.endswith("norm.weight"):
-            value = value + np.float32(norm_shift)
-        out[target] = value
+        block = by_block.get(int(found.split(".")[1])) if found.startswith("blk.") else None
+        parts = {found: value}
+        if arch.fused and block is not None:
+            parts = _split(found, value, block.layer.num_heads, block.layer.num_kv_heads, block.layer.head_dim)
+        for target, value in parts.items():
+            part = re.fullmatch(r"blk\.\d+\.attn_(q|k)\.(weight|bias)", target)
+            if part and arch.interleaved and block is not None:
+                value = _permute(value, block.layer.num_heads if part.group(1) == "q" else block.layer.num_kv_heads)
+            if arch.norm_shift and target.endswith("norm.weight"):
+                value = value + np.float32(arch.norm_shift)
+            out[target] = value
+    return out
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Rows of a source tensor standing as a tensor of their own (a part of a fused tensor)."""
+
+    data: Any
+    tensor_type: Any
+
+
+def _unfused(tensors: dict[str, Any], blocks: dict[int, _Block]) -> dict[str, Any]:
+    """The source's tensors with each fused one (attn_qkv, ffn_up) replaced by its parts, in place, by the
+    layer's original head counts (the source file is unpruned)."""
+    out: dict[str, Any] = {}
+    for name, tensor in tensors.items():
+        index = re.match(r"blk\.(\d+)\.", name)
+        layer = blocks[int(index.group(1))].layer if index and int(index.group(1)) in blocks else None
+        if layer is None:
+            out[name] = tensor
+            continue
+        heads, kv_heads = layer.original_num_heads, layer.original_num_kv_heads
+        parts = _split(name, np.asarray(tensor.data), heads, kv_heads, layer.head_dim)
+        if list(parts) == [name]:
+            out[name] = tensor
+        else:
+            out.update({part: _Rows(rows, tensor.tensor_type) for part, rows in parts.items()})
     return out
 
 
@@ -527,8 +608,6 @@ def _config_fields(writer, model: nn.Module, tokenizer: Any, targets: dict, head
         writer.add_rope_scaling_factor(float(rope["factor"]))
     elif kind == "llama3":
         targets["rope_freqs.weight"] = _llama3_factors(rope, head_dim)
-    elif kind != "default":
-        raise GgufError(f"rope scaling {kind!r} is not written from Hugging Face weights; give the source GGUF file")
     size = targets["token_embd.weight"].shape[0]
     tokens, types = _vocabulary(tokenizer, size)
     writer.add_tokenizer_model("gpt2")
@@ -620,7 +699,7 @@ def save_gguf(
             "cache (it fails to allocate one); keep at least one KV group"
         )
     architecture = _architecture(blocks, arch, _model_type(model))
-    targets = _targets(model, names, blocks, arch.interleaved, arch.norm_shift)
+    targets = _targets(model, names, blocks, arch)
     if not arch.output_bias and any(n.endswith("attn_output.bias") and v.any() for n, v in targets.items()):
         raise GgufError(_BIAS_REFUSED.format(model_type=_model_type(model), arch=architecture))
     targets = {n: v for n, v in targets.items() if arch.output_bias or not n.endswith("attn_output.bias")}
@@ -645,7 +724,8 @@ def save_gguf(
         ours = {RECORD_FIELD: json.dumps(record or {}, sort_keys=True)}
         if source is not None:
             ours[DIGEST_FIELD] = _sha256(source)
-            _copy_fields(writer, reader, arch.source, architecture, set(counts) | set(ours))
+            dropped = {f"{architecture}.{key}" for key in arch.dropped}
+            _copy_fields(writer, reader, arch.source, architecture, set(counts) | set(ours) | dropped)
         else:
             _config_fields(writer, model, tokenizer, targets, head_dim)
         for key, value in {**counts, **ours}.items():
@@ -656,6 +736,8 @@ def save_gguf(
             else:
                 writer.add_uint32(key, value)
         source_tensors = {t.name: t for t in reader.tensors} if reader is not None else {}
+        if arch.fused:
+            source_tensors = _unfused(source_tensors, by_index)
         # a source tensor the model has no weight for (rope_freqs) is copied, unless it is attention
         order = [n for n in source_tensors if n in targets or not re.match(r"blk\.\d+\.attn_", n)] + [
             n for n in targets if n not in source_tensors

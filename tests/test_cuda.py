@@ -1,0 +1,95 @@
+"""On a CUDA GPU (skipped where there is none): scoring, the whole flow, removal and reloading give on the GPU
+what they give on the CPU, and a bfloat16 model stays on the GPU in bfloat16 through every step."""
+
+import copy
+
+import pytest
+import tiny_models as tm
+import torch
+from test_pruner import batches
+from test_surgery import _gate_off
+
+import prune_heads as ph
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def exact_float32_matmuls():
+    """TF32 would round float32 products to 10 bits of mantissa: the comparisons with the CPU need full float32."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def on_gpu(batch: list[dict]) -> list[dict]:
+    return [{k: v.to(CUDA) for k, v in b.items()} for b in batch]
+
+
+@pytest.mark.parametrize("name", ["bert", "llama", "gpt2", "t5"])
+@pytest.mark.parametrize("method", ["gradient", "fisher"])
+def test_scores_on_the_gpu_equal_the_cpu(name, method):
+    cpu = ph.score_heads(tm.build(name), batches(name), method=method, progress=False)
+    gpu = ph.score_heads(tm.build(name).to(CUDA), batches(name), method=method, progress=False)
+    assert gpu.heads == cpu.heads
+    for layer, scores in cpu.scores.items():
+        assert gpu.scores[layer].device.type == "cpu"  # scores come back to the CPU whatever the model's device
+        torch.testing.assert_close(gpu.scores[layer], scores, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["bert", "llama", "gpt2"])
+def test_zero_gates_equal_removal_on_the_gpu(name):
+    model, inputs = tm.build(name).to(CUDA), on_gpu([tm.make_inputs(name)])[0]
+    layers = ph.find_attention(model)
+    plan = tm.uneven_plan(layers)
+    with ph.head_gates(model) as gates, torch.no_grad():
+        _gate_off(gates, layers, plan)
+        gated = tm.main_output(model(**inputs))
+    ph.prune(model, plan)
+    with torch.no_grad():
+        pruned = tm.main_output(model(**inputs))
+    torch.testing.assert_close(pruned, gated, rtol=0, atol=1e-5)
+    assert all(p.device.type == "cuda" for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_prune_model_on_the_gpu_equals_the_cpu(name):
+    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4))
+    cpu, gpu = tm.build(name), tm.build(name).to(CUDA)
+    on_cpu = ph.prune_model(cpu, batches(name), config, progress=False)
+    on_gpu_ = ph.prune_model(gpu, batches(name), config, progress=False)
+    assert on_gpu_.plan == on_cpu.plan
+    assert [e.get("kept") for e in on_gpu_.recovery] == [e.get("kept") for e in on_cpu.recovery]
+    assert on_gpu_.work == pytest.approx(on_cpu.work)  # counted work, not the device, limits the flow
+    assert all(p.device.type == "cuda" for p in gpu.parameters())
+    inputs = tm.make_inputs(name)
+    with torch.no_grad():
+        expected = tm.main_output(cpu(**inputs))
+        found = tm.main_output(gpu(**on_gpu([inputs])[0])).cpu()
+    torch.testing.assert_close(found, expected, rtol=1e-3, atol=1e-4)
+
+
+def test_bfloat16_on_the_gpu_prunes_saves_reloads_and_generates(tmp_path):
+    model = tm.build("llama", dtype=torch.bfloat16).to(CUDA)
+    result = ph.prune_model(model, on_gpu(batches("llama")), ph.PruneConfig(), progress=False)
+    assert result.heads_removed > 0
+    assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    inputs = on_gpu([tm.make_inputs("llama")])[0]
+    ph.save_pruned(model, tmp_path / "pruned")
+    reloaded = ph.load_pruned(tmp_path / "pruned", dtype=torch.bfloat16).to(CUDA).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=0)
+    generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    again = reloaded.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert generated.shape == (2, inputs["input_ids"].shape[1] + 4) and torch.equal(generated, again)
+
+
+def test_scoring_leaves_the_model_where_it_was():
+    model = tm.build("llama").to(CUDA)
+    before = copy.deepcopy(model.state_dict())
+    ph.score_heads(model, batches("llama"), method="fisher", progress=False)
+    after = model.state_dict()
+    assert all(after[k].device.type == "cuda" and torch.equal(after[k], v) for k, v in before.items())
