@@ -79,7 +79,7 @@ def test_bfloat16_on_the_gpu_prunes_saves_reloads_and_generates(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
     inputs = on_gpu([tm.make_inputs("llama")])[0]
     ph.save_pruned(model, tmp_path / "pruned")
-    reloaded = ph.load_pruned(tmp_path / "pruned", dtype=torch.bfloat16).to(CUDA).eval()
+    reloaded = ph.load_pruned(tmp_path / "pruned", dtype=torch.bfloat16, attn_implementation="eager").to(CUDA).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=0)
     generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
