@@ -16,7 +16,7 @@ from ..model.layers import AttentionLayer, find_attention, output_projection, re
 from ..model.probe import probe_plan, remove_proven
 from ..model.surgery import add_output_bias, head_features, normalize_plan
 from ..scoring.objective import Objective
-from .reconstruction import Refit, _kept_and_removed
+from .reconstruction import Refit, kept_and_removed
 
 
 class GatedModel:
@@ -52,7 +52,7 @@ class GatedModel:
                     continue
                 projection = output_projection(layer)
                 self._originals[i] = projection.matrix().detach().clone()
-                kept, _ = _kept_and_removed(layer, plan.get(layer.name, ()))
+                kept, _ = kept_and_removed(layer, plan.get(layer.name, ()))
                 weight = projection.matrix()
                 weight[:, kept.to(weight.device)] = fitted.weight.to(weight.device, weight.dtype)
                 old = projection.module.bias

@@ -51,7 +51,7 @@ class Refit:
     fallback: str | None = None
 
 
-def _kept_and_removed(layer: AttentionLayer, removed: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def kept_and_removed(layer: AttentionLayer, removed: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Output-projection input features of the layer's kept and removed heads (positions among its heads)."""
     gone = set(removed)
     kept = [p for p, h in enumerate(layer.heads) if h not in gone]
@@ -97,7 +97,7 @@ def refit(
     why."""
     full = _unpruned(layer)  # [out, in + 1]
     inner = full.shape[1] - 1
-    kept, gone = _kept_and_removed(layer, removed)
+    kept, gone = kept_and_removed(layer, removed)
     gram = calibration.matrix()
     tokens = calibration.tokens
     mean = gram[:inner, inner] / max(tokens, 1)
@@ -189,7 +189,7 @@ def removal_cost(layers: list[AttentionLayer], moments: list[Moments]) -> Callab
 
     def cost(name: str, removed: tuple[int, ...]) -> float:
         full, inverted, energy = inverse(name)
-        _, gone = _kept_and_removed(by_name[name][0], removed)
+        _, gone = kept_and_removed(by_name[name][0], removed)
         weight = full[:, gone]
         return float((weight @ torch.linalg.pinv(inverted[gone][:, gone], hermitian=True) * weight).sum()) / energy
 
