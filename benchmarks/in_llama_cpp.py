@@ -67,9 +67,8 @@ def build(gguf_type: str | None = None, ratios: list[str] | None = None) -> None
     test = windows(tokenizer, "movie-snippets", "test[:1000]")
     unpruned = source.config.gguf_source
     if gguf_type:
-        unpruned = ph.save_gguf(
-            source, OUT / f"smollm2{_suffix(gguf_type)}.gguf", tensor_type=gguf_type, overwrite=True
-        )
+        target = OUT / f"smollm2{_suffix(gguf_type)}.gguf"
+        unpruned = ph.save_gguf(source, target, tensor_type=gguf_type, overwrite=True).path
     cache = {"unpruned": {"file": str(unpruned), "transformers": perplexity(source, test)}}
     for name, heads in RATIOS.items():
         if ratios and not any(name.startswith(r + " ") for r in ratios):
