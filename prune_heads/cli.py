@@ -770,7 +770,7 @@ def run_command(
 def export(
     folder: str, output: str, gguf_source: str | None, gguf_type: str | None, force: bool, as_json: bool
 ) -> None:
-    """Write a folder that `prune` or `run` saved (or a Llama, Mistral, Qwen2, Qwen3 or Phi-3 checkpoint) as one GGUF file.
+    """Write a folder that `prune` or `run` saved (or a Llama, Mistral, Qwen or Phi-3 checkpoint) as one GGUF file.
 
     Example: prune-heads export ./pruned-smollm2 -o smollm2-pruned.gguf
     """

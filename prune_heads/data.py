@@ -255,9 +255,9 @@ def load_task_data(
 
     Tasks: "classification" (single text or a pair, labels), "causal-lm" (the texts joined and cut into
     windows of `max_length` tokens, each starting with the BOS token where the tokenizer adds one; `stride` <
-    max_length overlaps them and masks the overlap, as for sliding-window perplexity), "feature-extraction" (texts, and with `label_column` their labels in
-    `targets` for task metrics), "image-classification" (images through
-    `image_processor`, labels). String labels map through `label2id` (the model config's). Batches are
+    max_length overlaps them and masks the overlap, as for sliding-window perplexity), "feature-extraction"
+    (texts, and with `label_column` their labels in `targets` for task metrics), "image-classification"
+    (images through `image_processor`, labels). String labels map through `label2id` (the model config's). Batches are
     padded to their own longest example; with `by_length` (default) text examples are batched in order of
     their token count, so a batch holds examples of similar length and padding costs little. Missing splits and
     columns are DataError with what exists.
