@@ -321,6 +321,8 @@ def _lm_windows(texts: list[str], tokenizer: Any, max_length: int, stride: int |
     if bos is not None:
         ids = ids[1:]
     body = max_length - (bos is not None)  # text tokens in a window
+    if body < 1:
+        raise DataError(f"a window of {max_length} token holds only the BOS token; give --max-length 2 or more")
     windows, labels = [], []
     previous_end = 0
     for begin in range(0, max(len(ids) - (bos is None), 1), stride or body):

@@ -123,6 +123,10 @@ def test_language_model_windows_start_with_the_bos_the_tokenizer_adds(tmp_path, 
     assert (ids[:, 0] == 0).all() and (labels[:, 0] == -100).all() and (ids[:, 1:][text] != 0).all()
     assert int((labels[:, 1:] != -100).sum()) == data.info["tokens"] == 30 * 7
     assert data.num_examples == (14 if stride is None else 26)
+    with pytest.raises(DataError, match="--max-length 2 or more"):
+        load_task_data(
+            str(tmp_path / "corpus.txt"), bos_tokenizer, "causal-lm", "train", text_column="text", max_length=1
+        )
 
 
 def test_no_library_bars_when_stderr_is_not_a_terminal(tmp_path, monkeypatch, capfd):
