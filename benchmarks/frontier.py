@@ -130,8 +130,11 @@ def run(args) -> None:
     calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
     test, other = (windows(tokenizer, source, "test[:1000]") for source in ("movie-snippets", "tweet-snippets"))
     cached = out / f"{args.model}_unpruned.dill"  # per-example statistics (closures: dill, not pickle)
-    unpruned = dill.loads(cached.read_bytes()) if cached.exists() else measured(base, tokenizer, test, other)
-    cached.write_bytes(dill.dumps(unpruned))
+    if cached.exists():
+        unpruned = dill.loads(cached.read_bytes())
+    else:
+        unpruned = measured(base, tokenizer, test, other)
+        cached.write_bytes(dill.dumps(unpruned))
     summary = {k: (v[0] if isinstance(v, tuple) else v).value() for k, v in unpruned.items()}
     (out / f"{args.model}_unpruned.json").write_text(json.dumps(summary, indent=1))
     layers = ph.find_attention(base)

@@ -49,8 +49,9 @@ CONTEXTS = (512, 2048, 8192)
 THREADS, DECODE_TOKENS, REPEATS = 2, 32, 3
 
 
-def _suffix(gguf_type: str | None) -> str:
-    return f"-{gguf_type}" if gguf_type else ""
+def _path(stem: str, gguf_type: str | None, extension: str = "gguf") -> Path:
+    """Where a file of the run in `gguf_type` (None: the source's types) lives: STEM[-TYPE].EXTENSION."""
+    return OUT / f"{stem}{'-' + gguf_type if gguf_type else ''}.{extension}"
 
 
 def build(gguf_type: str | None = None, ratios: list[str] | None = None) -> None:
@@ -67,8 +68,7 @@ def build(gguf_type: str | None = None, ratios: list[str] | None = None) -> None
     test = windows(tokenizer, "movie-snippets", "test[:1000]")
     unpruned = source.config.gguf_source
     if gguf_type:
-        target = OUT / f"smollm2{_suffix(gguf_type)}.gguf"
-        unpruned = ph.save_gguf(source, target, tensor_type=gguf_type, overwrite=True).path
+        unpruned = ph.save_gguf(source, _path("smollm2", gguf_type), tensor_type=gguf_type, overwrite=True).path
     cache = {"unpruned": {"file": str(unpruned), "transformers": perplexity(source, test)}}
     for name, heads in RATIOS.items():
         if ratios and not any(name.startswith(r + " ") for r in ratios):
@@ -79,8 +79,7 @@ def build(gguf_type: str | None = None, ratios: list[str] | None = None) -> None
             model, calibration, ph.PruneConfig(selection=ph.SelectionConfig(num_heads=heads)), progress=False
         )
         seconds = time.perf_counter() - tick
-        target = OUT / f"smollm2-{heads}{_suffix(gguf_type)}.gguf"
-        written = ph.save_gguf(model, target, tensor_type=gguf_type, overwrite=True)
+        written = ph.save_gguf(model, _path(f"smollm2-{heads}", gguf_type), tensor_type=gguf_type, overwrite=True)
         cache[name] = {
             "file": str(written.path),
             "transformers": perplexity(model, test),
@@ -91,7 +90,7 @@ def build(gguf_type: str | None = None, ratios: list[str] | None = None) -> None
         }
         print(name, cache[name], flush=True)
     reference(gguf_type)
-    (OUT / f"cache{_suffix(gguf_type)}.json").write_text(json.dumps(cache, indent=1))
+    _path("cache", gguf_type, "json").write_text(json.dumps(cache, indent=1))
 
 
 def reference(gguf_type: str | None = None) -> Path:
@@ -100,8 +99,7 @@ def reference(gguf_type: str | None = None) -> Path:
     model = ph.load_pruned(smollm2_folder(), gguf_file=GGUF).eval()
     layers = ph.find_attention(model)
     ph.prune(model, {l.index: list(l.heads[l.group_size if l.index == 0 else 0 :]) for l in layers})
-    target = OUT / f"smollm2-attention-free{_suffix(gguf_type)}.gguf"
-    return ph.save_gguf(model, target, tensor_type=gguf_type, overwrite=True).path
+    return ph.save_gguf(model, _path("smollm2-attention-free", gguf_type), tensor_type=gguf_type, overwrite=True).path
 
 
 def attention_work(path: Path, context: int) -> tuple[float, float]:
@@ -191,16 +189,16 @@ def llama_perplexity(path: Path, test: ph.TaskData) -> float:
 
 
 def measure(args_table: bool = False, gguf_type: str | None = None) -> None:
-    cache_file = OUT / f"cache{_suffix(gguf_type)}.json"
+    cache_file = _path("cache", gguf_type, "json")
     cache = json.loads(cache_file.read_text())
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=GGUF)
     test = windows(tokenizer, "movie-snippets", "test[:1000]")
     lines = (FIXTURES / "movie-snippets" / "train.jsonl").read_text().splitlines()
     ids = tokenizer(" ".join(json.loads(line)["sentence"] for line in lines))["input_ids"][: max(CONTEXTS)]
     log = _Log()
-    cache["attention-free"] = {"file": str(OUT / f"smollm2-attention-free{_suffix(gguf_type)}.gguf")}
+    cache["attention-free"] = {"file": str(_path("smollm2-attention-free", gguf_type))}
     names = list(cache)
-    saved = OUT / f"runs{_suffix(gguf_type)}.json"  # kept as they come: --table prints from them again
+    saved = _path("runs", gguf_type, "json")  # kept as they come: --table prints from them again
     runs = {(n, c): [] for n in names for c in CONTEXTS}
     if args_table:
         runs.update({(n, int(c)): r for n, c, r in json.loads(saved.read_text())})

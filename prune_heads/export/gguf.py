@@ -355,6 +355,12 @@ def _blocks(model: nn.Module, names) -> list[_Block]:
     return sorted(blocks, key=lambda b: b.index)
 
 
+def _block_of(name: str, blocks: dict[int, _Block]) -> _Block | None:
+    """The model's block a GGUF tensor name (blk.N.*) belongs to; None for the others."""
+    index = re.match(r"blk\.(\d+)\.", name)
+    return blocks.get(int(index.group(1))) if index else None
+
+
 def _split(name: str, value: Any, heads: int, kv_heads: int, head_dim: int) -> dict[str, Any]:
     """A fused tensor's rows as the separate tensors llama.cpp's llama architecture loads: attn_qkv as attn_q
     (`heads` heads of `head_dim` rows), attn_k and attn_v (`kv_heads` each); ffn_up as ffn_gate (its first
@@ -384,7 +390,7 @@ def _targets(model: nn.Module, names, blocks: list[_Block], arch: GgufArch) -> d
         if found is None:
             raise GgufError(f"no GGUF name for {name}; GGUF output covers {', '.join(sorted(ARCHITECTURES))}")
         value = tensor.detach().float().cpu().numpy()
-        block = by_block.get(int(found.split(".")[1])) if found.startswith("blk.") else None
+        block = _block_of(found, by_block)
         parts = {found: value}
         if arch.fused and block is not None:
             parts = _split(found, value, block.layer.num_heads, block.layer.num_kv_heads, block.layer.head_dim)
@@ -411,11 +417,11 @@ def _unfused(tensors: dict[str, Any], blocks: dict[int, _Block]) -> dict[str, An
     layer's original head counts (the source file is unpruned)."""
     out: dict[str, Any] = {}
     for name, tensor in tensors.items():
-        index = re.match(r"blk\.(\d+)\.", name)
-        layer = blocks[int(index.group(1))].layer if index and int(index.group(1)) in blocks else None
-        if layer is None:
+        block = _block_of(name, blocks)
+        if block is None:
             out[name] = tensor
             continue
+        layer = block.layer
         heads, kv_heads = layer.original_num_heads, layer.original_num_kv_heads
         parts = _split(name, np.asarray(tensor.data), heads, kv_heads, layer.head_dim)
         if list(parts) == [name]:
