@@ -74,6 +74,39 @@ def bpe_tokenizer():
     return T.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
 
 
+def sentencepiece_style(prefix: str, complete: bool = True):
+    """A small sentencepiece-style tokenizer (BPE with byte fallback, spaces as ▁) trained on the demo sentences.
+    `prefix`: "normalizer" (Prepend + Replace, as tokenizer.json files converted from sentencepiece have it),
+    "metaspace" (transformers 5's Llama tokenizer: a Metaspace that prefixes) or "none" (Gemma's). `complete`:
+    the merges list every split of a token into two others, ordered by the rank of the trained merge that makes
+    the token (what converting a sentencepiece model gives); else the trained merges alone."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace()
+    lines = (Path(ph.__file__).parent / "data" / "demo_sentences.jsonl").read_text().splitlines()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    trained.train_from_iterator((json.loads(line)["text"] for line in lines), trainer)
+    spec = json.loads(trained.to_str())["model"]
+    vocab, merges = spec["vocab"], [tuple(m) for m in spec["merges"]]
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    if complete:
+        made = {}
+        for rank, (left, right) in enumerate(merges):
+            made.setdefault(left + right, rank)
+        splits = [(t[:cut], t[cut:]) for t in made for cut in range(1, len(t))]
+        merges = sorted((m for m in splits if m[0] in vocab and m[1] in vocab), key=lambda m: made["".join(m)])
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    spaces = normalizers.Replace(" ", "▁")
+    if prefix == "metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=False)
+    else:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if prefix == "normalizer" else spaces
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return T.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
 CLASSES = {
     "llama": (T.LlamaConfig, T.LlamaForCausalLM),
     "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
@@ -154,6 +187,44 @@ def test_hugging_face_llama_to_gguf_equals_transformers_in_llama_cpp(
     assert greedy == expected_greedy
     text = "Hello world! 12345 numbers,  über café\n\n\ttabs <|endoftext|> don't"
     assert lc.tokenize(written.path, text) == bpe_tokenizer(text)["input_ids"]
+
+
+@pytest.mark.parametrize("prefix", ["normalizer", "metaspace", "none"])
+def test_a_sentencepiece_style_tokenizer_is_written_as_llama_cpp_tokenizes_it(tmp_path, prefix):
+    """Hugging Face in with a sentencepiece-style tokenizer: llama.cpp's `llama` tokenizer, the scores from
+    the merge ranks, bytes as BYTE tokens, the space prefix as the tokenizer puts it; the same ids as
+    transformers (bytes for characters the vocabulary lacks, added tokens parsed) and the model's logits."""
+    tokenizer = sentencepiece_style(prefix)
+    model = tiny_llama(len(tokenizer), 2)
+    ph.prune(model, {0: [0, 1], 2: [2, 3]})
+    written = ph.save_gguf(model, tmp_path / "m.gguf", tokenizer=tokenizer, tensor_type="f32")
+    fields = _reader(written.path).fields
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() == (prefix != "none")
+    types = fields["tokenizer.ggml.token_type"].contents()
+    assert types[tokenizer.convert_tokens_to_ids("<0x41>")] == gguf.TokenType.BYTE
+    assert types[tokenizer.unk_token_id] == gguf.TokenType.UNKNOWN
+    for text in [PROMPT, "Hello world!  Two spaces,\nnew lines\n\n and über café 🙂 日本 3.14159", "actors</s>the"]:
+        assert lc.tokenize(written.path, text) == tokenizer(text)["input_ids"]
+    ids = [tokenizer.bos_token_id, *tokenizer(PROMPT)["input_ids"]]
+    logits, greedy = lc.run(written.path, ids, f32_cache=True)
+    expected, expected_greedy = transformers_run(model, ids)
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+    assert greedy == expected_greedy
+
+
+def test_sentencepiece_style_tokenizers_llama_cpp_would_split_otherwise_are_refused():
+    """Merges that leave out a split llama.cpp would merge, and a Metaspace that splits words, are refused
+    naming the GGUF file."""
+    from tokenizers import pre_tokenizers
+
+    model = tiny_llama(len(sentencepiece_style("none")), 2)
+    with pytest.raises(ph.GgufError, match="merges lack .* give the GGUF file"):
+        ph.check_gguf(model, sentencepiece_style("none", complete=False))
+    splitting = sentencepiece_style("metaspace")
+    splitting.backend_tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(split=True)
+    with pytest.raises(ph.GgufError, match="cannot split text as this one does .* give the GGUF file"):
+        ph.check_gguf(model, splitting)
 
 
 def _gated_source(source: Path, target: Path, model: torch.nn.Module, head_dim: int = 64) -> Path:
@@ -681,7 +752,90 @@ def test_gemma3_gguf_in_gguf_out_is_exact_in_llama_cpp(tmp_path, gemma3):
     np.testing.assert_array_equal(lc.run(written.path, ids, 8, True)[0], lc.run(gated, ids, 8, True)[0])
 
 
-def test_gemma3_uneven_from_weights_and_27b_are_refused_before_scoring(gemma3):
+@pytest.mark.parametrize("kv_heads, plan", [(2, [1, 3]), (1, [0])], ids=["gqa", "mqa"])
+def test_gemma3_from_hugging_face_weights_equals_transformers_in_llama_cpp(tmp_path, kv_heads, plan):
+    """A tiny Gemma 3 written from its weights as llama.cpp's gemma3: six layers (the sixth global), a sliding
+    window of 4 tokens (the prompt and the generation run far past it), norms shifted to 1 + w, the
+    sentencepiece-style tokenizer with no space prefix; the same heads removed from every layer. (A window of 3
+    or 5 in transformers differs by 0.7 of the largest logit: the window is what llama.cpp applies.)"""
+    tokenizer = sentencepiece_style("none")
+    torch.manual_seed(0)
+    config = T.Gemma3TextConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=4,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=0,
+    )
+    model = T.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith("norm.weight"):
+                weight.normal_(0, 0.2)
+    ph.prune(model, {l.index: plan for l in ph.find_attention(model)})
+    written = ph.save_gguf(model, tmp_path / "m.gguf", tokenizer=tokenizer, tensor_type="f32")
+    assert written.architecture == "gemma3" and written.heads == [4 - len(plan)] * 6
+    ids = [tokenizer.bos_token_id, *tokenizer(PROMPT)["input_ids"]]
+    logits, greedy = lc.run(written.path, ids, f32_cache=True)
+    expected, expected_greedy = transformers_run(model, ids)
+    # ggml computes GELU through a float16 table: 4e-4 of the largest logit here (the Llama tests hold 1e-4)
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-3 * np.abs(expected).max())
+    assert greedy == expected_greedy
+
+
+def test_gemma3_270m_from_hugging_face_weights_equals_transformers_in_llama_cpp(tmp_path, gemma3):
+    """The real Gemma 3 270M as if from safetensors (its weights dequantized, transformers' tokenizer), one
+    query head of four removed from every layer, written in f32 from the weights: llama.cpp gives transformers'
+    logits to 2e-3 of the largest (measured 4.9e-4 pruned, 3.7e-4 unpruned: ggml's float16 GELU table) and the
+    same greedy tokens."""
+    tokenizer = T.AutoTokenizer.from_pretrained(gemma3.parent, gguf_file=gemma3.name)
+    model = ph.load_pruned(gemma3.parent, gguf_file=gemma3.name, dtype=torch.float32).eval()
+    del model.config.gguf_source
+    ph.prune(model, {l.index: [1] for l in ph.find_attention(model)})
+    written = ph.save_gguf(model, tmp_path / "pruned.gguf", tokenizer=tokenizer, tensor_type="f32")
+    assert written.architecture == "gemma3" and not written.copied and written.heads == [3] * 18
+    ids = [2, *tokenizer(PROMPT, add_special_tokens=False)["input_ids"]]
+    logits, greedy = lc.run(written.path, ids, new_tokens=8, f32_cache=True)
+    expected, expected_greedy = transformers_run(model, ids, new_tokens=8)
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=2e-3 * np.abs(expected).max())
+    assert greedy == expected_greedy
+
+
+def test_gemma3s_tokenizer_from_hugging_face_tokenizes_as_its_gguf_does(tmp_path, gemma3):
+    """Gemma 3's real tokenizer (262,144 tokens; transformers' from the GGUF) written from Hugging Face: llama.cpp
+    gives transformers' ids and those of the original file, and the scores order the tokens BPE makes as the
+    file's sentencepiece scores do."""
+    tokenizer = T.AutoTokenizer.from_pretrained(gemma3.parent, gguf_file=gemma3.name)
+    config = T.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=len(tokenizer)
+    )
+    written = ph.save_gguf(T.LlamaForCausalLM(config), tmp_path / "m.gguf", tokenizer=tokenizer, tensor_type="f32")
+    text = "Hello world!  Two spaces,\nnew lines\n\n\ttabs über café 🙂 日本語 3.14159 <start_of_turn>user\nHi"
+    assert (
+        lc.tokenize(written.path, text)
+        == lc.tokenize(gemma3, text)
+        == tokenizer(text, add_special_tokens=False)["input_ids"]
+    )
+    ours, theirs = _reader(written.path).fields, _reader(gemma3).fields
+    for key in ("model", "add_space_prefix", "bos_token_id", "eos_token_id", "add_bos_token"):
+        assert ours[f"tokenizer.ggml.{key}"].contents() == theirs[f"tokenizer.ggml.{key}"].contents()
+    scores = [np.array(f["tokenizer.ggml.scores"].contents()) for f in (ours, theirs)]
+    normal = [np.array(f["tokenizer.ggml.token_type"].contents()) == gguf.TokenType.NORMAL for f in (ours, theirs)]
+    made = normal[0] & normal[1] & (scores[0] != 0)  # the tokens BPE makes
+    assert made.sum() > 230_000
+    order = [np.argsort(-score[made], kind="stable") for score in scores]
+    np.testing.assert_array_equal(*order)
+
+
+def test_gemma3_uneven_unlike_llama_cpp_and_27b_are_refused_before_scoring(gemma3):
     config = T.Gemma3TextConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1
     )
@@ -690,8 +844,9 @@ def test_gemma3_uneven_from_weights_and_27b_are_refused_before_scoring(gemma3):
     with pytest.raises(ph.GgufError, match="--uniform"):
         ph.check_gguf(model, uniform=False)
     del model.config.gguf_source  # as if it had come from safetensors
-    with pytest.raises(ph.GgufError, match="from the GGUF file it was loaded from"):
-        ph.check_gguf(model, tokenizer=object())
+    model.config.layer_types = ["full_attention", "sliding_attention"]  # llama.cpp: every sixth layer global
+    with pytest.raises(ph.GgufError, match="layer types unlike llama.cpp's gemma3"):
+        ph.check_gguf(model, tokenizer=sentencepiece_style("none"))
     model.config.num_hidden_layers = 62  # llama.cpp's 27B: its attention scale follows the head count
     with pytest.raises(ph.GgufError, match="attention scale"):
         ph.check_gguf(model)

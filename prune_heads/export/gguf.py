@@ -8,9 +8,11 @@ in every GGML type); the source's metadata (tokenizer, chat template, rope setti
 not assumed but checked: each tensor is dequantized and compared with the model's own weights, and whatever
 differs (output projections with folded scales, new output biases) is written in `tensor_type`.
 
-Hugging Face in (no source): every tensor in `tensor_type` (f16 by default), with the vocabulary of the
-model's byte-level BPE tokenizer (the `gguf` package's vocabulary helpers) and the llama.cpp pre-tokenizer
-whose splitting rules are the tokenizer's own, so llama.cpp tokenizes text to the same ids.
+Hugging Face in (no source): every tensor in `tensor_type` (f16 by default), the metadata llama.cpp needs
+from the config (`GgufArch.from_config`), and the tokenizer's vocabulary so llama.cpp tokenizes text to the
+same ids: a byte-level BPE tokenizer as llama.cpp's `gpt2` with the pre-tokenizer whose splitting rules are
+its own, a sentencepiece-style one (BPE with byte fallback) as llama.cpp's `llama`, with per-token scores
+that make llama.cpp merge in the order of the tokenizer's merges.
 
 Llama, Mistral and Qwen2 (Llama with q/k/v biases) are written as llama.cpp's `llama` when every layer keeps
 the same heads, else as its `deci` (per-layer head counts; a layer left without heads is attention-free),
@@ -30,6 +32,7 @@ import json
 import math
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,59 @@ class GgufError(ValueError):
     """A model, plan, tokenizer or output that no GGUF file can hold; the message says what to change."""
 
 
+FROM_WEIGHTS_ROPE = ("default", "linear", "llama3")  # the rope scalings written from Hugging Face weights
+
+
+def _llama_config(config: Any, head_dim: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The rope metadata (keys after the architecture's name) and tensors of a Llama-like file written from
+    Hugging Face weights: the base, and a linear scaling's factor or Llama 3's per-frequency divisors
+    (rope_freqs). GgufError for another scaling."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    kind = rope.get("rope_type", "default")
+    if kind not in FROM_WEIGHTS_ROPE:
+        raise GgufError(f"rope scaling {kind!r} is not written from Hugging Face weights; give the source GGUF file")
+    fields: dict[str, Any] = {"rope.freq_base": float(rope.get("rope_theta", getattr(config, "rope_theta", 1e4)))}
+    if kind == "linear":
+        fields.update({"rope.scaling.type": "linear", "rope.scaling.factor": float(rope["factor"])})
+    tensors = {"rope_freqs.weight": _llama3_factors(rope, head_dim)} if kind == "llama3" else {}
+    return fields, tensors
+
+
+def _gemma3_config(config: Any, head_dim: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The metadata of a Gemma 3 file written from Hugging Face weights, where llama.cpp's gemma3 fixes the
+    rest (read from its loader): every sixth layer global, the others sliding-window with rope base 10,000
+    unscaled, the attention scale 1 / sqrt(head size), GELU (tanh) feed-forwards. A config that differs is
+    refused (GgufError), since the file would compute another function."""
+    layers = config.num_hidden_layers
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    local, full = rope.get("sliding_attention", {}), rope.get("full_attention", {})
+    differs = {
+        "layer types": list(config.layer_types)
+        != ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        "sliding layers' rope": (local.get("rope_type", "default"), local.get("rope_theta")) != ("default", 1e4),
+        "global layers' rope": full.get("rope_type", "default") not in ("default", "linear"),
+        "query_pre_attn_scalar": config.query_pre_attn_scalar != head_dim,
+        "attn_logit_softcapping": bool(config.attn_logit_softcapping),
+        "use_bidirectional_attention": bool(getattr(config, "use_bidirectional_attention", False)),
+        "hidden_activation": config.hidden_activation != "gelu_pytorch_tanh",
+    }
+    if any(differs.values()):
+        raise GgufError(
+            f"gemma3 with its {', '.join(k for k, v in differs.items() if v)} unlike llama.cpp's gemma3 (every sixth "
+            f"layer global, sliding layers' rope base 10,000, scale 1/sqrt(head size)) is not written from weights; "
+            f"give the source GGUF file or save safetensors"
+        )
+    fields: dict[str, Any] = {
+        "rope.freq_base": float(full.get("rope_theta", 1e6)),
+        "attention.sliding_window": int(config.sliding_window),
+    }
+    if full.get("rope_type") == "linear":
+        fields.update({"rope.scaling.type": "linear", "rope.scaling.factor": float(full["factor"])})
+    if config.final_logit_softcapping:
+        fields["final_logit_softcapping"] = float(config.final_logit_softcapping)
+    return fields, {}
+
+
 @dataclass(frozen=True)
 class GgufArch:
     """How one Hugging Face model type is written, read from llama.cpp's loaders. `source` is the architecture
@@ -65,7 +121,9 @@ class GgufArch:
     the converter adds to every RMS norm weight. `spec`: the attention family the mapping is for. `fused`: the
     family keeps q, k, v in one tensor (attn_qkv) and the FFN's gate and up in one (ffn_up, gate first), which
     are split into the written architecture's own tensors. `rope_types`: the rope scalings the written
-    architecture computes (None: any the source file carries; from weights, see `_config_fields`).
+    architecture computes (None: any the source file carries; from weights, `from_config` says).
+    `from_config`: the metadata (keys after the architecture's name) and tensors a file written from Hugging
+    Face weights takes from the config, GgufError for a config the written architecture cannot compute.
     `dropped`: source metadata keys (after the architecture) the written architecture must not read."""
 
     source: str
@@ -76,7 +134,8 @@ class GgufArch:
     names: str = "LLAMA"
     output_bias: bool = True
     norm_shift: float = 0.0  # added to RMS norm weights (Gemma's norms scale by 1 + w; llama.cpp's by w)
-    from_weights: bool = True  # False: written only from a source GGUF file (its metadata are copied)
+    # the metadata and tensors a file written from Hugging Face weights takes from the config (see _llama_config)
+    from_config: Callable[[Any, int], tuple[dict[str, Any], dict[str, np.ndarray]]] = _llama_config
     # block counts at which llama.cpp takes the attention scale from n_embd / heads, which pruning would change
     scale_from_heads: tuple[int, ...] = ()
     spec: str = "llama"
@@ -104,7 +163,7 @@ ARCHITECTURES: dict[str, GgufArch] = {  # Hugging Face model_type -> its GGUF fi
         even="gemma3",
         names="GEMMA3",
         norm_shift=1.0,
-        from_weights=False,  # its sliding-window pattern, rope bases and attention scale come from the source
+        from_config=_gemma3_config,
         scale_from_heads=(62,),  # llama.cpp's Gemma 3 27B: 1 / sqrt(n_embd / n_head)
     ),
     # llama.cpp's phi3 creates q and the output projection n_embd wide, so no pruned Phi-3 loads as phi3: it
@@ -121,9 +180,6 @@ ARCHITECTURES: dict[str, GgufArch] = {  # Hugging Face model_type -> its GGUF fi
     ),
 }
 UNEVEN = "deci"  # llama.cpp's architecture for layer-wise pruned Llamas: per-layer head counts
-FROM_WEIGHTS_ROPE = ("default", "linear", "llama3")  # the rope scalings written from Hugging Face weights
-
-
 # llama.cpp's pre-tokenizers, by the splitting of a Hugging Face byte-level BPE tokenizer (tokenizer.json's
 # pre_tokenizer): the regular expressions each applies, read from llama.cpp's llama-vocab.cpp
 _GPT2 = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"
@@ -159,20 +215,28 @@ def _signature(pre: dict | None) -> tuple:
     return tuple(out)
 
 
+def _backend(tokenizer: Any) -> dict:
+    """A fast tokenizer's tokenizer.json as a dict ({} for a slow one)."""
+    return json.loads(tokenizer.backend_tokenizer.to_str()) if getattr(tokenizer, "is_fast", False) else {}
+
+
+def _byte_level(spec: dict) -> bool:
+    model = spec.get("model", {})
+    decoder = (spec.get("decoder") or {}).get("type")
+    return model.get("type") == "BPE" and not model.get("byte_fallback") and decoder == "ByteLevel"
+
+
+def _sentencepiece_style(spec: dict) -> bool:
+    model = spec.get("model", {})
+    return model.get("type") == "BPE" and bool(model.get("byte_fallback"))
+
+
 def pre_tokenizer(tokenizer: Any) -> str:
     """The llama.cpp pre-tokenizer that splits text as this byte-level BPE tokenizer does; GgufError when
     llama.cpp has none (or the tokenizer is not byte-level BPE)."""
-    spec = json.loads(tokenizer.backend_tokenizer.to_str()) if getattr(tokenizer, "is_fast", False) else {}
-    model = spec.get("model", {})
-    if (
-        model.get("type") != "BPE"
-        or model.get("byte_fallback")
-        or (spec.get("decoder") or {}).get("type") != "ByteLevel"
-    ):
-        raise GgufError(
-            f"{type(tokenizer).__name__} is not a byte-level BPE tokenizer, the one kind written "
-            f"from Hugging Face weights; give the GGUF file the model came from (source=, --gguf-file)"
-        )
+    spec = _backend(tokenizer)
+    if not _byte_level(spec):
+        raise GgufError(f"{type(tokenizer).__name__} is not a byte-level BPE tokenizer")
     name = PRE_TOKENIZERS.get(_signature(spec.get("pre_tokenizer")))
     if name is None:
         raise GgufError(
@@ -180,6 +244,81 @@ def pre_tokenizer(tokenizer: Any) -> str:
             f"({_signature(spec.get('pre_tokenizer'))}); give the GGUF file the model came from"
         )
     return name
+
+
+_SPACES = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+_PREFIX = {"type": "Prepend", "prepend": "\u2581"}
+_NO_SPLIT: tuple[dict, ...] = (  # no pre-tokenizer, or Gemma's split at spaces (none are left after _SPACES)
+    {},
+    {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False},
+)
+
+
+def space_prefix(tokenizer: Any) -> bool:
+    """Whether llama.cpp's sentencepiece tokenizer (`llama`) must put a space before text to split it as this
+    sentencepiece-style tokenizer (BPE with byte fallback: Llama 2, Mistral, Phi-3, Gemma) does; GgufError
+    when it cannot split alike. llama.cpp turns spaces into ▁, prefixes one at the start and after every
+    added token where add_space_prefix is set, and merges, among neighbouring pieces, the pair whose joint
+    text is the highest-scoring token, with no other splitting: the tokenizer must do the same (spaces
+    replaced by a normalizer, optionally after a Prepend, or by a Metaspace that does not split), and its
+    merges must list every split of a token into two others (as those converted from sentencepiece do),
+    since llama.cpp merges any such pair. (A Metaspace prefixes no second ▁ to text that starts with a
+    space, and with prepend_scheme "first" none after an added token; llama.cpp, like sentencepiece, does.)"""
+    spec = _backend(tokenizer)
+    model = spec.get("model", {})
+    normalizer, pre = spec.get("normalizer"), spec.get("pre_tokenizer") or {}
+    steps = normalizer.get("normalizers", []) if normalizer and normalizer.get("type") == "Sequence" else [normalizer]
+    if not _sentencepiece_style(spec) or model.get("ignore_merges") or model.get("dropout"):
+        raise GgufError(f"{type(tokenizer).__name__} is not a sentencepiece-style BPE tokenizer")
+    metaspace = pre.get("type") == "Metaspace" and (pre["replacement"], pre["split"]) == ("▁", False)
+    if steps in ([_SPACES], [_PREFIX, _SPACES]) and pre in _NO_SPLIT:
+        prefix = steps[0] == _PREFIX
+    elif steps == [None] and metaspace:
+        prefix = pre["prepend_scheme"] != "never"
+    else:
+        raise GgufError(
+            f"llama.cpp's sentencepiece tokenizer cannot split text as this one does (normalizer "
+            f"{[s and s.get('type') for s in steps]}, pre-tokenizer {pre.get('type')}: llama.cpp "
+            f"replaces spaces, may prefix one and splits nothing); give the GGUF file the model came from"
+        )
+    vocab = _ordinary_tokens(tokenizer, spec)
+    merges = {tuple(_pair(m)) for m in model.get("merges", [])}
+    for token in vocab:
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab and (left, right) not in merges:
+                raise GgufError(
+                    f"the tokenizer's merges lack {left!r} + {right!r} (= {token!r}), which llama.cpp's "
+                    f"sentencepiece tokenizer would merge; give the GGUF file the model came from"
+                )
+    return prefix
+
+
+def _pair(merge: Any) -> list[str]:
+    return merge if isinstance(merge, list) else merge.split(" ", 1)
+
+
+def _ordinary_tokens(tokenizer: Any, spec: dict) -> set[str]:
+    """The tokens BPE makes: the vocabulary less the added tokens (which both split off text first)."""
+    added = {t.content for t in tokenizer.added_tokens_decoder.values()}
+    return {t for t in spec.get("model", {}).get("vocab", {}) if t not in added}
+
+
+def tokenizer_model(tokenizer: Any) -> str:
+    """llama.cpp's tokenizer model for this Hugging Face tokenizer: `gpt2` for byte-level BPE (with the
+    pre-tokenizer that splits alike, `pre_tokenizer`), `llama` for sentencepiece-style BPE (`space_prefix`).
+    GgufError, naming --gguf-file, for any other kind or one llama.cpp cannot split alike."""
+    spec = _backend(tokenizer)
+    if _byte_level(spec):
+        pre_tokenizer(tokenizer)
+        return "gpt2"
+    if _sentencepiece_style(spec):
+        space_prefix(tokenizer)
+        return "llama"
+    raise GgufError(
+        f"{type(tokenizer).__name__} is neither byte-level nor sentencepiece-style BPE, the kinds written from "
+        f"Hugging Face weights; give the GGUF file the model came from (source=, --gguf-file)"
+    )
 
 
 @dataclass
@@ -271,11 +410,11 @@ def check_gguf(
     output_biases: bool | None = None,
 ) -> None:
     """Check before any scoring that the model is writable as GGUF: a mapped family (`ARCHITECTURES`), a
-    source file of its architecture or else a byte-level BPE tokenizer llama.cpp can split alike, a valid
-    `tensor_type` whose blocks fit the heads' rows, and a free `output` file. Where the family's llama.cpp
-    architecture takes one head count for all layers (Qwen3), the selection must be `uniform`, and where it
-    loads no output bias, recovery must add none (`output_biases` False); None: not known yet (the written
-    model is checked again). Raises GgufError (or OutputExistsError)."""
+    source file of its architecture or else a config llama.cpp computes alike and a tokenizer it splits
+    alike, a valid `tensor_type` whose blocks fit the heads' rows, and a free `output` file. Where the
+    family's llama.cpp architecture takes one head count for all layers (Qwen3, Gemma 3), the selection must
+    be `uniform`, and where it loads no output bias, recovery must add none (`output_biases` False); None: not
+    known yet (the written model is checked again). Raises GgufError (or OutputExistsError)."""
     try:
         import gguf  # noqa: F401
     except ImportError:
@@ -318,17 +457,11 @@ def check_gguf(
             raise GgufError(
                 f"the source {path.name} is a {found} file; a {_model_type(model)} model comes from {arch.source} files"
             )
-    elif not arch.from_weights:
-        raise GgufError(
-            f"{_model_type(model)} is written to GGUF from the GGUF file it was loaded from (--gguf-file, "
-            f"load_pruned(..., gguf_file=)), whose metadata are kept; from Hugging Face weights, save safetensors"
-        )
-    elif kind not in FROM_WEIGHTS_ROPE:
-        raise GgufError(f"rope scaling {kind!r} is not written from Hugging Face weights; give the source GGUF file")
     elif tokenizer is None:
         raise GgufError("writing GGUF from Hugging Face weights needs the tokenizer (tokenizer=)")
     else:
-        pre_tokenizer(tokenizer)
+        arch.from_config(model.config, max(l.head_dim for l in find_attention(model)))
+        tokenizer_model(tokenizer)
     for layer in find_attention(model):
         if tensor_type in _BLOCKED and layer.head_dim % 32:
             raise GgufError(
@@ -593,12 +726,12 @@ def _copy_fields(writer, reader, old: str, new: str, replaced: set[str]) -> None
         writer.add_key_value(key, f.contents(), vtype, sub_type=sub)
 
 
-def _config_fields(writer, model: nn.Module, tokenizer: Any, targets: dict, head_dim: int) -> None:
-    """The metadata of a file written from Hugging Face weights: sizes, rope, and the tokenizer."""
+def _config_fields(writer, model: nn.Module, tokenizer: Any, targets: dict, head_dim: int, arch: GgufArch) -> None:
+    """The metadata of a file written from Hugging Face weights: sizes, what `arch.from_config` takes from the
+    config (rope, sliding window; its tensors added to `targets`), and the tokenizer."""
     import gguf
 
     config: Any = model.config
-    rope = dict(getattr(config, "rope_parameters", None) or {})
     writer.add_rope_dimension_count(head_dim)
     writer.add_name(Path(str(getattr(config, "_name_or_path", "") or "model")).name or "model")
     writer.add_context_length(config.max_position_embeddings)
@@ -606,29 +739,34 @@ def _config_fields(writer, model: nn.Module, tokenizer: Any, targets: dict, head
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     writer.add_vocab_size(targets["token_embd.weight"].shape[0])
-    kind = rope.get("rope_type", "default")
-    if kind == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(rope["factor"]))
-    elif kind == "llama3":
-        targets["rope_freqs.weight"] = _llama3_factors(rope, head_dim)
+    fields, tensors = arch.from_config(config, head_dim)
+    kinds = {str: gguf.GGUFValueType.STRING, int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32}
+    for key, value in fields.items():
+        writer.add_key_value(f"{writer.arch}.{key}", value, kinds[type(value)])
+    targets.update(tensors)
     size = targets["token_embd.weight"].shape[0]
-    tokens, types = _vocabulary(tokenizer, size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre_tokenizer(tokenizer))
+    kind = "gpt2" if _byte_level(_backend(tokenizer)) else "llama"  # check_gguf took it (tokenizer_model)
+    tokens, types = _vocabulary(tokenizer, size, bytes_as_tokens=kind == "llama")
+    writer.add_tokenizer_model(kind)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
+    if kind == "gpt2":
+        writer.add_tokenizer_pre(pre_tokenizer(tokenizer))
+    else:
+        writer.add_add_space_prefix(space_prefix(tokenizer))
+        writer.add_token_scores(_scores(tokenizer, tokens))
     with tempfile.TemporaryDirectory() as folder:
         tokenizer.save_pretrained(folder)  # merges, special ids, add_bos and the chat template, read by gguf
-        gguf.SpecialVocab(Path(folder), load_merges=True, n_vocab=size).add_to_gguf(writer, quiet=True)
+        special = gguf.SpecialVocab(Path(folder), load_merges=kind == "gpt2", n_vocab=size)
+        special.add_to_gguf(writer, quiet=True)
 
 
-def _vocabulary(tokenizer: Any, size: int) -> tuple[list[str], list[int]]:
-    """Every id's token text (byte-level form) and GGUF token type: special added tokens are CONTROL (so
-    llama.cpp parses them in text, as transformers does), other added ones USER_DEFINED; ids the tokenizer
-    lacks, up to the embedding's size, are unused padding."""
+def _vocabulary(tokenizer: Any, size: int, bytes_as_tokens: bool) -> tuple[list[str], list[int]]:
+    """Every id's token text and GGUF token type: special added tokens are CONTROL (so llama.cpp parses them
+    in text, as transformers does), other added ones USER_DEFINED, the unknown token UNKNOWN; with
+    `bytes_as_tokens` (sentencepiece style) <0xNN> tokens are BYTE, what llama.cpp falls back to; ids the
+    tokenizer lacks, up to the embedding's size, are unused padding."""
     import gguf
 
     by_id = {i: text for text, i in tokenizer.get_vocab().items()}
@@ -636,19 +774,31 @@ def _vocabulary(tokenizer: Any, size: int) -> tuple[list[str], list[int]]:
     tokens: list[str] = []
     types: list[int] = []
     for i in range(size):
-        if i not in by_id:
-            tokens.append(f"[PAD{i}]")
+        text = by_id.get(i)
+        tokens.append(f"[PAD{i}]" if text is None else text)
+        if text is None:
             types.append(gguf.TokenType.UNUSED)
-            continue
-        tokens.append(by_id[i])
-        types.append(
-            gguf.TokenType.NORMAL
-            if i not in added
-            else gguf.TokenType.CONTROL
-            if added[i].special
-            else gguf.TokenType.USER_DEFINED
-        )
+        elif bytes_as_tokens and i == tokenizer.unk_token_id:
+            types.append(gguf.TokenType.UNKNOWN)
+        elif i in added:
+            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+        elif bytes_as_tokens and re.fullmatch(r"<0x[0-9A-F]{2}>", text):
+            types.append(gguf.TokenType.BYTE)
+        else:
+            types.append(gguf.TokenType.NORMAL)
     return tokens, types
+
+
+def _scores(tokenizer: Any, tokens: list[str]) -> list[float]:
+    """Scores that make llama.cpp's sentencepiece tokenizer merge in the tokenizer's order: a token made by
+    merges scores minus the rank of the first merge that makes it (llama.cpp merges the highest first); the
+    others (characters, bytes, added tokens), which no merge of llama.cpp's makes, score 0."""
+    spec = _backend(tokenizer)
+    ordinary = _ordinary_tokens(tokenizer, spec)
+    first: dict[str, int] = {}
+    for rank, merge in enumerate(spec["model"]["merges"]):
+        first.setdefault("".join(_pair(merge)), rank)
+    return [-float(first[t]) if t in first and t in ordinary else 0.0 for t in tokens]
 
 
 def _llama3_factors(rope: dict, head_dim: int) -> np.ndarray:
@@ -733,7 +883,7 @@ def save_gguf(
             dropped = {f"{architecture}.{key}" for key in arch.dropped}
             _copy_fields(writer, reader, arch.source, architecture, set(counts) | set(ours) | dropped)
         else:
-            _config_fields(writer, model, tokenizer, targets, head_dim)
+            _config_fields(writer, model, tokenizer, targets, head_dim, arch)
         for key, value in {**counts, **ours}.items():
             if isinstance(value, list):
                 writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT32)
