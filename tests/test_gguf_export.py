@@ -33,7 +33,7 @@ from click.testing import CliRunner
 
 import prune_heads as ph
 from prune_heads.cli import main
-from prune_heads.export.gguf import _copy_fields, _reader
+from prune_heads.export.gguf import _copy_fields, _reader, gguf_heads
 from prune_heads.model.surgery import add_output_bias
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -58,6 +58,11 @@ def smollm2_model(smollm2_loaded) -> torch.nn.Module:
     return copy.deepcopy(smollm2_loaded)
 
 
+def demo_texts() -> list[str]:
+    lines = (Path(ph.__file__).parent / "data" / "demo_sentences.jsonl").read_text().splitlines()
+    return [json.loads(line)["text"] for line in lines]
+
+
 @pytest.fixture(scope="module")
 def bpe_tokenizer():
     """A small byte-level BPE tokenizer (GPT-2's splitting) trained on the demo sentences."""
@@ -69,8 +74,7 @@ def bpe_tokenizer():
     trainer = trainers.BpeTrainer(
         vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    lines = (Path(ph.__file__).parent / "data" / "demo_sentences.jsonl").read_text().splitlines()
-    tok.train_from_iterator((json.loads(line)["text"] for line in lines), trainer)
+    tok.train_from_iterator(demo_texts(), trainer)
     return T.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
 
 
@@ -84,9 +88,8 @@ def sentencepiece_style(prefix: str, complete: bool = True):
 
     trained = Tokenizer(models.BPE())
     trained.pre_tokenizer = pre_tokenizers.Metaspace()
-    lines = (Path(ph.__file__).parent / "data" / "demo_sentences.jsonl").read_text().splitlines()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
-    trained.train_from_iterator((json.loads(line)["text"] for line in lines), trainer)
+    trained.train_from_iterator(demo_texts(), trainer)
     spec = json.loads(trained.to_str())["model"]
     vocab, merges = spec["vocab"], [tuple(m) for m in spec["merges"]]
     vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
@@ -753,12 +756,9 @@ def test_gemma3_gguf_in_gguf_out_is_exact_in_llama_cpp(tmp_path, gemma3):
 
 
 @pytest.mark.parametrize("kv_heads, plan", [(2, [1, 3]), (1, [0])], ids=["gqa", "mqa"])
-def test_gemma3_from_hugging_face_weights_equals_transformers_in_llama_cpp(tmp_path, kv_heads, plan):
-    """A tiny Gemma 3 written from its weights as llama.cpp's gemma3: six layers (the sixth global), a sliding
-    window of 4 tokens (the prompt and the generation run far past it), norms shifted to 1 + w, the
-    sentencepiece-style tokenizer with no space prefix; the same heads removed from every layer. (A window of 3
-    or 5 in transformers differs by 0.7 of the largest logit: the window is what llama.cpp applies.)"""
-    tokenizer = sentencepiece_style("none")
+def tiny_gemma3(tokenizer, kv_heads: int) -> torch.nn.Module:
+    """Six layers (the sixth global), a sliding window of 4 tokens, head size 32 against a width of 64 / 4
+    heads, norms away from 0 (llama.cpp stores Gemma's 1 + w)."""
     torch.manual_seed(0)
     config = T.Gemma3TextConfig(
         hidden_size=64,
@@ -780,6 +780,17 @@ def test_gemma3_from_hugging_face_weights_equals_transformers_in_llama_cpp(tmp_p
         for name, weight in model.named_parameters():
             if name.endswith("norm.weight"):
                 weight.normal_(0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("kv_heads, plan", [(2, [1, 3]), (1, [0])], ids=["gqa", "mqa"])
+def test_gemma3_from_hugging_face_weights_equals_transformers_in_llama_cpp(tmp_path, kv_heads, plan):
+    """A tiny Gemma 3 written from its weights as llama.cpp's gemma3, with the sentencepiece-style tokenizer
+    and no space prefix, the same heads removed from every layer. The prompt and the generation run far past
+    the sliding window of 4 tokens, and a window of 3 or 5 in transformers differs by 0.7 of the largest
+    logit: the window is what llama.cpp applies."""
+    tokenizer = sentencepiece_style("none")
+    model = tiny_gemma3(tokenizer, kv_heads)
     ph.prune(model, {l.index: plan for l in ph.find_attention(model)})
     written = ph.save_gguf(model, tmp_path / "m.gguf", tokenizer=tokenizer, tensor_type="f32")
     assert written.architecture == "gemma3" and written.heads == [4 - len(plan)] * 6
@@ -789,6 +800,25 @@ def test_gemma3_from_hugging_face_weights_equals_transformers_in_llama_cpp(tmp_p
     # ggml computes GELU through a float16 table: 4e-4 of the largest logit here (the Llama tests hold 1e-4)
     np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-3 * np.abs(expected).max())
     assert greedy == expected_greedy
+
+
+def test_a_gemma3_checkpoint_is_pruned_to_gguf_from_the_command_line(tmp_path):
+    """`prune-heads prune FOLDER -o out.gguf` on a Gemma 3 saved as safetensors with its sentencepiece-style
+    tokenizer (saved and reloaded): even plan, no output bias, the file runs in llama.cpp and tokenizes as the
+    saved tokenizer does."""
+    tokenizer = sentencepiece_style("normalizer")
+    tiny_gemma3(tokenizer, 1).save_pretrained(tmp_path / "gemma3")
+    tokenizer.save_pretrained(tmp_path / "gemma3")
+    data = ["--data", "pkg:prune_heads/data/demo_sentences.jsonl", "--text-column", "text", "--split", "train[:32]"]
+    plan = ["--num-heads", "6", "--uniform", "--gqa", "even", "--no-bias-compensation", "--no-bias-tuning"]
+    args = ["prune", str(tmp_path / "gemma3"), "--task", "causal-lm", *data, "--max-length", "32", *plan]
+    args += ["-o", str(tmp_path / "out.gguf")]
+    result = _invoke(args)
+    assert result.exit_code == 0, result.output
+    assert gguf_heads(tmp_path / "out.gguf")["heads"] == [3] * 6
+    reloaded = T.AutoTokenizer.from_pretrained(tmp_path / "gemma3")
+    assert lc.tokenize(tmp_path / "out.gguf", PROMPT) == reloaded(PROMPT)["input_ids"] != []
+    assert len(lc.run(tmp_path / "out.gguf", [tokenizer.bos_token_id, *reloaded(PROMPT)["input_ids"]], 8)[1]) == 8
 
 
 def test_gemma3_270m_from_hugging_face_weights_equals_transformers_in_llama_cpp(tmp_path, gemma3):
