@@ -755,7 +755,6 @@ def test_gemma3_gguf_in_gguf_out_is_exact_in_llama_cpp(tmp_path, gemma3):
     np.testing.assert_array_equal(lc.run(written.path, ids, 8, True)[0], lc.run(gated, ids, 8, True)[0])
 
 
-@pytest.mark.parametrize("kv_heads, plan", [(2, [1, 3]), (1, [0])], ids=["gqa", "mqa"])
 def tiny_gemma3(tokenizer, kv_heads: int) -> torch.nn.Module:
     """Six layers (the sixth global), a sliding window of 4 tokens, head size 32 against a width of 64 / 4
     heads, norms away from 0 (llama.cpp stores Gemma's 1 + w)."""
