@@ -1,6 +1,7 @@
 """The speed-quality frontier of a decoder LLM: quality at 1/6, 1/3 and 1/2 of the KV groups removed, for the
 default path, whole attention blocks (`granularity="layer"`), query heads only (the same share, even per KV
-group, KV cache kept) and FLAP, each against the unpruned model on the same windows and documents:
+group, KV cache kept), the default path tuned to its end (`tuning_budget: None`: what more tuning work buys)
+and FLAP, each against the unpruned model on the same windows and documents:
 
 - perplexity on movie-snippets test[:1000] (the calibration's domain) and tweet-snippets test[:1000] (another),
   change with its 95% paired interval over windows;
@@ -63,10 +64,11 @@ def gemma3():
 MODELS = {"smollm2": smollm2, "gemma3": gemma3}
 
 
-def default(model, data, num_heads: int, **selection) -> dict:
-    result = ph.prune_model(
-        model, data, ph.PruneConfig(selection=ph.SelectionConfig(num_heads=num_heads, **selection)), progress=False
+def default(model, data, num_heads: int, recovery: dict | None = None, **selection) -> dict:
+    config = ph.PruneConfig(
+        selection=ph.SelectionConfig(num_heads=num_heads, **selection), recovery=ph.RecoveryConfig(**(recovery or {}))
     )
+    result = ph.prune_model(model, data, config, progress=False)
     work = result.work
     spent = sum(work.get(k, 0.0) for k in ("selection", "tuning")) + work["calibration_pass"]
     tried = next((e["tried"] for e in result.recovery if e.get("step") == "selection"), {})
@@ -78,6 +80,10 @@ METHODS = {  # (model, data, heads to remove, the selection a KV group needs) ->
     "default": lambda model, data, n, groups: default(model, data, n, **groups),
     "whole attention blocks": lambda model, data, n, groups: default(model, data, n, granularity="layer"),
     "query heads only, even per group": lambda model, data, n, groups: default(model, data, n, gqa="even"),
+    # the counted budget lifted (`--tuning-budget none`): whether more tuning work is what depth needs
+    "default tuned to its end": lambda model, data, n, groups: default(
+        model, data, n, recovery={"tuning_budget": None}, **groups
+    ),
     "FLAP": lambda model, data, n, groups: {
         "plan": {k: len(v) for k, v in flap(model, data.batches, num_heads=n).items()}
     },
