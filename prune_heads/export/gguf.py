@@ -56,6 +56,9 @@ class GgufError(ValueError):
     """A model, plan, tokenizer or output that no GGUF file can hold; the message says what to change."""
 
 
+FROM_SOURCE = "give the GGUF file the model came from (source=, --gguf-file)"
+
+
 FROM_WEIGHTS_ROPE = ("default", "linear", "llama3")  # the rope scalings written from Hugging Face weights
 
 
@@ -66,7 +69,7 @@ def _llama_config(config: Any, head_dim: int) -> tuple[dict[str, Any], dict[str,
     rope = dict(getattr(config, "rope_parameters", None) or {})
     kind = rope.get("rope_type", "default")
     if kind not in FROM_WEIGHTS_ROPE:
-        raise GgufError(f"rope scaling {kind!r} is not written from Hugging Face weights; give the source GGUF file")
+        raise GgufError(f"rope scaling {kind!r} is not written from Hugging Face weights; {FROM_SOURCE}")
     fields: dict[str, Any] = {"rope.freq_base": float(rope.get("rope_theta", getattr(config, "rope_theta", 1e4)))}
     if kind == "linear":
         fields.update({"rope.scaling.type": "linear", "rope.scaling.factor": float(rope["factor"])})
@@ -96,7 +99,7 @@ def _gemma3_config(config: Any, head_dim: int) -> tuple[dict[str, Any], dict[str
         raise GgufError(
             f"gemma3 with its {', '.join(k for k, v in differs.items() if v)} unlike llama.cpp's gemma3 (every sixth "
             f"layer global, sliding layers' rope base 10,000, scale 1/sqrt(head size)) is not written from weights; "
-            f"give the source GGUF file or save safetensors"
+            f"{FROM_SOURCE} or save safetensors"
         )
     fields: dict[str, Any] = {
         "rope.freq_base": float(full.get("rope_theta", 1e6)),
@@ -241,7 +244,7 @@ def pre_tokenizer(tokenizer: Any) -> str:
     if name is None:
         raise GgufError(
             f"llama.cpp has no pre-tokenizer known to split text as this tokenizer does "
-            f"({_signature(spec.get('pre_tokenizer'))}); give the GGUF file the model came from"
+            f"({_signature(spec.get('pre_tokenizer'))}); {FROM_SOURCE}"
         )
     return name
 
@@ -279,7 +282,7 @@ def space_prefix(tokenizer: Any) -> bool:
         raise GgufError(
             f"llama.cpp's sentencepiece tokenizer cannot split text as this one does (normalizer "
             f"{[s and s.get('type') for s in steps]}, pre-tokenizer {pre.get('type')}: llama.cpp "
-            f"replaces spaces, may prefix one and splits nothing); give the GGUF file the model came from"
+            f"replaces spaces, may prefix one and splits nothing); {FROM_SOURCE}"
         )
     vocab = _ordinary_tokens(tokenizer, spec)
     merges = {tuple(_pair(m)) for m in model.get("merges", [])}
@@ -289,7 +292,7 @@ def space_prefix(tokenizer: Any) -> bool:
             if left in vocab and right in vocab and (left, right) not in merges:
                 raise GgufError(
                     f"the tokenizer's merges lack {left!r} + {right!r} (= {token!r}), which llama.cpp's "
-                    f"sentencepiece tokenizer would merge; give the GGUF file the model came from"
+                    f"sentencepiece tokenizer would merge; {FROM_SOURCE}"
                 )
     return prefix
 
@@ -317,7 +320,7 @@ def tokenizer_model(tokenizer: Any) -> str:
         return "llama"
     raise GgufError(
         f"{type(tokenizer).__name__} is neither byte-level nor sentencepiece-style BPE, the kinds written from "
-        f"Hugging Face weights; give the GGUF file the model came from (source=, --gguf-file)"
+        f"Hugging Face weights; {FROM_SOURCE}"
     )
 
 
