@@ -230,16 +230,15 @@ def _byte_level(spec: dict) -> bool:
 
 
 def _sentencepiece_style(spec: dict) -> bool:
+    """BPE with byte fallback whose merges apply as listed (no dropout, no whole-word lookup first)."""
     model = spec.get("model", {})
-    return model.get("type") == "BPE" and bool(model.get("byte_fallback"))
+    listed = not model.get("ignore_merges") and not model.get("dropout")
+    return model.get("type") == "BPE" and bool(model.get("byte_fallback")) and listed
 
 
-def pre_tokenizer(tokenizer: Any) -> str:
+def _pre_tokenizer(spec: dict) -> str:
     """The llama.cpp pre-tokenizer that splits text as this byte-level BPE tokenizer does; GgufError when
-    llama.cpp has none (or the tokenizer is not byte-level BPE)."""
-    spec = _backend(tokenizer)
-    if not _byte_level(spec):
-        raise GgufError(f"{type(tokenizer).__name__} is not a byte-level BPE tokenizer")
+    llama.cpp has none."""
     name = PRE_TOKENIZERS.get(_signature(spec.get("pre_tokenizer")))
     if name is None:
         raise GgufError(
@@ -257,35 +256,32 @@ _NO_SPLIT: tuple[dict, ...] = (  # no pre-tokenizer, or Gemma's split at spaces 
 )
 
 
-def space_prefix(tokenizer: Any) -> bool:
+def _space_prefix(spec: dict) -> bool:
     """Whether llama.cpp's sentencepiece tokenizer (`llama`) must put a space before text to split it as this
-    sentencepiece-style tokenizer (BPE with byte fallback: Llama 2, Mistral, Phi-3, Gemma) does; GgufError
-    when it cannot split alike. llama.cpp turns spaces into ▁, prefixes one at the start and after every
-    added token where add_space_prefix is set, and merges, among neighbouring pieces, the pair whose joint
-    text is the highest-scoring token, with no other splitting: the tokenizer must do the same (spaces
-    replaced by a normalizer, optionally after a Prepend, or by a Metaspace that does not split), and its
-    merges must list every split of a token into two others (as those converted from sentencepiece do),
-    since llama.cpp merges any such pair. (A Metaspace prefixes no second ▁ to text that starts with a
-    space, and with prepend_scheme "first" none after an added token; llama.cpp, like sentencepiece, does.)"""
-    spec = _backend(tokenizer)
-    model = spec.get("model", {})
+    sentencepiece-style tokenizer does; GgufError when it cannot split alike. llama.cpp turns spaces into ▁,
+    prefixes one at the start and after every added token where add_space_prefix is set, and splits nothing
+    else: the tokenizer must replace spaces by a normalizer, optionally after a Prepend, or by a Metaspace that
+    does not split. (A Metaspace prefixes no second ▁ to text that starts with a space, and with
+    prepend_scheme "first" none after an added token; llama.cpp, like sentencepiece, does.)"""
     normalizer, pre = spec.get("normalizer"), spec.get("pre_tokenizer") or {}
     steps = normalizer.get("normalizers", []) if normalizer and normalizer.get("type") == "Sequence" else [normalizer]
-    if not _sentencepiece_style(spec) or model.get("ignore_merges") or model.get("dropout"):
-        raise GgufError(f"{type(tokenizer).__name__} is not a sentencepiece-style BPE tokenizer")
-    metaspace = pre.get("type") == "Metaspace" and (pre["replacement"], pre["split"]) == ("▁", False)
     if steps in ([_SPACES], [_PREFIX, _SPACES]) and pre in _NO_SPLIT:
-        prefix = steps[0] == _PREFIX
-    elif steps == [None] and metaspace:
-        prefix = pre["prepend_scheme"] != "never"
-    else:
-        raise GgufError(
-            f"llama.cpp's sentencepiece tokenizer cannot split text as this one does (normalizer "
-            f"{[s and s.get('type') for s in steps]}, pre-tokenizer {pre.get('type')}: llama.cpp "
-            f"replaces spaces, may prefix one and splits nothing); {FROM_SOURCE}"
-        )
+        return steps[0] == _PREFIX
+    if steps == [None] and pre.get("type") == "Metaspace" and (pre["replacement"], pre["split"]) == ("▁", False):
+        return pre["prepend_scheme"] != "never"
+    raise GgufError(
+        f"llama.cpp's sentencepiece tokenizer cannot split text as this one does (normalizer "
+        f"{[s and s.get('type') for s in steps]}, pre-tokenizer {pre.get('type')}: llama.cpp "
+        f"replaces spaces, may prefix one and splits nothing); {FROM_SOURCE}"
+    )
+
+
+def _check_merges(tokenizer: Any, spec: dict) -> None:
+    """llama.cpp's sentencepiece tokenizer merges, among neighbouring pieces, the pair whose joint text is the
+    highest-scoring token, so any split of a token into two others is a merge to it: the tokenizer's merges
+    must list every one (those converted from sentencepiece do); GgufError naming the first missing."""
     vocab = _ordinary_tokens(tokenizer, spec)
-    merges = {tuple(_pair(m)) for m in model.get("merges", [])}
+    merges = {tuple(_pair(m)) for m in spec["model"].get("merges", [])}
     for token in vocab:
         for cut in range(1, len(token)):
             left, right = token[:cut], token[cut:]
@@ -294,7 +290,6 @@ def space_prefix(tokenizer: Any) -> bool:
                     f"the tokenizer's merges lack {left!r} + {right!r} (= {token!r}), which llama.cpp's "
                     f"sentencepiece tokenizer would merge; {FROM_SOURCE}"
                 )
-    return prefix
 
 
 def _pair(merge: Any) -> list[str]:
@@ -309,14 +304,16 @@ def _ordinary_tokens(tokenizer: Any, spec: dict) -> set[str]:
 
 def tokenizer_model(tokenizer: Any) -> str:
     """llama.cpp's tokenizer model for this Hugging Face tokenizer: `gpt2` for byte-level BPE (with the
-    pre-tokenizer that splits alike, `pre_tokenizer`), `llama` for sentencepiece-style BPE (`space_prefix`).
-    GgufError, naming --gguf-file, for any other kind or one llama.cpp cannot split alike."""
+    pre-tokenizer that splits alike), `llama` for sentencepiece-style BPE (Llama 2, Mistral, Phi-3, Gemma:
+    byte fallback, spaces as ▁; `_space_prefix`, `_check_merges`). GgufError, naming --gguf-file, for any
+    other kind or one llama.cpp cannot split alike."""
     spec = _backend(tokenizer)
     if _byte_level(spec):
-        pre_tokenizer(tokenizer)
+        _pre_tokenizer(spec)
         return "gpt2"
     if _sentencepiece_style(spec):
-        space_prefix(tokenizer)
+        _space_prefix(spec)
+        _check_merges(tokenizer, spec)
         return "llama"
     raise GgufError(
         f"{type(tokenizer).__name__} is neither byte-level nor sentencepiece-style BPE, the kinds written from "
@@ -453,7 +450,7 @@ def check_gguf(
         raise GgufError(_BIAS_REFUSED.format(model_type=_model_type(model), arch=arch.even))
     if output is not None:
         ensure_file_free(Path(output), overwrite)
-    path = _source(model, source)
+    path, layers = _source(model, source), find_attention(model)
     if path is not None:
         found = str(_reader(path).fields["general.architecture"].contents())
         if found != arch.source:
@@ -463,9 +460,9 @@ def check_gguf(
     elif tokenizer is None:
         raise GgufError("writing GGUF from Hugging Face weights needs the tokenizer (tokenizer=)")
     else:
-        arch.from_config(model.config, max(l.head_dim for l in find_attention(model)))
+        arch.from_config(model.config, max(l.head_dim for l in layers))
         tokenizer_model(tokenizer)
-    for layer in find_attention(model):
+    for layer in layers:
         if tensor_type in _BLOCKED and layer.head_dim % 32:
             raise GgufError(
                 f"{tensor_type} packs rows in blocks of 32 values; head_dim {layer.head_dim} does not "
@@ -749,16 +746,17 @@ def _config_fields(writer, model: nn.Module, tokenizer: Any, targets: dict, head
         writer.add_key_value(f"{writer.arch}.{key}", value, kinds[type(value)])
     targets.update(tensors)
     size = targets["token_embd.weight"].shape[0]
-    kind = "gpt2" if _byte_level(_backend(tokenizer)) else "llama"  # check_gguf took it (tokenizer_model)
+    spec = _backend(tokenizer)
+    kind = "gpt2" if _byte_level(spec) else "llama"  # check_gguf checked it (tokenizer_model)
     tokens, types = _vocabulary(tokenizer, size, bytes_as_tokens=kind == "llama")
     writer.add_tokenizer_model(kind)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     if kind == "gpt2":
-        writer.add_tokenizer_pre(pre_tokenizer(tokenizer))
+        writer.add_tokenizer_pre(_pre_tokenizer(spec))
     else:
-        writer.add_add_space_prefix(space_prefix(tokenizer))
-        writer.add_token_scores(_scores(tokenizer, tokens))
+        writer.add_add_space_prefix(_space_prefix(spec))
+        writer.add_token_scores(_scores(tokenizer, spec, tokens))
     with tempfile.TemporaryDirectory() as folder:
         tokenizer.save_pretrained(folder)  # merges, special ids, add_bos and the chat template, read by gguf
         special = gguf.SpecialVocab(Path(folder), load_merges=kind == "gpt2", n_vocab=size)
@@ -792,11 +790,10 @@ def _vocabulary(tokenizer: Any, size: int, bytes_as_tokens: bool) -> tuple[list[
     return tokens, types
 
 
-def _scores(tokenizer: Any, tokens: list[str]) -> list[float]:
+def _scores(tokenizer: Any, spec: dict, tokens: list[str]) -> list[float]:
     """Scores that make llama.cpp's sentencepiece tokenizer merge in the tokenizer's order: a token made by
     merges scores minus the rank of the first merge that makes it (llama.cpp merges the highest first); the
     others (characters, bytes, added tokens), which no merge of llama.cpp's makes, score 0."""
-    spec = _backend(tokenizer)
     ordinary = _ordinary_tokens(tokenizer, spec)
     first: dict[str, int] = {}
     for rank, merge in enumerate(spec["model"]["merges"]):
