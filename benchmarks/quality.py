@@ -51,7 +51,7 @@ CONFIGS = {
     ),
     "fisher one-shot": ph.PruneConfig(scoring=FISHER, recovery=ph.RecoveryConfig.off()),
     "full recovery, fixed (fisher + rearrangement + gate and bias tuning, 4 epochs, no hold-out)": ph.PruneConfig(
-        scoring=FISHER, recovery=ph.RecoveryConfig(holdout=0, bias_compensation=False)
+        scoring=FISHER, recovery=ph.RecoveryConfig(holdout=0, bias_compensation=False, projection_tuning=False)
     ),
     "**default** (held-out decisions)": ph.PruneConfig(),
 }

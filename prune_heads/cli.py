@@ -456,6 +456,7 @@ def _plan_file(path: str) -> dict:
 )
 @recovery_step("gate_tuning", "Tune one scale per kept head to the unpruned outputs.")
 @recovery_step("bias_tuning", "Tune the output biases with the gates.")
+@recovery_step("projection_tuning", "Tune a low-rank update of each output projection with them (LoRA's form).")
 @click.option(
     "--epochs",
     type=int,
@@ -523,6 +524,7 @@ def prune_command(
     bias_compensation: bool,
     gate_tuning: bool,
     bias_tuning: bool,
+    projection_tuning: bool,
     epochs: int,
     tuning_budget: float | None,
     holdout: float,
@@ -561,6 +563,7 @@ def prune_command(
         bias_compensation=bias_compensation,
         gate_tuning=gate_tuning,
         bias_tuning=bias_tuning,
+        projection_tuning=projection_tuning,
         tuning_budget=tuning_budget,
     )
     recovery_section = (

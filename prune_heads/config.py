@@ -67,7 +67,9 @@ class RecoveryConfig:
     chosen per layer on the held-out tokens (`prune_heads.recovery.reconstruction`); without it,
     `bias_compensation` adds the removed heads' mean output to the output bias (FLAP, An et al. 2024; the
     reconstruction's limit); `gate_tuning` tunes one scale per kept head to the unpruned model's outputs, and
-    `bias_tuning` the output biases with them, for at most `epochs` epochs, stopping when the held-out
+    `bias_tuning` the output biases with them, and `projection_tuning` a rank-`projection_rank` update of every
+    output projection (LoRA's form, Hu et al. 2022, folded into the weights: it moves what the kept heads
+    write, not only how loud each is), for at most `epochs` epochs, stopping when the held-out
     divergence stops falling, or before a step would take the recovery (trying candidates and tuning) past
     `tuning_budget` times the work of one forward and backward pass over the calibration batches (the
     default fisher scoring's cost; None: no limit); tuning still gets at least `min_tuning_flops`, so small
@@ -84,11 +86,14 @@ class RecoveryConfig:
     bias_compensation: bool = True
     gate_tuning: bool = True
     bias_tuning: bool = True
+    projection_tuning: bool = True
     epochs: int = 4
     tuning_budget: float | None = 1.0
     min_tuning_flops: float = MIN_TUNING_FLOPS
     gate_lr: float = 0.05
     bias_lr: float = 0.01
+    projection_rank: int = 16
+    projection_lr: float = 1e-3
     average: float = AVERAGE
 
     def __post_init__(self) -> None:
@@ -104,16 +109,30 @@ class RecoveryConfig:
                 )
         if self.epochs < 0:
             raise ConfigError(f"recovery.epochs is {self.epochs}; give 0 or more")
+        if self.projection_rank < 1:
+            raise ConfigError(f"recovery.projection_rank is {self.projection_rank}; give 1 or more")
 
     @classmethod
     def off(cls) -> RecoveryConfig:
         """No recovery: the plain selection, pruned as it is."""
-        return cls(rearrange=False, reconstruction=False, bias_compensation=False, gate_tuning=False, bias_tuning=False)
+        return cls(
+            rearrange=False,
+            reconstruction=False,
+            bias_compensation=False,
+            gate_tuning=False,
+            bias_tuning=False,
+            projection_tuning=False,
+        )
 
     @property
     def enabled(self) -> bool:
         """Whether any recovery step is on."""
-        return self.rearrange or self.reconstruction or self.bias_compensation or self.gate_tuning or self.bias_tuning
+        return self.rearrange or self.reconstruction or self.bias_compensation or self.tuning
+
+    @property
+    def tuning(self) -> bool:
+        """Whether anything is tuned (gates, biases or projection updates)."""
+        return self.gate_tuning or self.bias_tuning or self.projection_tuning
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 Score the heads on calibration batches (their held-out part aside), build the candidate plans, and try each
 on the gated model against the unpruned outputs on the held-out part; then keep each recovery step (bias
-compensation, gate and bias tuning) only if it lowers that held-out divergence. Everything is tried on the
-one model through gates and added biases, then folded into the weights and the heads removed.
+compensation, gate, bias and projection tuning) only if it lowers that held-out divergence. Everything is tried
+on the one model through gates, added biases and low-rank updates, then folded into the weights and the heads
+removed.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def prune_model(
     builds one from a recipe. The budget is checked against the model's structure before any data is read.
     With recovery on, `recovery.holdout` of the batches is held out: the candidate plans (the plain ranking,
     Kwon et al.'s Fisher-block rearrangement, FLAP's fluctuation, structured OBS), each with its closed-form
-    reconstruction (or bias compensation), and gate and bias tuning with early stopping are kept only when
+    reconstruction (or bias compensation), and gate, bias and projection tuning with early stopping are kept only when
     they lower the divergence from the unpruned model there, so the result is never worse on held-out data
     than the plain selection (docs/recovery.md). No copy of the model is made: candidates and tuning run on
     the model itself through gates, then folded in.
@@ -296,13 +297,21 @@ def _decide(
     }
     timings["selection"] = time.perf_counter() - tick
     gated.use(state.plan, state.biases, state.refits)
-    if (r.gate_tuning or r.bias_tuning) and r.epochs > 0 and recorder is not None:
+    if r.tuning and r.epochs > 0 and recorder is not None:
         tick = time.perf_counter()
         gated.scales = [s.requires_grad_(r.gate_tuning) for s in gated.scales]
         gated.biases = [b.requires_grad_(r.bias_tuning) for b in gated.biases]
-        groups = ([{"params": gated.scales, "lr": r.gate_lr}] if r.gate_tuning else []) + (
-            [{"params": gated.biases, "lr": r.bias_lr}] if r.bias_tuning else []
-        )
+        updates = gated.add_updates(r.projection_rank, seed) if r.projection_tuning else []
+        tunables = [
+            (name, params, lr)
+            for name, params, lr, on in (
+                ("gate", gated.scales, r.gate_lr, r.gate_tuning),
+                ("bias", gated.biases, r.bias_lr, r.bias_tuning),
+                ("projection", updates, r.projection_lr, r.projection_tuning),
+            )
+            if on
+        ]
+        groups = [{"params": params, "lr": lr} for _, params, lr in tunables]
         check = (lambda: float(gated.divergences(heldout, targets, objective).mean())) if heldout else None
         limit = (
             float("inf")
@@ -315,13 +324,9 @@ def _decide(
         )
         gated.scales = [s.detach() for s in gated.scales]
         gated.biases = [b.detach() for b in gated.biases]
-        step = (
-            "gate and bias tuning"
-            if r.gate_tuning and r.bias_tuning
-            else "gate tuning"
-            if r.gate_tuning
-            else "bias tuning"
-        )
+        gated.updates = [(down.detach(), up.detach()) for down, up in gated.updates]
+        names = [name for name, _, _ in tunables]
+        step = (", ".join(names[:-1]) + " and " if len(names) > 1 else "") + names[-1] + " tuning"
         result.work.update(tuning=spent, tuning_budget=limit)
         tuning: dict[str, Any] = {
             "step": step,

@@ -137,7 +137,7 @@ def test_prune_without_flags_is_the_default_path(tmp_path, fixture_model_path, f
     report = json.loads(result.stdout)
     assert report["meta"]["method"] == "fisher" and report["summary"]["heads"]["after"] == 36
     steps = [e["step"] for e in report["recovery"]]
-    assert steps == ["selection", "gate and bias tuning"]
+    assert steps == ["selection", "gate, bias and projection tuning"]
     tried = set(report["recovery"][0]["tried"])
     assert {"ranked", "interactions + reconstruction", "fluctuation + reconstruction", "OBS + reconstruction"} <= tried
     assert report["meta"]["heldout"]["final"] <= report["meta"]["heldout"]["plain"]

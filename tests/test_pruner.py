@@ -31,8 +31,8 @@ def test_default_config_is_the_best_measured_path():
     config = ph.PruneConfig()
     assert config.scoring.method == "fisher" and config.selection.sparsity == 0.5
     r = config.recovery
-    steps = (r.rearrange, r.reconstruction, r.bias_compensation, r.gate_tuning, r.bias_tuning, r.holdout)
-    assert steps == (True, True, True, True, True, 0.2)
+    steps = (r.rearrange, r.reconstruction, r.bias_compensation, r.gate_tuning, r.bias_tuning, r.projection_tuning)
+    assert steps == (True,) * 6 and r.holdout == 0.2
     assert not ph.RecoveryConfig.off().enabled
 
 
@@ -235,6 +235,28 @@ def _scalar_problem():
     return scale, forward, Objective(torch.nn.Linear(1, 1)), [{"x": torch.tensor([0.0, 1.0])}], target
 
 
+@pytest.mark.parametrize(
+    "steps, name",
+    [
+        ({"projection_tuning": False}, "gate and bias tuning"),
+        ({"gate_tuning": False, "bias_tuning": False}, "projection tuning"),
+    ],
+)
+def test_each_tuning_step_switches_alone_and_is_named_in_the_report(steps, name):
+    model = tm.build("bert")
+    before = {l.name: l.module.output.dense.weight.clone() for l in ph.find_attention(model)}
+    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=1), recovery=ph.RecoveryConfig(holdout=0, **steps))
+    result = ph.prune_model(model, batches("bert", n=2), config, progress=False)
+    assert [e["step"] for e in result.recovery] == ["selection", name]
+    layers = {l.name: l for l in ph.find_attention(model)}
+    untouched = [n for n in before if not result.plan.get(n)]  # no refit there: only tuning changes the weight
+    assert untouched
+    for n in untouched:
+        weight = layers[n].module.output.dense.weight
+        column_scaled = torch.allclose(weight, before[n] * (weight / before[n])[:1], atol=1e-6)
+        assert column_scaled != steps.get("projection_tuning", True)  # a gate scales columns, an update does not
+
+
 def test_tuning_stops_when_the_held_out_check_stops_improving():
     scale, forward, objective, data, target = _scalar_problem()
     checks = iter([1.0, 0.5, 0.7, 0.8, 0.1])  # improves once, then twice not: stop before the last value
@@ -338,7 +360,7 @@ def test_tuning_keeps_the_moving_average_or_the_last_step_whichever_checks_lower
 
 
 def test_recovery_config_refuses_values_out_of_range():
-    for bad in ({"holdout": 1.0}, {"average": -0.1}, {"average": 1.0}, {"epochs": -1}):
+    for bad in ({"holdout": 1.0}, {"average": -0.1}, {"average": 1.0}, {"epochs": -1}, {"projection_rank": 0}):
         with pytest.raises(ph.config.ConfigError, match=f"recovery.{next(iter(bad))}"):
             ph.RecoveryConfig(**bad)
 

@@ -124,7 +124,7 @@ def test_recovery_section_maps_onto_prune_model():
     before = {l.name: l.module.output.dense.bias.clone() for l in find_attention(model)}
     found = prune_model(model, _synthetic("bert", recipe), PruneConfig.from_recipe(recipe), progress=False)
     assert found.heads_removed == 6
-    assert [e["step"] for e in found.recovery] == ["selection", "gate and bias tuning"]
+    assert [e["step"] for e in found.recovery] == ["selection", "gate, bias and projection tuning"]
     assert found.recovery[0]["kept"] == "ranked + reconstruction"  # no hold-out: every enabled step
     assert any(not torch.equal(l.module.output.dense.bias, before[l.name]) for l in find_attention(model))
     off = parse_recipe({**_base(), "recovery": "off"})

@@ -294,3 +294,32 @@ def test_a_refused_fold_puts_the_refitted_projections_back():
     with pytest.raises(ph.PlanError):
         gated.fold({layers[0].name: [0]})  # half a KV group: refused
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def test_projection_updates_with_gates_and_biases_fold_exactly(name):
+    from prune_heads.recovery.gated import GatedModel
+
+    model = tm.build(name)
+    layers = ph.find_attention(model)
+    plan = {layers[0].name: [0, 1]}  # llama: one whole KV group
+    held = [tm.make_inputs(name, batch=2, seq=7, seed=s) for s in range(2)]
+    generator = torch.Generator().manual_seed(0)
+    gated = GatedModel(model, layers)
+    with gated, torch.no_grad():
+        gated.use(plan)
+        plain = [tm.main_output(gated(b)) for b in held]
+        updates = gated.add_updates(rank=3, seed=0)
+        assert len(updates) == 2 * len(layers) and all(t.requires_grad for t in updates)
+        assert all(torch.equal(a, b) for a, b in zip(plain, (tm.main_output(gated(b)) for b in held)))  # up is 0
+        for _, up in gated.updates:
+            up.copy_(torch.randn(up.shape, generator=generator))
+        for scale, bias in zip(gated.scales, gated.biases):
+            scale.copy_(1 + torch.rand(scale.shape, generator=generator))
+            bias.copy_(torch.randn(bias.shape, generator=generator))
+        expected = [tm.main_output(gated(b)) for b in held]
+    assert not any(torch.allclose(e, p) for e, p in zip(expected, plain))
+    gated.fold(plan)
+    with torch.no_grad():  # the pruned model computes without hooks what the gated one measured
+        for b, e in zip(held, expected):
+            torch.testing.assert_close(tm.main_output(model(**b)), e, rtol=1e-5, atol=1e-4)

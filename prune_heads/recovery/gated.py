@@ -1,6 +1,7 @@
-"""`GatedModel`: the unpruned model with a gate per head and an added bias per output projection (hooks), so
-candidate plans, bias compensation and tuning are tried without copying or changing a weight; gate 0 is
-exactly the head's removal, so what is measured here is what `prune` then produces (`fold`)."""
+"""`GatedModel`: the unpruned model with a gate per head, an added bias and an optional low-rank update per
+output projection (hooks), so candidate plans, bias compensation and tuning are tried without copying or
+changing a weight; gate 0 is exactly the head's removal, so what is measured here is what `prune` then
+produces (`fold`)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from .reconstruction import Refit, kept_and_removed
 
 
 class GatedModel:
-    """The model with a gate per head (`scales` x `masks`) and an added bias per output projection
-    (`biases`), all hooks: call it on a batch to run the gated model. Plans are tried by zeroing masks; gate
+    """The model with a gate per head (`scales` x `masks`), an added bias per output projection (`biases`)
+    and, once `add_updates` is called, a low-rank update of each output projection (`updates`: (down, up)
+    with down [rank, in] and up [out, rank], adding x @ downᵀ @ upᵀ), all hooks: call it on a batch to run
+    the gated model. Plans are tried by zeroing masks; gate
     0 gives exactly the outputs of the model with that head removed, and `fold` makes it so. A plan's
     reconstruction (`Refit`s) is written into the output projections' kept columns, the originals kept aside
     until `fold` (or `restore`) so that any other state can be tried after it."""
@@ -42,8 +45,9 @@ class GatedModel:
         refits: dict[str, Refit] | None = None,
     ) -> None:
         """Gates of 0 for the plan's heads and 1 for the others, and the given added biases (else none); with
-        `refits`, those layers' fitted kept columns and biases (in place of any added bias)."""
+        `refits`, those layers' fitted kept columns and biases (in place of any added bias). No updates."""
         self.restore()
+        self.updates: list[tuple[torch.Tensor, torch.Tensor]] = []
         biases = dict(biases or {})
         with torch.no_grad():
             for i, layer in enumerate(self.layers):
@@ -68,6 +72,19 @@ class GatedModel:
             for l, w, d in zip(self.layers, self.widths, self.devices)
         ]
 
+    def add_updates(self, rank: int, seed: int) -> list[torch.Tensor]:
+        """Start a rank-`rank` update of every output projection, LoRA's form (Hu et al. 2022): `down` seeded
+        random with unit-variance outputs, `up` zero, so the model is unchanged until they are tuned. Returns
+        the tensors to tune."""
+        generator = torch.Generator().manual_seed(seed)
+        self.updates = []
+        for layer, device, width in zip(self.layers, self.devices, self.widths):
+            inner = output_projection(layer).features("in")
+            down = torch.randn(rank, inner, generator=generator) / inner**0.5
+            up = torch.zeros(width, rank, device=device)
+            self.updates.append((down.to(device).requires_grad_(), up.requires_grad_()))
+        return [t for update in self.updates for t in update]
+
     @torch.no_grad()
     def restore(self) -> None:
         """Put back the output projections that a reconstruction changed."""
@@ -77,15 +94,24 @@ class GatedModel:
 
     def __enter__(self) -> GatedModel:
         self.gates = self._stack.enter_context(head_gates(self.model, requires_grad=False))
-        add = [(resolve(l.module, l.spec.o), "forward", self._add_bias(i)) for i, l in enumerate(self.layers)]
+        add = [(resolve(l.module, l.spec.o), "forward", self._add(i)) for i, l in enumerate(self.layers)]
         self._stack.enter_context(hooks(add))
         return self
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
-    def _add_bias(self, i: int):
-        return lambda module, args, out: out + self.biases[i].to(out.dtype)
+    def _add(self, i: int):
+        """The hook that adds layer i's bias and update (its input is the gated features)."""
+
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+            out = out + self.biases[i].to(out.dtype)
+            if self.updates:
+                down, up = self.updates[i]
+                out = out + (args[0] @ down.to(out.dtype).t()) @ up.to(out.dtype).t()
+            return out
+
+        return hook
 
     def __call__(self, batch: dict):
         for i, (scale, mask) in enumerate(zip(self.scales, self.masks)):
@@ -111,8 +137,8 @@ class GatedModel:
         return biases
 
     def fold(self, plan: dict[str, list[int]], inputs: dict | None = None) -> None:
-        """Make the gated state permanent: scales into the output projections, added biases into their biases
-        (created and recorded where missing), then the plan's heads removed. The plan is proven on copies
+        """Make the gated state permanent: updates and scales into the output projections, added biases into
+        their biases (created and recorded where missing), then the plan's heads removed. The plan is proven on copies
         first (`probe_plan`, on `inputs`), so a refused plan leaves the model as it was."""
         layers = find_attention(self.model)
         try:
@@ -123,6 +149,9 @@ class GatedModel:
             raise
         self._originals.clear()
         with torch.no_grad():
+            for layer, (down, up) in zip(self.layers, self.updates):
+                weight = output_projection(layer).matrix()
+                weight += (up.double() @ down.double()).to(weight.device, weight.dtype)
             for layer, scale in zip(self.layers, self.scales):
                 if not torch.equal(scale, torch.ones_like(scale)):
                     fold_gates(layer, scale)
