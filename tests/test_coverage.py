@@ -55,16 +55,19 @@ def test_architectures_that_cannot_be_exact_are_refused_with_the_reason(model_ty
     assert outcome == "refused" and reason in why
 
 
-# the models another sweep found wrong (issue 30), built as their users configured them
+# the models another sweep found wrong (issue 30), built as their users configured them: the outcomes allowed,
+# each with what its reason must say. D-FINE's query selection (a top-k) turns float rounding into a different
+# output: on some CPUs the pruned model's rounding matches the gated one's (exact), on others it does not and the
+# sweep shows the gated model itself moving with the thread count (unstable); never wrong.
 USER = {
-    "zamba (user)": ("refused", "its weights are tied to model.layers.13.shared_transf.self_attn and 11 more"),
-    "zamba2 (user)": ("refused", "its weights are tied to model.layers.12.shared_transformer.self_attn and 7 more"),
-    "xlnet (user)": ("refused", "its heads live in its own parameter tensors q, k, v, o, r"),
-    "d_fine (user)": ("unstable", "the gated model's own output moves by"),
+    "zamba (user)": {"refused": "its weights are tied to model.layers.13.shared_transf.self_attn and 11 more"},
+    "zamba2 (user)": {"refused": "its weights are tied to model.layers.12.shared_transformer.self_attn and 7 more"},
+    "xlnet (user)": {"refused": "its heads live in its own parameter tensors q, k, v, o, r"},
+    "d_fine (user)": {"unstable": "the gated model's own output moves by", "exact": ""},
 }
 
 
 @pytest.mark.parametrize("model_type, expected", USER.items())
 def test_models_once_found_wrong_are_refused_or_proven(model_type, expected):
     outcome, why = coverage.classify(model_type, seconds=300)
-    assert outcome == expected[0] and expected[1] in why
+    assert outcome in expected and expected[outcome] in why, (outcome, why)
