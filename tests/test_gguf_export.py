@@ -734,9 +734,11 @@ def gemma3(tmp_path_factory) -> Path:
 def test_gemma3_gguf_in_gguf_out_is_exact_in_llama_cpp(tmp_path, gemma3):
     """A real Gemma 3, GGUF in, GGUF out, with one query head of four removed from every layer: every tensor is
     the source's bytes (the norms too: Gemma's 1 + w as llama.cpp stores it), llama.cpp computes exactly what it
-    computes on the source with that head's output columns zeroed, and agrees with transformers on the pruned
-    weights about as closely as on the unpruned ones (Q4_K_M: llama.cpp quantizes activations, transformers
-    runs the dequantized weights in float32)."""
+    computes on the source with that head's output columns zeroed (logits and greedy tokens), and agrees with
+    transformers on the pruned weights about as closely as on the unpruned ones, with the same next token
+    (Q4_K_M: llama.cpp quantizes activations, transformers runs the dequantized weights in float32; later greedy
+    tokens follow the CPU's kernels: an AVX2 build of llama.cpp parts from transformers at the second token
+    of the unpruned file, a native AVX-512 one did not)."""
     model = ph.load_pruned(gemma3.parent, gguf_file=gemma3.name, dtype=torch.float32).eval()
     ids = [2, *lc.tokenize(gemma3, PROMPT)]  # Gemma wants its <bos>
     agreement = {}
@@ -749,10 +751,12 @@ def test_gemma3_gguf_in_gguf_out_is_exact_in_llama_cpp(tmp_path, gemma3):
         logits, greedy = lc.run(path, ids, new_tokens=8, f32_cache=True)
         expected, expected_greedy = transformers_run(model, ids, new_tokens=8)
         agreement[state] = np.abs(logits - expected).max() / np.abs(expected).max()
-        assert greedy == expected_greedy
+        assert greedy[0] == expected_greedy[0]  # a margin of 1.2 to 1.5 logits at the prompt's end
     assert agreement["pruned"] < 2 * agreement["unpruned"] < 0.2  # measured 0.064 and 0.051
     gated = _gated_source(gemma3, tmp_path / "gated.gguf", model, head_dim=256)
-    np.testing.assert_array_equal(lc.run(written.path, ids, 8, True)[0], lc.run(gated, ids, 8, True)[0])
+    (logits, greedy), (reference, reference_greedy) = (lc.run(p, ids, 8, True) for p in (written.path, gated))
+    np.testing.assert_array_equal(logits, reference)
+    assert greedy == reference_greedy
 
 
 def tiny_gemma3(tokenizer, kv_heads: int) -> torch.nn.Module:
