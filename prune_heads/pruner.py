@@ -166,10 +166,10 @@ def prune_model(
     builds one from a recipe. The budget is checked against the model's structure before any data is read.
     With recovery on, `recovery.holdout` of the batches is held out: the candidate plans (the plain ranking,
     Kwon et al.'s Fisher-block rearrangement, FLAP's fluctuation, structured OBS), each with its closed-form
-    reconstruction (or bias compensation), and gate, bias and projection tuning with early stopping are kept only when
-    they lower the divergence from the unpruned model there, so the result is never worse on held-out data
-    than the plain selection (docs/recovery.md). No copy of the model is made: candidates and tuning run on
-    the model itself through gates, then folded in.
+    reconstruction (or bias compensation), and gate, bias and projection tuning with early stopping are kept
+    only when they lower the divergence from the unpruned model there, so the result is never worse on held-out
+    data than the plain selection (docs/recovery.md). No copy of the model is made: candidates and tuning run
+    on the model itself through gates, then folded in.
     """
     config = config or PruneConfig()
     start = time.perf_counter()

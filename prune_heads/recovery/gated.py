@@ -24,10 +24,10 @@ class GatedModel:
     """The model with a gate per head (`scales` x `masks`), an added bias per output projection (`biases`)
     and, once `add_updates` is called, a low-rank update of each output projection (`updates`: (down, up)
     with down [rank, in] and up [out, rank], adding x @ downᵀ @ upᵀ), all hooks: call it on a batch to run
-    the gated model. Plans are tried by zeroing masks; gate
-    0 gives exactly the outputs of the model with that head removed, and `fold` makes it so. A plan's
-    reconstruction (`Refit`s) is written into the output projections' kept columns, the originals kept aside
-    until `fold` (or `restore`) so that any other state can be tried after it."""
+    the gated model. Plans are tried by zeroing masks; gate 0 gives exactly the outputs of the model with that
+    head removed, and `fold` makes it so. A plan's reconstruction (`Refit`s) is written into the output
+    projections' kept columns, the originals kept aside until `fold` (or `restore`) so that any other state can
+    be tried after it."""
 
     def __init__(self, model: nn.Module, layers: list[AttentionLayer]) -> None:
         self.model, self.layers = model, layers
@@ -138,8 +138,8 @@ class GatedModel:
 
     def fold(self, plan: dict[str, list[int]], inputs: dict | None = None) -> None:
         """Make the gated state permanent: updates and scales into the output projections, added biases into
-        their biases (created and recorded where missing), then the plan's heads removed. The plan is proven on copies
-        first (`probe_plan`, on `inputs`), so a refused plan leaves the model as it was."""
+        their biases (created and recorded where missing), then the plan's heads removed. The plan is proven on
+        copies first (`probe_plan`, on `inputs`), so a refused plan leaves the model as it was."""
         layers = find_attention(self.model)
         try:
             plan = normalize_plan(layers, plan)
