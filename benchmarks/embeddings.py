@@ -66,7 +66,7 @@ CANDIDATES = {  # with --task --candidates: the default's own steps applied with
         recovery=ph.RecoveryConfig(holdout=0, gate_tuning=False, bias_tuning=False)
     ),
     "full recovery, fixed (no hold-out)": ph.PruneConfig(recovery=ph.RecoveryConfig(holdout=0)),
-    "default tuned to its end (`tuning_budget: null`)": ph.PruneConfig(recovery=ph.RecoveryConfig(tuning_budget=None)),
+    "default, budget of 1 pass (`tuning_budget: 1.0`)": ph.PruneConfig(recovery=ph.RecoveryConfig(tuning_budget=1.0)),
 }
 
 

@@ -467,10 +467,10 @@ def _plan_file(path: str) -> dict:
 @click.option(
     "--tuning-budget",
     type=BUDGET,
-    default=str(RecoveryConfig.tuning_budget),
+    default=str(RecoveryConfig.tuning_budget).lower(),
     show_default=True,
-    help="Work of candidates and tuning, in forward+backward passes over the calibration data (counted, never "
-    "timed; 'none' for no limit).",
+    help="Cap on the work of candidates and tuning, in forward+backward passes over the calibration data "
+    "(counted, never timed); 'none': tune until the held-out divergence stops falling.",
 )
 @click.option(
     "--holdout",

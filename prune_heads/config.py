@@ -70,10 +70,11 @@ class RecoveryConfig:
     `bias_tuning` the output biases with them, and `projection_tuning` a rank-`projection_rank` update of every
     output projection (LoRA's form, Hu et al. 2022, folded into the weights: it moves what the kept heads
     write, not only how loud each is), for at most `epochs` epochs, stopping when the held-out
-    divergence stops falling, or before a step would take the recovery (trying candidates and tuning) past
-    `tuning_budget` times the work of one forward and backward pass over the calibration batches (the
-    default fisher scoring's cost; None: no limit); tuning still gets at least `min_tuning_flops`, so small
-    models tune fully, and a cut epoch is checked like a whole one. Work is counted in FLOPs from the model
+    divergence stops falling (the default: the held-out data decides how much work depth needs), or, with a
+    `tuning_budget`, before a step would take the recovery (trying candidates and tuning) past that many times
+    the work of one forward and backward pass over the calibration batches (the default fisher scoring's
+    cost); a capped tuning still gets at least `min_tuning_flops`, so small models tune fully, and a cut epoch
+    is checked like a whole one. Work is counted in FLOPs from the model
     and the data (`prune_heads.runtime.work`), never timed: the same inputs, config and seed give the same model on
     any machine. Each check tries both the tuned values and their moving average over the steps (`average`,
     its decay per step; 0: the tuned values alone) and keeps the lower. Everything is tuned on the gated
@@ -88,7 +89,7 @@ class RecoveryConfig:
     bias_tuning: bool = True
     projection_tuning: bool = True
     epochs: int = 4
-    tuning_budget: float | None = 1.0
+    tuning_budget: float | None = None
     min_tuning_flops: float = MIN_TUNING_FLOPS
     gate_lr: float = 0.05
     bias_lr: float = 0.01

@@ -327,7 +327,9 @@ def _decide(
         gated.updates = [(down.detach(), up.detach()) for down, up in gated.updates]
         names = [name for name, _, _ in tunables]
         step = (", ".join(names[:-1]) + " and " if len(names) > 1 else "") + names[-1] + " tuning"
-        result.work.update(tuning=spent, tuning_budget=limit)
+        result.work["tuning"] = spent
+        if r.tuning_budget is not None:  # no cap, no entry (an infinity is not JSON)
+            result.work["tuning_budget"] = limit
         tuning: dict[str, Any] = {
             "step": step,
             "epochs_run": round(steps / len(calib), 2),

@@ -1,4 +1,5 @@
 import copy
+import json
 
 import pytest
 import tiny_models as tm
@@ -32,8 +33,18 @@ def test_default_config_is_the_best_measured_path():
     assert config.scoring.method == "fisher" and config.selection.sparsity == 0.5
     r = config.recovery
     steps = (r.rearrange, r.reconstruction, r.bias_compensation, r.gate_tuning, r.bias_tuning, r.projection_tuning)
-    assert steps == (True,) * 6 and r.holdout == 0.2
+    assert steps == (True,) * 6 and r.holdout == 0.2 and r.tuning_budget is None  # the held-out stop decides
     assert not ph.RecoveryConfig.off().enabled
+
+
+def test_the_default_tunes_until_the_heldout_stop_and_reports_its_work_as_strict_json():
+    model = tm.build("llama")
+    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4))
+    result = ph.prune_model(model, batches("llama", n=10, labels=False), config, progress=False)
+    tuning = next(e for e in result.recovery if "tuning" in e["step"])
+    assert tuning["budget_flops"] is None and "tuning_budget" not in result.work and tuning["flops"] > 0
+    assert 0 < tuning["epochs_run"] <= config.recovery.epochs
+    json.loads(json.dumps(result.work, allow_nan=False))  # no Infinity for a pipeline's JSON parser
 
 
 @pytest.mark.parametrize("name", ["bert", "llama", "gpt2"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -239,11 +238,7 @@ class Report:
         work = self.meta.get("work") or {}
         if "calibration_pass" in work:
             tuning_budget = work.get("tuning_budget")
-            limit = (
-                f" of its {_tflops(tuning_budget)} budget"
-                if tuning_budget is not None and math.isfinite(tuning_budget)
-                else ""
-            )
+            limit = f" of its {_tflops(tuning_budget)} budget" if tuning_budget is not None else ""
             lines += [
                 "",
                 f"Work, counted in FLOPs (the limits never read a clock): one forward and backward pass over "
