@@ -80,7 +80,7 @@ METHODS = {  # (model, data, heads to remove, the selection a KV group needs) ->
     "default": lambda model, data, n, groups: default(model, data, n, **groups),
     "whole attention blocks": lambda model, data, n, groups: default(model, data, n, granularity="layer"),
     "query heads only, even per group": lambda model, data, n, groups: default(model, data, n, gqa="even"),
-    # the work capped (`--tuning-budget 1`, the default before 0.x): what tuning until the held-out stop buys
+    # the work capped (`--tuning-budget 1`, the earlier default): what tuning until the held-out stop buys
     "default, budget of 1 pass": lambda model, data, n, groups: default(
         model, data, n, recovery={"tuning_budget": 1.0}, **groups
     ),

@@ -313,12 +313,12 @@ def _decide(
         ]
         groups = [{"params": params, "lr": lr} for _, params, lr in tunables]
         check = (lambda: float(gated.divergences(heldout, targets, objective).mean())) if heldout else None
-        limit = (
-            float("inf")
+        limit = (  # None: no cap, the held-out stop and `epochs` end tuning
+            None
             if r.tuning_budget is None
             else max(r.min_tuning_flops, r.tuning_budget * result.work["calibration_pass"] - result.work["selection"])
         )
-        budget = Budget(limit, work, check=result.work["heldout_pass"])
+        budget = Budget(float("inf") if limit is None else limit, work, check=result.work["heldout_pass"])
         history, steps, averaged, spent = tune(
             gated, groups, calib, recorder.targets, objective, r.epochs, seed, check, budget, r.average
         )
@@ -328,7 +328,7 @@ def _decide(
         names = [name for name, _, _ in tunables]
         step = (", ".join(names[:-1]) + " and " if len(names) > 1 else "") + names[-1] + " tuning"
         result.work["tuning"] = spent
-        if r.tuning_budget is not None:  # no cap, no entry (an infinity is not JSON)
+        if limit is not None:  # no cap, no entry
             result.work["tuning_budget"] = limit
         tuning: dict[str, Any] = {
             "step": step,
@@ -336,7 +336,7 @@ def _decide(
             "heldout_by_epoch": history,
             "seconds": round(time.perf_counter() - tick, 3),
             "flops": spent,
-            "budget_flops": None if r.tuning_budget is None else limit,
+            "budget_flops": limit,
             "averaged": averaged,
         }
         if history and values is not None:  # kept only when it beats the untuned state by more than one
