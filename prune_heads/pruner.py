@@ -217,9 +217,16 @@ def prune_model(
     result = PruneResult(plan=plans["ranked"], scores=scores, asked=asked)
     gated = GatedModel(model, layers)
     with frozen(model), gated:
-        plan = _decide(gated, plans, recorder, calib, heldout, objective, config, result, timings, notes, device)
-    gated.fold(plan, calib[0])
-    result.plan = plan
+        choice = _choose(gated, plans, recorder, calib, heldout, objective, config, result, timings, notes, device)
+    # proven exact before tuning (a refused plan leaves the model as it was), so that tuning, the flow's peak,
+    # runs without the output projections' originals beside the model
+    gated.prove(choice.plan, calib[0])
+    if recorder is not None:
+        recorder.release_moments()
+        with frozen(model), gated:
+            _tune(gated, choice, recorder, calib, objective, config, result, timings)
+    gated.fold(choice.plan)
+    result.plan = choice.plan
     if notes:
         result.recovery.insert(0, {"step": "notes", "notes": notes})
     result.timings = {k: round(v, 3) for k, v in timings.items()}
@@ -227,7 +234,29 @@ def prune_model(
     return result
 
 
-def _decide(
+@dataclass
+class State:
+    """A candidate state of the gated model: the plan, and the added biases or the reconstruction with it."""
+
+    plan: dict[str, list[int]]
+    biases: dict[str, torch.Tensor] | None = None
+    refits: dict[str, Refit] | None = None
+
+
+@dataclass
+class Choice:
+    """The chosen candidate's plan and what tuning is checked with: the candidate's held-out values (None
+    without held-out data), the held-out batches on the model's device, the unpruned model's outputs on them
+    and the model's work counter."""
+
+    plan: dict[str, list[int]]
+    values: torch.Tensor | None
+    heldout: list[dict]
+    targets: list
+    work: Work
+
+
+def _choose(
     gated: GatedModel,
     plans: dict,
     recorder: Recorder | None,
@@ -239,11 +268,10 @@ def _decide(
     timings: dict,
     notes: list[str],
     device,
-) -> dict:
-    """Choose the plan and its reconstruction (or bias compensation), then tuning, on the held-out batches;
-    leave `gated` in the chosen state and return the plan. The work is counted in FLOPs (`result.work`) and
-    bounds the tuning."""
-    r, seed = config.recovery, config.scoring.seed
+) -> Choice:
+    """Choose the plan and its reconstruction (or bias compensation) on the held-out batches and leave `gated`
+    in that state. The work is counted in FLOPs (`result.work`)."""
+    r = config.recovery
     tick = time.perf_counter()
     heldout = [to_device(without_labels(b), device) for b in heldout]
     work = Work.of(gated.model, calib[0])
@@ -255,6 +283,13 @@ def _decide(
         gated.use(state.plan, state.biases, state.refits)
         return gated.divergences(heldout, targets, objective) if heldout else None
 
+    def reconstructed(plan: dict[str, list[int]]) -> State:
+        assert recorder is not None
+        gated.restore()  # fitted against the unpruned weights, not a candidate's refit written into them
+        fitted = _refits(gated.layers, plan, recorder, unpruned, r.bias_tuning or r.bias_compensation, notes)
+        result.work["reconstruction"] += refit_flops(gated.layers, plan)
+        return State(plan, refits=fitted)
+
     tried: dict[str, tuple[torch.Tensor | None, State]] = {}  # in order of preference
     result.work["reconstruction"] = 0.0
     for name, plan in plans.items():
@@ -262,12 +297,8 @@ def _decide(
             tried[name] = (divergences(State(plan)), State(plan))
         if recorder is None:
             continue
-        if r.reconstruction:
-            gated.restore()  # fitted against the unpruned weights, not a candidate's refit written into them
-            fitted = _refits(gated.layers, plan, recorder, unpruned, r.bias_tuning or r.bias_compensation, notes)
-            result.work["reconstruction"] += refit_flops(gated.layers, plan)
-            state = State(plan, refits=fitted)
-            tried[f"{name} + reconstruction"] = (divergences(state), state)
+        if r.reconstruction:  # a candidate's refits (a share of the weights each) are made again if chosen
+            tried[f"{name} + reconstruction"] = (divergences(reconstructed(plan)), State(plan))
         elif r.bias_compensation:
             state = State(plan, biases=gated.compensation(plan, recorder.means()))
             tried[f"{name} + bias compensation"] = (divergences(state), state)
@@ -278,6 +309,8 @@ def _decide(
         step = " + reconstruction" if r.reconstruction else " + bias compensation" if r.bias_compensation else ""
         chosen = plan_name + step
     values, state = tried[chosen]
+    if chosen.endswith(" + reconstruction"):
+        state = reconstructed(state.plan)
     value = None if values is None else float(values.mean())
     result.work["selection"] = (len(tried) + 1) * result.work["heldout_pass"] + result.work["reconstruction"]
     entry: dict[str, Any] = {
@@ -297,8 +330,26 @@ def _decide(
     }
     timings["selection"] = time.perf_counter() - tick
     gated.use(state.plan, state.biases, state.refits)
-    if r.tuning and r.epochs > 0 and recorder is not None:
+    result.heldout["final"] = value
+    return Choice(state.plan, values, heldout, targets, work)
+
+
+def _tune(
+    gated: GatedModel,
+    choice: Choice,
+    recorder: Recorder,
+    calib: list[dict],
+    objective: Objective,
+    config: PruneConfig,
+    result: PruneResult,
+    timings: dict,
+) -> None:
+    """Tune the chosen state's gates, output biases and projection updates to the unpruned outputs, kept only
+    when the held-out divergence falls by more than one standard error; bounded by `tuning_budget` when set."""
+    r, seed, heldout, targets = config.recovery, config.scoring.seed, choice.heldout, choice.targets
+    if r.tuning and r.epochs > 0:
         tick = time.perf_counter()
+        untuned = [b.detach().clone() for b in gated.biases]
         gated.scales = [s.requires_grad_(r.gate_tuning) for s in gated.scales]
         gated.biases = [b.requires_grad_(r.bias_tuning) for b in gated.biases]
         updates = gated.add_updates(r.projection_rank, seed) if r.projection_tuning else []
@@ -318,7 +369,7 @@ def _decide(
             if r.tuning_budget is None
             else max(r.min_tuning_flops, r.tuning_budget * result.work["calibration_pass"] - result.work["selection"])
         )
-        budget = Budget(float("inf") if limit is None else limit, work, check=result.work["heldout_pass"])
+        budget = Budget(float("inf") if limit is None else limit, choice.work, check=result.work["heldout_pass"])
         history, steps, averaged, spent = tune(
             gated, groups, calib, recorder.targets, objective, r.epochs, seed, check, budget, r.average
         )
@@ -339,22 +390,12 @@ def _decide(
             "budget_flops": limit,
             "averaged": averaged,
         }
-        if history and values is not None:  # kept only when it beats the untuned state by more than one
-            tuned = gated.divergences(heldout, targets, objective)  # standard error (not on noise)
-            tuning["kept"] = one_standard_error({"untuned": values, "tuned": tuned}) == "tuned"
-            value = float((tuned if tuning["kept"] else values).mean())
-            if not tuning["kept"]:
-                gated.use(state.plan, state.biases, state.refits)
+        if history and choice.values is not None:  # kept only when it beats the untuned state by more than
+            tuned = gated.divergences(heldout, targets, objective)  # one standard error (not on noise)
+            tuning["kept"] = one_standard_error({"untuned": choice.values, "tuned": tuned}) == "tuned"
+            result.heldout["final"] = float((tuned if tuning["kept"] else choice.values).mean())
+            if not tuning["kept"]:  # the chosen state again: its refitted weights never changed
+                gated.scales = [torch.ones_like(s) for s in gated.scales]
+                gated.biases, gated.updates = untuned, []
         result.recovery.append(tuning)
         timings["tuning"] = time.perf_counter() - tick
-    result.heldout["final"] = value
-    return state.plan
-
-
-@dataclass
-class State:
-    """A candidate state of the gated model: the plan, and the added biases or the reconstruction with it."""
-
-    plan: dict[str, list[int]]
-    biases: dict[str, torch.Tensor] | None = None
-    refits: dict[str, Refit] | None = None

@@ -133,6 +133,31 @@ def test_prune_model_makes_no_copy_of_the_model(monkeypatch):
     ph.prune_model(model, batches("llama"), progress=False)
 
 
+def test_tuning_runs_without_what_only_the_choice_needed(monkeypatch):
+    """Tuning's backward passes are the flow's memory peak (benchmarks/README.md, "Time and memory"): the Gram
+    matrices, the candidates' refits and the output projections' originals are gone before it starts (the plan
+    is proven exact first, so nothing needs the originals back)."""
+    import gc
+
+    from prune_heads import pruner
+    from prune_heads.recovery.reconstruction import Refit
+    from prune_heads.scoring.recording import Moments
+
+    seen = {}
+
+    def inspecting(gated, *args, **kwargs):
+        gc.collect()
+        seen["statistics and refits"] = sum(isinstance(o, (Moments, Refit)) for o in gc.get_objects())
+        seen["originals"] = len(gated._originals)
+        return tune(gated, *args, **kwargs)
+
+    monkeypatch.setattr(pruner, "tune", inspecting)
+    result = ph.prune_model(tm.build("llama"), batches("llama", n=10), progress=False)
+    selection = next(e for e in result.recovery if e["step"] == "selection")
+    assert selection["kept"].endswith("+ reconstruction")  # refits were made and written into the weights
+    assert seen == {"statistics and refits": 0, "originals": 0}
+
+
 def test_budget_is_refused_before_any_scoring(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("scored before checking the budget")

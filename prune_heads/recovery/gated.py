@@ -26,7 +26,7 @@ class GatedModel:
     with down [rank, in] and up [out, rank], adding x @ downᵀ @ upᵀ), all hooks: call it on a batch to run
     the gated model. Plans are tried by zeroing masks; gate 0 gives exactly the outputs of the model with that
     head removed, and `fold` makes it so. A plan's reconstruction (`Refit`s) is written into the output
-    projections' kept columns, the originals kept aside until `fold` (or `restore`) so that any other state can
+    projections' kept columns, the originals kept aside until `prove` (or `restore`) so that any other state can
     be tried after it."""
 
     def __init__(self, model: nn.Module, layers: list[AttentionLayer]) -> None:
@@ -35,6 +35,7 @@ class GatedModel:
         self.devices = [p.module.weight.device for p in projections]
         self.widths = [p.features("out") for p in projections]
         self._originals: dict[int, torch.Tensor] = {}  # layer position -> its output projection's weight
+        self._proven: tuple[dict, dict[str, list[int]]] | None = None  # the plan `prove` last proved, normalized
         self.use({})
         self._stack = ExitStack()
 
@@ -136,18 +137,28 @@ class GatedModel:
                 biases[layer.name] = (weight[:, cols] @ mean[cols]).float()
         return biases
 
-    def fold(self, plan: dict[str, list[int]], inputs: dict | None = None) -> None:
-        """Make the gated state permanent: updates and scales into the output projections, added biases into
-        their biases (created and recorded where missing), then the plan's heads removed. The plan is proven on
-        copies first (`probe_plan`, on `inputs`), so a refused plan leaves the model as it was."""
+    def prove(self, plan: dict[str, list[int]], inputs: dict | None = None) -> None:
+        """Prove the plan exact on copies of its layers (`probe_plan`, on `inputs`; call it outside the
+        hooks). A refused plan leaves the model as it was; a proven one is committed to: the output
+        projections' originals are dropped, and `fold` removes its heads without proving it again."""
         layers = find_attention(self.model)
         try:
-            plan = normalize_plan(layers, plan)
-            probe_plan(self.model, layers, plan, inputs)
+            normalized = normalize_plan(layers, plan)
+            probe_plan(self.model, layers, normalized, inputs)
         except BaseException:
-            self.restore()  # a refused plan leaves the model as it was
+            self.restore()
             raise
         self._originals.clear()
+        self._proven = ({k: list(v) for k, v in plan.items()}, normalized)
+
+    def fold(self, plan: dict[str, list[int]], inputs: dict | None = None) -> None:
+        """Make the gated state permanent: updates and scales into the output projections, added biases into
+        their biases (created and recorded where missing), then the plan's heads removed. A plan not yet
+        proven is proven first (`prove`), so a refused plan leaves the model as it was."""
+        if self._proven is None or self._proven[0] != plan:
+            self.prove(plan, inputs)
+        assert self._proven is not None
+        plan = self._proven[1]
         with torch.no_grad():
             for layer, (down, up) in zip(self.layers, self.updates):
                 weight = output_projection(layer).matrix()
@@ -156,4 +167,4 @@ class GatedModel:
                 if not torch.equal(scale, torch.ones_like(scale)):
                     fold_gates(layer, scale)
         add_output_bias(self.model, {l.name: b.detach() for l, b in zip(self.layers, self.biases) if b.any()})
-        remove_proven(self.model, layers, plan)  # proven above; folding scales and biases keeps it exact
+        remove_proven(self.model, find_attention(self.model), plan)  # folding scales and biases keeps it exact

@@ -40,9 +40,9 @@ DAMPING = 1e-2  # of the Gram matrix's mean diagonal, added before inverting it 
 @dataclass
 class Refit:
     """One pruned layer's reconstruction: the output projection's kept columns `weight` [out, kept features]
-    and its whole `bias` [out] (float64), the ridge chosen (inf: bias compensation), the squared error per
-    token relative to the unpruned output's energy on the held-out tokens (on the calibration tokens without
-    them) and, where the fit fell back to bias compensation, why."""
+    (in the weights' dtype) and its whole `bias` [out] (float64), the ridge chosen (inf: bias compensation),
+    the squared error per token relative to the unpruned output's energy on the held-out tokens (on the
+    calibration tokens without them) and, where the fit fell back to bias compensation, why."""
 
     weight: torch.Tensor
     bias: torch.Tensor
@@ -111,13 +111,12 @@ def refit(
     judge = held if held is not None else gram
     energy = _energy(full, judge)
 
+    dtype = output_projection(layer).module.weight.dtype
+
     def done(theta: torch.Tensor, ridge: float, fallback: str | None = None) -> Refit:
         error = _squared_error(theta, full, columns, judge) / energy
-        return (
-            Refit(theta[:, :-1], theta[:, -1], ridge, error, fallback)
-            if bias
-            else Refit(theta, old_bias, ridge, error, fallback)
-        )
+        weight = (theta[:, :-1] if bias else theta).to(dtype)  # as it is written into the weights: half the bytes
+        return Refit(weight, theta[:, -1] if bias else old_bias, ridge, error, fallback)
 
     if not len(kept):  # a layer that lost every head: the least-squares bias is the mean output, the prior
         return done(prior, math.inf)
@@ -142,7 +141,6 @@ def refit(
         else:
             damping = ridge * scale
             theta = ((target + damping * start) / (values + damping)) @ vectors.T
-        dtype = output_projection(layer).module.weight.dtype
         if not torch.isfinite(theta).all() or not torch.isfinite(theta.to(dtype)).all():
             continue
         candidate = done(theta, ridge)

@@ -122,6 +122,11 @@ class Recorder:
         for moments, values, tokens in zip(self.moments, summed, summed[-1].tolist()):
             moments.values, moments.tokens = values, int(tokens)
 
+    def release_moments(self) -> None:
+        """Drop the per-layer statistics (the Gram matrices: beside the model, the largest thing the flow
+        holds) once nothing needs them; the reference outputs stay."""
+        self.moments = []
+
     def means(self) -> list[torch.Tensor]:
         """Per layer, each output-projection input channel's mean over the recorded tokens."""
         return [m.means_and_squares()[0] for m in self.moments]
