@@ -469,8 +469,8 @@ def _plan_file(path: str) -> dict:
     type=BUDGET,
     default=str(RecoveryConfig.tuning_budget).lower(),
     show_default=True,
-    help="Cap on the work of candidates and tuning, in forward+backward passes over the calibration data "
-    "(counted, never timed); 'none': tune until the held-out divergence stops falling.",
+    help="Cap on the work of recovery (statistics, candidates, tuning), in forward+backward passes over the "
+    "calibration data (counted, never timed); 'none': tune until the held-out divergence stops falling.",
 )
 @click.option(
     "--holdout",

@@ -71,10 +71,10 @@ class RecoveryConfig:
     output projection (LoRA's form, Hu et al. 2022, folded into the weights: it moves what the kept heads
     write, not only how loud each is), for at most `epochs` epochs, stopping when the held-out
     divergence stops falling (the default: the held-out data decides how much work depth needs), or, with a
-    `tuning_budget`, before a step would take the recovery (trying candidates and tuning) past that many times
-    the work of one forward and backward pass over the calibration batches (the default fisher scoring's
-    cost); a capped tuning still gets at least `min_tuning_flops`, so small models tune fully, and a cut epoch
-    is checked like a whole one. Work is counted in FLOPs from the model
+    `tuning_budget`, before a step would take the recovery (recording statistics, trying candidates, tuning)
+    past that many times the work of one forward and backward pass over the calibration batches (the default
+    fisher scoring's cost); a capped tuning still gets at least `min_tuning_flops`, so small models tune fully,
+    and a cut epoch is checked like a whole one. Work is counted in FLOPs from the model
     and the data (`prune_heads.runtime.work`), never timed: the same inputs, config and seed give the same model on
     any machine. Each check tries both the tuned values and their moving average over the steps (`average`,
     its decay per step; 0: the tuned values alone) and keeps the lower. Everything is tuned on the gated

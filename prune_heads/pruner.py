@@ -193,12 +193,15 @@ def prune_model(
     objective = Objective(model)
     timings: dict[str, float] = {}
     tick = time.perf_counter()
-    # recovery needs the unpruned model's statistics and outputs: recorded during scoring, not recomputed
-    with Recorder(model, layers, objective, r.reconstruction) if r.enabled else nullcontext() as recorder:
+    # recovery needs the unpruned model's statistics and outputs, recorded during scoring; the Gram matrices
+    # (a share of the weights) in a no-grad pass of their own instead, not beside the scoring's activations
+    during = r.enabled and not r.reconstruction
+    with Recorder(model, layers, objective) if during else nullcontext() as recorder:
         scores = score_heads(model, calib, method=s.method, normalize=s.normalize, seed=s.seed, progress=progress)
     device = input_device(model)
     calib = [to_device(without_labels(b), device) for b in calib]
-    if recorder is not None and recorder.calls != len(calib):  # the method ran no plain pass per batch
+    recorded = r.enabled and (recorder is None or recorder.calls != len(calib))  # no plain pass per batch
+    if recorded:
         recorder = record(model, calib, objective, r.reconstruction)
     timings["scoring"] = time.perf_counter() - tick
     notes: list[str] = []
@@ -218,6 +221,8 @@ def prune_model(
     gated = GatedModel(model, layers)
     with frozen(model), gated:
         choice = _choose(gated, plans, recorder, calib, heldout, objective, config, result, timings, notes, device)
+    if recorded:
+        result.work["recording"] = choice.work.forward(calib)
     # proven exact before tuning (a refused plan leaves the model as it was), so that tuning, the flow's peak,
     # runs without the output projections' originals beside the model
     gated.prove(choice.plan, calib[0])
@@ -364,10 +369,11 @@ def _tune(
         ]
         groups = [{"params": params, "lr": lr} for _, params, lr in tunables]
         check = (lambda: float(gated.divergences(heldout, targets, objective).mean())) if heldout else None
+        before = result.work.get("recording", 0.0) + result.work["selection"]  # recovery's work before tuning
         limit = (  # None: no cap, the held-out stop and `epochs` end tuning
             None
             if r.tuning_budget is None
-            else max(r.min_tuning_flops, r.tuning_budget * result.work["calibration_pass"] - result.work["selection"])
+            else max(r.min_tuning_flops, r.tuning_budget * result.work["calibration_pass"] - before)
         )
         budget = Budget(float("inf") if limit is None else limit, choice.work, check=result.work["heldout_pass"])
         history, steps, averaged, spent = tune(

@@ -10,6 +10,7 @@ from prune_heads.recovery.gated import GatedModel
 from prune_heads.recovery.holdout import split_holdout
 from prune_heads.recovery.tuning import tune
 from prune_heads.runtime.work import Budget, Work
+from prune_heads.scoring.methods import score_heads
 from prune_heads.scoring.objective import Objective, neighbour_divergence
 
 
@@ -134,9 +135,10 @@ def test_prune_model_makes_no_copy_of_the_model(monkeypatch):
 
 
 def test_tuning_runs_without_what_only_the_choice_needed(monkeypatch):
-    """Tuning's backward passes are the flow's memory peak (benchmarks/README.md, "Time and memory"): the Gram
-    matrices, the candidates' refits and the output projections' originals are gone before it starts (the plan
-    is proven exact first, so nothing needs the originals back)."""
+    """Scoring's and tuning's backward passes are the flow's memory peaks (benchmarks/README.md, "Time and
+    memory"): the Gram matrices are recorded after scoring, and they, the candidates' refits and the output
+    projections' originals are gone before tuning starts (the plan is proven exact first, so nothing needs the
+    originals back)."""
     import gc
 
     from prune_heads import pruner
@@ -151,11 +153,18 @@ def test_tuning_runs_without_what_only_the_choice_needed(monkeypatch):
         seen["originals"] = len(gated._originals)
         return tune(gated, *args, **kwargs)
 
+    def scoring(*args, **kwargs):  # the scoring pass's own peak: the Gram matrices come in a pass of their own
+        gc.collect()
+        seen["statistics while scoring"] = sum(isinstance(o, Moments) for o in gc.get_objects())
+        return score_heads(*args, **kwargs)
+
     monkeypatch.setattr(pruner, "tune", inspecting)
+    monkeypatch.setattr(pruner, "score_heads", scoring)
     result = ph.prune_model(tm.build("llama"), batches("llama", n=10), progress=False)
     selection = next(e for e in result.recovery if e["step"] == "selection")
     assert selection["kept"].endswith("+ reconstruction")  # refits were made and written into the weights
-    assert seen == {"statistics and refits": 0, "originals": 0}
+    assert seen == {"statistics while scoring": 0, "statistics and refits": 0, "originals": 0}
+    assert result.work["recording"] == result.work["calibration_pass"] / 2  # one forward pass, counted
 
 
 def test_budget_is_refused_before_any_scoring(monkeypatch):

@@ -323,3 +323,73 @@ def test_projection_updates_with_gates_and_biases_fold_exactly(name):
     with torch.no_grad():  # the pruned model computes without hooks what the gated one measured
         for b, e in zip(held, expected):
             torch.testing.assert_close(tm.main_output(model(**b)), e, rtol=1e-5, atol=1e-4)
+
+
+def _tuning_gradients(name: str, dtype: torch.dtype, plain: bool) -> tuple[list[torch.Tensor], set[int], set[int]]:
+    """One backward pass of the gated model with gates, biases and projection updates all tuned: the
+    gradients, the storages autograd saved, and those of the gated features the output projections took
+    (with `plain`, the update's first step as the plain product, which autograd gives its own backward)."""
+    from prune_heads.model.layers import resolve
+    from prune_heads.recovery import gated as module
+
+    model = tm.build(name).to(dtype)
+    layers = ph.find_attention(model)
+    batch = tm.make_inputs(name, batch=2, seq=7, seed=3)
+    gated = module.GatedModel(model, layers)
+    saved: set[int] = set()
+    alive: list[torch.Tensor] = []  # held, so that no later tensor reuses their storage
+
+    def keep(tensor):
+        saved.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    original = module._GatedDown.apply
+    if plain:
+        module._GatedDown.apply = lambda gated_input, down, *rest: gated_input @ down.t()
+    try:
+        with ph.scoring.objective.frozen(model), gated:
+            gated.use({layers[0].name: [0, 1]})
+            updates = gated.add_updates(rank=3, seed=0)
+            with torch.no_grad():
+                for _, up in gated.updates:
+                    up.copy_(torch.randn(up.shape, generator=torch.Generator().manual_seed(1)))
+            params = [s.requires_grad_() for s in gated.scales] + [b.requires_grad_() for b in gated.biases] + updates
+            with (
+                ph.model.hooks.hooks(
+                    (resolve(l.module, l.spec.o), "forward", lambda m, a, o: alive.append(a[0])) for l in layers
+                ),
+                torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t),
+            ):
+                loss = tm.main_output(gated(batch)).float().square().mean()
+            loss.backward()
+    finally:
+        module._GatedDown.apply = original
+    return [p.grad for p in params], saved, {t.untyped_storage().data_ptr() for t in alive}
+
+
+@pytest.mark.parametrize("name,dtype", [("llama", torch.float32), ("llama", torch.bfloat16), ("gpt2", torch.float32)])
+def test_projection_updates_keep_no_gated_copy_and_give_the_plain_gradients_bit_for_bit(name, dtype):
+    grads, saved, taken = _tuning_gradients(name, dtype, plain=False)
+    expected, saved_plain, taken_plain = _tuning_gradients(name, dtype, plain=True)
+    assert all(g is not None for g in grads) and all(torch.equal(g, e) for g, e in zip(grads, expected))
+    assert taken_plain & saved_plain  # the plain product keeps every layer's gated features for its backward
+    assert not taken & saved  # the update's own backward makes them again from what the gate keeps
+
+
+def test_a_refit_is_swapped_with_the_columns_it_replaces_and_back():
+    from prune_heads.recovery.gated import GatedModel
+    from prune_heads.recovery.reconstruction import refit
+
+    model = tm.build("llama")
+    stats = _moments(model, calibration("llama", 4))
+    layers = ph.find_attention(model)
+    weight = ph.model.layers.output_projection(layers[0]).matrix()
+    original = weight.detach().clone()
+    fitted = refit(layers[0], [0, 1], stats.moments[0], None)
+    fit = fitted.weight.clone()
+    gated = GatedModel(model, layers)
+    with gated:
+        gated.use({layers[0].name: [0, 1]}, None, {layers[0].name: fitted})
+        assert torch.equal(weight[:, 16:], fit) and torch.equal(fitted.weight, original[:, 16:])  # no third copy
+        gated.restore()
+    assert torch.equal(weight, original) and torch.equal(fitted.weight, fit)

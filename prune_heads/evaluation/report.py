@@ -242,8 +242,9 @@ class Report:
             lines += [
                 "",
                 f"Work, counted in FLOPs (the limits never read a clock): one forward and backward pass over "
-                f"the calibration batches {_tflops(work['calibration_pass'])}; candidate trials "
-                f"{_tflops(work.get('selection', 0))}; tuning {_tflops(work.get('tuning', 0))}{limit}.",
+                f"the calibration batches {_tflops(work['calibration_pass'])}; recording the statistics "
+                f"{_tflops(work.get('recording', 0))}; candidate trials {_tflops(work.get('selection', 0))}; "
+                f"tuning {_tflops(work.get('tuning', 0))}{limit}.",
             ]
         return lines
 

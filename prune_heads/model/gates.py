@@ -31,16 +31,22 @@ class HeadGates(list):
             self[i] = torch.ones(shape, dtype=torch.float32, device=self[i].device, requires_grad=requires_grad)
 
 
+def gated_features(x: torch.Tensor, gate: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The output projection's input features x [..., heads * head_dim] with each head's multiplied by its
+    gate ([heads], or [batch, heads] per example)."""
+    gate = gate.to(x.device, x.dtype)  # offloaded layers (device_map) run where accelerate puts them
+    heads = x.reshape(*x.shape[:-1], x.shape[-1] // head_dim, head_dim)
+    if gate.dim() == 2:  # [batch, heads] against [batch, ..., heads, head_dim]
+        gate = gate.reshape(gate.shape[0], *([1] * (heads.dim() - 3)), gate.shape[1])
+    return (heads * gate.unsqueeze(-1)).reshape(x.shape)
+
+
 def gate_hook(gates: list[torch.Tensor], i: int, head_dim: int):
     """A forward pre-hook for an output projection that multiplies each head's features by `gates[i]`."""
 
     def hook(module: nn.Module, args: tuple) -> tuple:
         x, *rest = args
-        gate = gates[i].to(x.device, x.dtype)  # offloaded layers (device_map) run where accelerate puts them
-        heads = x.reshape(*x.shape[:-1], x.shape[-1] // head_dim, head_dim)
-        if gate.dim() == 2:  # [batch, heads] against [batch, ..., heads, head_dim]
-            gate = gate.reshape(gate.shape[0], *([1] * (heads.dim() - 3)), gate.shape[1])
-        return ((heads * gate.unsqueeze(-1)).reshape(x.shape), *rest)
+        return (gated_features(x, gates[i], head_dim), *rest)
 
     return hook
 

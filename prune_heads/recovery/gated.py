@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..data import on_device_of
-from ..model.gates import fold_gates, head_gates
+from ..model.gates import fold_gates, gated_features, head_gates
 from ..model.hooks import hooks
 from ..model.layers import AttentionLayer, find_attention, output_projection, resolve
 from ..model.probe import probe_plan, remove_proven
@@ -20,21 +20,44 @@ from ..scoring.objective import Objective
 from .reconstruction import Refit, kept_and_removed
 
 
+class _GatedDown(torch.autograd.Function):
+    """`gated @ down.t()`, an update's first step on the gated features, whose backward keeps the ungated
+    input and the gates (which the gate itself keeps) instead of `gated`, and makes `gated` again from them:
+    the gradients of the plain product bit for bit, without a gated copy of every layer's input alive until
+    the backward pass (in tuning, the flow's peak, 3% of the weights)."""
+
+    @staticmethod
+    def forward(ctx, gated, down, ungated, gate, head_dim):
+        ctx.save_for_backward(down, ungated, gate)
+        ctx.head_dim = head_dim
+        return gated @ down.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        down, ungated, gate = ctx.saved_tensors
+        gated = gated_features(ungated, gate, ctx.head_dim)
+        rows = grad.reshape(-1, grad.shape[-1])  # as matmul folds [..., rank] for its mm
+        grad_gated = rows.mm(down).view(gated.shape) if ctx.needs_input_grad[0] else None
+        grad_down = gated.reshape(-1, gated.shape[-1]).t().mm(rows).t() if ctx.needs_input_grad[1] else None
+        return grad_gated, grad_down, None, None, None
+
+
 class GatedModel:
     """The model with a gate per head (`scales` x `masks`), an added bias per output projection (`biases`)
     and, once `add_updates` is called, a low-rank update of each output projection (`updates`: (down, up)
     with down [rank, in] and up [out, rank], adding x @ downᵀ @ upᵀ), all hooks: call it on a batch to run
     the gated model. Plans are tried by zeroing masks; gate 0 gives exactly the outputs of the model with that
-    head removed, and `fold` makes it so. A plan's reconstruction (`Refit`s) is written into the output
-    projections' kept columns, the originals kept aside until `prove` (or `restore`) so that any other state can
-    be tried after it."""
+    head removed, and `fold` makes it so. A plan's reconstruction (`Refit`s) is swapped into the output
+    projections' kept columns: each `Refit.weight` holds the columns it replaced (no copy of the weights is
+    made) until `restore` swaps them back or `prove` commits to the fit, so any other state can be tried
+    after it."""
 
     def __init__(self, model: nn.Module, layers: list[AttentionLayer]) -> None:
         self.model, self.layers = model, layers
         projections = [output_projection(l) for l in layers]
         self.devices = [p.module.weight.device for p in projections]
         self.widths = [p.features("out") for p in projections]
-        self._originals: dict[int, torch.Tensor] = {}  # layer position -> its output projection's weight
+        self._originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (kept columns, their originals)
         self._proven: tuple[dict, dict[str, list[int]]] | None = None  # the plan `prove` last proved, normalized
         self.use({})
         self._stack = ExitStack()
@@ -56,10 +79,9 @@ class GatedModel:
                 if fitted is None:
                     continue
                 projection = output_projection(layer)
-                self._originals[i] = projection.matrix().detach().clone()
                 kept, _ = kept_and_removed(layer, plan.get(layer.name, ()))
-                weight = projection.matrix()
-                weight[:, kept.to(weight.device)] = fitted.weight.to(weight.device, weight.dtype)
+                self._swap(projection.matrix(), kept, fitted.weight)
+                self._originals[i] = (kept, fitted.weight)
                 old = projection.module.bias
                 biases[layer.name] = fitted.bias - (old.detach().double().cpu() if old is not None else 0.0)
         removed = [set(plan.get(l.name, ())) for l in self.layers]
@@ -86,30 +108,54 @@ class GatedModel:
             self.updates.append((down.to(device).requires_grad_(), up.requires_grad_()))
         return [t for update in self.updates for t in update]
 
+    @staticmethod
     @torch.no_grad()
+    def _swap(weight: torch.Tensor, kept: torch.Tensor, other: torch.Tensor) -> None:
+        """Exchange the weight's `kept` columns with `other` (same dtype), so the originals need no copy of
+        their own: a refit holds them while its fit is in the weight."""
+        kept = kept.to(weight.device)
+        columns = weight[:, kept].to(other.device)
+        weight[:, kept] = other.to(weight.device)
+        other.copy_(columns)
+
     def restore(self) -> None:
-        """Put back the output projections that a reconstruction changed."""
-        for i, original in self._originals.items():
-            output_projection(self.layers[i]).matrix().copy_(original)
+        """Put back the output projections' columns that a reconstruction changed (its `Refit`s get their fit
+        back)."""
+        for i, (kept, held) in self._originals.items():
+            self._swap(output_projection(self.layers[i]).matrix(), kept, held)
         self._originals.clear()
 
     def __enter__(self) -> GatedModel:
         self.gates = self._stack.enter_context(head_gates(self.model, requires_grad=False))
-        add = [(resolve(l.module, l.spec.o), "forward", self._add(i)) for i, l in enumerate(self.layers)]
-        self._stack.enter_context(hooks(add))
+        projections = [resolve(l.module, l.spec.o) for l in self.layers]
+        keep = [(o, "forward_pre", self._keep_input(i)) for i, o in enumerate(projections)]
+        self._stack.enter_context(hooks(keep, prepend=True))  # before the gate: it sees the ungated input
+        self._stack.enter_context(hooks((o, "forward", self._add(i)) for i, o in enumerate(projections)))
+        self._inputs: dict[int, torch.Tensor] = {}
         return self
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
+    def _keep_input(self, i: int):
+        """The pre-hook (before the gate) that keeps layer i's ungated input for its update's backward."""
+
+        def hook(module: nn.Module, args: tuple) -> None:
+            if self.updates:
+                self._inputs[i] = args[0]
+
+        return hook
+
     def _add(self, i: int):
         """The hook that adds layer i's bias and update (its input is the gated features)."""
+        head_dim = self.layers[i].head_dim
 
         def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
             out = out + self.biases[i].to(out.dtype)
             if self.updates:
                 down, up = self.updates[i]
-                out = out + (args[0] @ down.to(out.dtype).t()) @ up.to(out.dtype).t()
+                start = _GatedDown.apply(args[0], down.to(out.dtype), self._inputs.pop(i), self.gates[i], head_dim)
+                out = out + start @ up.to(out.dtype).t()
             return out
 
         return hook
