@@ -46,10 +46,11 @@ print(json.dumps(calls))
 def test_resident_memory_stays_flat_over_every_loop_of_the_default_path():
     """Every per-batch loop of the default path (scoring, the recording pass, the unpruned held-out pass, tuning,
     held-out checks) releases freed memory after each batch, and the resident memory it leaves does not grow
-    with the batches (measured: 0-3 MiB over 32-96 batches). Without the release it grew by up to one batch's logits per batch (the
-    recorder's small per-batch targets pin glibc's heap; SmolLM2 at 1 x 128: +4.3 GB): 0.4-0.6 GiB over this
-    scoring pass, though how much varies with where the allocator places things (peaks of 0.2 to 1.1 GiB over
-    five runs), which is why the memory after each release is checked, not the peak without it."""
+    with the batches (measured: 0-3 MiB over 32-96 batches). Without the release it grew by up to one batch's
+    logits per batch (the recorder's small per-batch targets pin glibc's heap; SmolLM2 at 1 x 128: +4.3 GB):
+    0.4-0.6 GiB over this scoring pass, though how much varies with where the allocator places things (peaks of
+    0.2 to 1.1 GiB over five runs), which is why the memory after each release is checked, not the peak
+    without it."""
     done = subprocess.run(
         [sys.executable, "-c", DEFAULT_PATH, str(BATCHES)], capture_output=True, text=True, check=True
     )

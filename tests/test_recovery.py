@@ -393,3 +393,26 @@ def test_a_refit_is_swapped_with_the_columns_it_replaces_and_back():
         assert torch.equal(weight[:, 16:], fit) and torch.equal(fitted.weight, original[:, 16:])  # no third copy
         gated.restore()
     assert torch.equal(weight, original) and torch.equal(fitted.weight, fit)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_update_backward_sums_as_the_plain_product_at_a_real_model_size(dtype):
+    """At SmolLM2's width and a batch of 8 x 256 tokens the gradient of `down` sums over 2,048 tokens: only the
+    same products as autograd's (gradᵀ x, not (xᵀ grad)ᵀ) give the same bits."""
+    from prune_heads.model.gates import gated_features
+    from prune_heads.recovery.gated import _GatedDown
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 256, 576, generator=generator).to(dtype)
+    gate = (torch.rand(9, generator=generator) + 0.5).requires_grad_()
+    down = (torch.randn(16, 576, generator=generator) / 24).requires_grad_()
+    up, weight = torch.randn(576, 16, generator=generator), torch.randn(576, 576, generator=generator).to(dtype)
+
+    def gradients(start):
+        gated = gated_features(x, gate, 64)
+        out = gated @ weight.t() + start(gated, down.to(dtype)) @ up.to(dtype).t()
+        return torch.autograd.grad(out.float().square().mean(), [gate, down])
+
+    ours = gradients(lambda gated, d: _GatedDown.apply(gated, d, x, gate, 64))
+    plain = gradients(lambda gated, d: gated @ d.t())
+    assert all(torch.equal(a, b) for a, b in zip(ours, plain))

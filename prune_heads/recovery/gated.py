@@ -37,8 +37,9 @@ class _GatedDown(torch.autograd.Function):
         down, ungated, gate = ctx.saved_tensors
         gated = gated_features(ungated, gate, ctx.head_dim)
         rows = grad.reshape(-1, grad.shape[-1])  # as matmul folds [..., rank] for its mm
+        # the products autograd's mm backward forms (for `down.t()`, column-major, gradᵀ x), so the sums agree
         grad_gated = rows.mm(down).view(gated.shape) if ctx.needs_input_grad[0] else None
-        grad_down = gated.reshape(-1, gated.shape[-1]).t().mm(rows).t() if ctx.needs_input_grad[1] else None
+        grad_down = rows.t().mm(gated.reshape(-1, gated.shape[-1])) if ctx.needs_input_grad[1] else None
         return grad_gated, grad_down, None, None, None
 
 
