@@ -60,6 +60,7 @@ class GatedModel:
         self.widths = [p.features("out") for p in projections]
         self._originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (kept columns, their originals)
         self._proven: tuple[dict, dict[str, list[int]]] | None = None  # the plan `prove` last proved, normalized
+        self._inputs: dict[int, torch.Tensor] = {}  # layer -> its ungated input, from the pre-hook to the update
         self.use({})
         self._stack = ExitStack()
 
@@ -132,7 +133,6 @@ class GatedModel:
         keep = [(o, "forward_pre", self._keep_input(i)) for i, o in enumerate(projections)]
         self._stack.enter_context(hooks(keep, prepend=True))  # before the gate: it sees the ungated input
         self._stack.enter_context(hooks((o, "forward", self._add(i)) for i, o in enumerate(projections)))
-        self._inputs: dict[int, torch.Tensor] = {}
         return self
 
     def __exit__(self, *exc) -> None:
