@@ -129,6 +129,11 @@ def cell(before: dict, after: dict) -> dict:
     return row
 
 
+def cell_file(out: Path, model: str, method: str, depth: str) -> Path:
+    """Where a cell's row is saved (JSON); its per-example statistics lie beside it (.dill)."""
+    return out / f"{model}_{method}_{depth}.json".replace(" ", "_").replace("/", "-", 1)
+
+
 def run(args) -> None:
     out = args.out
     out.mkdir(exist_ok=True)
@@ -151,7 +156,7 @@ def run(args) -> None:
     groups = {"min_heads_per_layer": 0} if all(l.num_kv_heads == 1 for l in layers) else {}
     for depth in args.depth or DEPTHS:
         for method, prune in METHODS.items():
-            saved = out / f"{args.model}_{method}_{depth}.json".replace(" ", "_").replace("/", "-", 1)
+            saved = cell_file(out, args.model, method, depth)
             if (args.only and method not in args.only) or saved.exists():
                 continue
             model = copy.deepcopy(base)
@@ -201,10 +206,10 @@ def table(out: Path) -> None:
 
 def paired(out: Path, model: str, depth: str, methods: list[str]) -> None:
     """The second method's change against the first's at one depth, paired over the same windows and documents
-    (each cell's per-example statistics, saved beside it since they were kept)."""
+    (from the per-example statistics saved with each cell)."""
     found = []
     for method in methods:
-        path = out / f"{model}_{method}_{depth}.dill".replace(" ", "_").replace("/", "-", 1)
+        path = cell_file(out, model, method, depth).with_suffix(".dill")
         if not path.exists():
             raise SystemExit(f"no saved statistics for {method!r} at {depth}: run that cell again ({path.name})")
         found.append(dill.loads(path.read_bytes()))
