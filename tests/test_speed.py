@@ -21,6 +21,15 @@ def test_flops_drop_by_exactly_the_removed_heads():
     assert before - after == 3 * per_head
 
 
+def test_fused_attention_counts_as_its_products_whatever_the_kernel():
+    # sdpa with grouped-query key and value heads (the CPU's flash kernel, which torch's counter skips, and
+    # CUDA's kernels, whose older counters refuse fewer key/value heads) counts what eager attention does
+    inputs = tm.make_inputs("llama")
+    eager, sdpa = tm.build("llama"), tm.build("llama", attn="sdpa")
+    assert sdpa.config.num_key_value_heads < sdpa.config.num_attention_heads
+    assert count_flops(sdpa, inputs) == count_flops(eager, inputs)
+
+
 def test_peak_allocations_count_live_tensors_once_and_print_nothing(capfd):
     x = torch.randn(1000, 1000)  # 4 MB, made before: not counted
 

@@ -2,8 +2,10 @@
 data, so the same inputs, config and seed give the same model on an idle or a busy machine, a laptop or a GPU.
 
 A forward pass's FLOPs are counted once, by torch's FLOP counter, on one example of the first batch; every
-other pass is priced from that count by its positions (rows x sequence length). A backward pass through the
-gates (parameters frozen, so only activation gradients) is priced as one more forward.
+other pass is priced from that count by its positions (rows x sequence length). Fused attention is counted as
+its two products whatever kernel runs it (the CPU's flash kernel, which torch's counter skips, and grouped-query
+key and value heads, which older counters refuse), so a model counts the same on every device. A backward pass
+through the gates (parameters frozen, so only activation gradients) is priced as one more forward.
 """
 
 from __future__ import annotations
@@ -24,9 +26,29 @@ def positions(batch: dict) -> int:
     return int(shaped.shape[0] * shaped.shape[1]) if shaped is not None else int(tensors[0].shape[0])
 
 
+def _attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    """Fused attention's FLOPs from its shapes ([batch, heads, length, head dim]): the scores and the weighted
+    values, as two batched products over the query's heads (grouped key and value heads broadcast)."""
+    batch, heads, length, dim = query
+    return 2 * batch * heads * length * key[-2] * (dim + value[-1])
+
+
+_FUSED_ATTENTION = [
+    getattr(torch.ops.aten, name)
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(torch.ops.aten, name)
+]
+
+
 def count_flops(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
     """FLOPs of one forward pass, counted by torch.utils.flop_counter (matmuls, convolutions, attention)."""
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    fused = dict.fromkeys(_FUSED_ATTENTION, _attention_flops)
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=fused) as counter:
         model(**inputs)
     return int(counter.get_total_flops())
 
