@@ -72,7 +72,7 @@ def default(model, data, num_heads: int, recovery: dict | None = None, **selecti
     )
     result = ph.prune_model(model, data, config, progress=False)
     work = result.work
-    spent = sum(work.get(k, 0.0) for k in ("recording", "selection", "tuning")) + work["calibration_pass"]
+    spent = sum(work.get(k, 0.0) for k in ("recording", "search", "selection", "tuning")) + work["calibration_pass"]
     tried = next((e["tried"] for e in result.recovery if e.get("step") == "selection"), {})
     kept = [e.get("kept") for e in result.recovery if e.get("step") != "notes"]
     return {"fisher_passes": spent / work["calibration_pass"], "kept": kept, "heldout_kl": tried}

@@ -445,7 +445,8 @@ def _plan_file(path: str) -> dict:
     help="Recovery steps, each kept only if it helps on held-out calibration data.",
 )
 @recovery_step(
-    "rearrange", "Also try the Fisher-block (Kwon), fluctuation (FLAP) and, with reconstruction, structured-OBS plans."
+    "rearrange",
+    "Also try the Fisher-block (Kwon), fluctuation (FLAP) and, with reconstruction, structured-OBS and searched plans.",
 )
 @recovery_step(
     "reconstruction",
@@ -457,6 +458,14 @@ def _plan_file(path: str) -> dict:
 @recovery_step("gate_tuning", "Tune one scale per kept head to the unpruned outputs.")
 @recovery_step("bias_tuning", "Tune the output biases with the gates.")
 @recovery_step("projection_tuning", "Tune a low-rank update of each output projection with them (LoRA's form).")
+@click.option(
+    "--search-rounds",
+    type=click.IntRange(min=0),
+    default=RecoveryConfig.search_rounds,
+    show_default=True,
+    help="Rounds of the searched plan (each measures every KV group's or head's removal, with the reconstruction, "
+    "on a few calibration examples, and removes the cheapest share); 0: leave it out.",
+)
 @click.option(
     "--epochs",
     type=int,
@@ -525,6 +534,7 @@ def prune_command(
     gate_tuning: bool,
     bias_tuning: bool,
     projection_tuning: bool,
+    search_rounds: int,
     epochs: int,
     tuning_budget: float | None,
     holdout: float,
@@ -564,6 +574,7 @@ def prune_command(
         gate_tuning=gate_tuning,
         bias_tuning=bias_tuning,
         projection_tuning=projection_tuning,
+        search_rounds=search_rounds,
         tuning_budget=tuning_budget,
     )
     recovery_section = (

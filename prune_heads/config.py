@@ -61,7 +61,11 @@ class RecoveryConfig:
     batches, at least one batch, never the evaluation split): a step is kept only if it lowers the held-out
     divergence from the unpruned model by more than one standard error of the paired per-example differences
     (Breiman's rule: not on noise). `rearrange` adds Kwon et al.'s Fisher-block selection and FLAP's
-    fluctuation as candidate plans beside the plain one (and, with reconstruction, the structured-OBS plan);
+    fluctuation as candidate plans beside the plain one (and, with reconstruction, the structured-OBS plan and
+    the searched plan: `search_rounds` rounds that each measure, on the first `search_examples` calibration
+    examples (whole batches), the divergence when each KV group or head goes on top of the earlier rounds'
+    removals with its reconstruction, and remove the cheapest share, `prune_heads.recovery.search`; 0 rounds
+    leave it out, and with a `tuning_budget` it is tried only when its counted work fits inside it);
     `reconstruction` refits each pruned layer's output projection (its kept columns and bias) to the unpruned
     layer's output by ridge least squares, closed form from Gram matrices recorded while scoring, the ridge
     chosen per layer on the held-out tokens (`prune_heads.recovery.reconstruction`); without it,
@@ -84,6 +88,8 @@ class RecoveryConfig:
     holdout: float = 0.2
     rearrange: bool = True
     reconstruction: bool = True
+    search_rounds: int = 2
+    search_examples: int = 24
     bias_compensation: bool = True
     gate_tuning: bool = True
     bias_tuning: bool = True
@@ -112,6 +118,12 @@ class RecoveryConfig:
             raise ConfigError(f"recovery.epochs is {self.epochs}; give 0 or more")
         if self.projection_rank < 1:
             raise ConfigError(f"recovery.projection_rank is {self.projection_rank}; give 1 or more")
+        if self.search_rounds < 0 or self.search_examples < 1:
+            key = "search_rounds" if self.search_rounds < 0 else "search_examples"
+            raise ConfigError(
+                f"recovery.{key} is {getattr(self, key)}; give 0 or more search_rounds (0: no searched plan) "
+                "and 1 or more search_examples"
+            )
 
     @classmethod
     def off(cls) -> RecoveryConfig:

@@ -31,6 +31,7 @@ from .model.surgery import PlanError
 from .recovery.gated import GatedModel
 from .recovery.holdout import one_standard_error, split_holdout
 from .recovery.reconstruction import Refit, refit, refit_flops, removal_cost
+from .recovery.search import search_order, searched_scores
 from .recovery.tuning import tune
 from .runtime.memory import release_freed_memory
 from .runtime.work import Budget, Work
@@ -39,7 +40,7 @@ from .scoring.iterative import prune_iteratively
 from .scoring.methods import fluctuation, head_scores, score_heads
 from .scoring.objective import Objective, frozen
 from .scoring.recording import Recorder, record
-from .scoring.selection import check_budget, heads_for_flops, requested_heads, select_heads
+from .scoring.selection import check_budget, heads_for_flops, removal_units, requested_heads, select_heads
 
 logger = logging.getLogger("prune_heads")
 
@@ -165,11 +166,11 @@ def prune_model(
     scores, half the heads, held-out recovery) sets scoring, selection and recovery; `PruneConfig.from_recipe`
     builds one from a recipe. The budget is checked against the model's structure before any data is read.
     With recovery on, `recovery.holdout` of the batches is held out: the candidate plans (the plain ranking,
-    Kwon et al.'s Fisher-block rearrangement, FLAP's fluctuation, structured OBS), each with its closed-form
-    reconstruction (or bias compensation), and gate, bias and projection tuning with early stopping are kept
-    only when they lower the divergence from the unpruned model there, so the result is never worse on held-out
-    data than the plain selection (docs/recovery.md). No copy of the model is made: candidates and tuning run
-    on the model itself through gates, then folded in.
+    Kwon et al.'s Fisher-block rearrangement, FLAP's fluctuation, structured OBS, the plan searched by measured
+    removals), each with its closed-form reconstruction (or bias compensation), and gate, bias and projection
+    tuning with early stopping are kept only when they lower the divergence from the unpruned model there, so
+    the result is never worse on held-out data than the plain selection (docs/recovery.md). No copy of the
+    model is made: candidates and tuning run on the model itself through gates, then folded in.
     """
     config = config or PruneConfig()
     start = time.perf_counter()
@@ -220,7 +221,9 @@ def prune_model(
     result = PruneResult(plan=plans["ranked"], scores=scores, asked=asked)
     gated = GatedModel(model, layers)
     with frozen(model), gated:
-        choice = _choose(gated, plans, recorder, calib, heldout, objective, config, result, timings, notes, device)
+        choice = _choose(
+            gated, plans, recorder, calib, heldout, objective, config, result, timings, notes, device, kwargs
+        )
     if recorded:
         result.work["recording"] = choice.work.forward(calib)
     # proven exact before tuning (a refused plan leaves the model as it was), so that tuning, the flow's peak,
@@ -261,6 +264,66 @@ class Choice:
     work: Work
 
 
+def _searched(
+    gated: GatedModel,
+    scores: HeadScores,
+    kwargs: dict,
+    recorder: Recorder,
+    unpruned: Recorder,
+    calib: list[dict],
+    objective: Objective,
+    config: RecoveryConfig,
+    work: Work,
+    limit: float,
+) -> tuple[dict[str, list[int]] | None, float, str | None]:
+    """The searched plan (`prune_heads.recovery.search`) on the first `search_examples` calibration examples,
+    with its counted work (each round priced by the units present at its start: a forward pass over those
+    examples and a layer's refit each), or None and why when its work (every unit measured in every round)
+    would pass `limit`."""
+    bias = config.bias_tuning or config.bias_compensation
+    count, batches = 0, []
+    for batch in calib:
+        if count >= config.search_examples:
+            break
+        batches.append(batch)
+        count += batch_size(batch)
+    targets = recorder.targets[: len(batches)]
+    units = removal_units(scores, **kwargs)
+    index = {layer.name: i for i, layer in enumerate(gated.layers)}
+    every = [(name, unit) for name, (layer_units, _) in units.items() for unit in layer_units]
+    refits = sum(refit_flops([gated.layers[index[n]]], {n: list(u)}) for n, u in every)
+    price = work.forward(batches) + refits / max(len(every), 1)  # one unit measured, its layer refitted
+    bound = config.search_rounds * len(every) * price
+    if bound > limit:
+        return None, 0.0, f"search not tried: its work (up to {bound / 1e12:.1f} TFLOPs) passes the tuning budget"
+    kept: dict[tuple[str, tuple[int, ...]], Refit] = {}  # the refits of the state so far, layer by layer
+
+    def fitted(name: str, heads: tuple[int, ...]) -> Refit:
+        gated.restore()  # fitted against the unpruned weights
+        i = index[name]
+        return refit(gated.layers[i], heads, recorder.moments[i], unpruned.moments[i], bias)
+
+    @torch.no_grad()
+    def cost(plan: dict[str, tuple[int, ...]], changed: str) -> float:
+        for key in [k for k in kept if plan.get(k[0]) != k[1]]:
+            del kept[key]
+        for name, heads in plan.items():
+            if name != changed and (name, heads) not in kept:
+                kept[(name, heads)] = fitted(name, heads)
+        refits = {name: kept[(name, heads)] for name, heads in plan.items() if name != changed}
+        refits[changed] = fitted(changed, plan[changed])
+        gated.use({name: list(heads) for name, heads in plan.items()}, refits=refits)
+        return float(gated.divergences(batches, targets, objective).mean())
+
+    order, present = search_order(units, requested_heads(gated.model, **kwargs), config.search_rounds, cost)
+    gated.restore()
+    spent = sum(present) * price
+    try:
+        return select_heads(searched_scores(scores, order), **kwargs), spent, None
+    except PlanError as error:
+        return None, spent, f"search not tried: {error}"
+
+
 def _choose(
     gated: GatedModel,
     plans: dict,
@@ -273,9 +336,11 @@ def _choose(
     timings: dict,
     notes: list[str],
     device,
+    kwargs: dict,
 ) -> Choice:
     """Choose the plan and its reconstruction (or bias compensation) on the held-out batches and leave `gated`
-    in that state. The work is counted in FLOPs (`result.work`)."""
+    in that state; with `search_rounds`, the searched plan (for the selection's `kwargs`) is a candidate too.
+    The work is counted in FLOPs (`result.work`)."""
     r = config.recovery
     tick = time.perf_counter()
     heldout = [to_device(without_labels(b), device) for b in heldout]
@@ -295,6 +360,16 @@ def _choose(
         result.work["reconstruction"] += refit_flops(gated.layers, plan)
         return State(plan, refits=fitted)
 
+    if r.rearrange and r.reconstruction and r.search_rounds and recorder is not None and unpruned is not None:
+        limit = math.inf if r.tuning_budget is None else r.tuning_budget * result.work["calibration_pass"]
+        assert result.scores is not None
+        plan, result.work["search"], why = _searched(
+            gated, result.scores, kwargs, recorder, unpruned, calib, objective, r, work, limit
+        )
+        if plan is not None:
+            plans = {**plans, "search": plan}
+        if why is not None:
+            notes.append(why)
     tried: dict[str, tuple[torch.Tensor | None, State]] = {}  # in order of preference
     result.work["reconstruction"] = 0.0
     for name, plan in plans.items():
@@ -369,7 +444,7 @@ def _tune(
         ]
         groups = [{"params": params, "lr": lr} for _, params, lr in tunables]
         check = (lambda: float(gated.divergences(heldout, targets, objective).mean())) if heldout else None
-        before = result.work.get("recording", 0.0) + result.work["selection"]  # recovery's work before tuning
+        before = sum(result.work.get(k, 0.0) for k in ("recording", "search", "selection"))  # recovery's, before tuning
         limit = (  # None: no cap, the held-out stop and `epochs` end tuning
             None
             if r.tuning_budget is None

@@ -405,7 +405,15 @@ def test_tuning_keeps_the_moving_average_or_the_last_step_whichever_checks_lower
 
 
 def test_recovery_config_refuses_values_out_of_range():
-    for bad in ({"holdout": 1.0}, {"average": -0.1}, {"average": 1.0}, {"epochs": -1}, {"projection_rank": 0}):
+    for bad in (
+        {"holdout": 1.0},
+        {"average": -0.1},
+        {"average": 1.0},
+        {"epochs": -1},
+        {"projection_rank": 0},
+        {"search_rounds": -1},
+        {"search_examples": 0},
+    ):
         with pytest.raises(ph.config.ConfigError, match=f"recovery.{next(iter(bad))}"):
             ph.RecoveryConfig(**bad)
 

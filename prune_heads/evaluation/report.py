@@ -243,7 +243,8 @@ class Report:
                 "",
                 f"Work, counted in FLOPs (the limits never read a clock): one forward and backward pass over "
                 f"the calibration batches {_tflops(work['calibration_pass'])}; recording the statistics "
-                f"{_tflops(work.get('recording', 0))}; candidate trials {_tflops(work.get('selection', 0))}; "
+                f"{_tflops(work.get('recording', 0))}; the plan search {_tflops(work.get('search', 0))}; candidate "
+                f"trials {_tflops(work.get('selection', 0))}; "
                 f"tuning {_tflops(work.get('tuning', 0))}{limit}.",
             ]
         return lines

@@ -2,7 +2,8 @@
 
 `gated` (the unpruned model with gates and added biases, where candidates are tried without a copy),
 `holdout` (the held-out split and the one-standard-error rule), `tuning` (head scales and output biases
-tuned to the unpruned outputs) and `reconstruction` (least-squares fits of what the removed heads wrote).
+tuned to the unpruned outputs), `reconstruction` (least-squares fits of what the removed heads wrote) and
+`search` (a plan chosen by measured removals, in rounds).
 """
 
 from .reconstruction import reconstruct

@@ -288,6 +288,28 @@ def _kept_names(layers: list[_Layer], ignore) -> list[str]:
     return [l.name for l in layers if not any(re.search(p, l.name) for p in patterns)]
 
 
+def removal_units(
+    scores: HeadScores,
+    gqa: str = "groups",
+    granularity: str = "head",
+    min_heads_per_layer: int = 1,
+    ignore: str | list[str] | None = None,
+    **_: object,
+) -> dict[str, tuple[list[tuple[int, ...]], int]]:
+    """Per layer that selection may prune (`ignore` left out): the units it removes together, as original head
+    indices (a head, a KV group, one head of every group, the whole block), and how many heads it may lose."""
+    layers = _layers_of_scores(scores)
+    names = _kept_names(layers, ignore)
+    return {
+        l.name: (
+            [tuple(l.heads[p] for p in unit) for unit in l.units(gqa, granularity)],
+            max(len(l.heads) - min_heads_per_layer, 0),
+        )
+        for l in layers
+        if l.name in names
+    }
+
+
 def _ranked_options(
     layer: _Layer, units: list[list[int]], scores: torch.Tensor, gqa: str, counts: list[int]
 ) -> dict[int, tuple[float, tuple[int, ...]]]:

@@ -1,0 +1,73 @@
+import pytest
+import tiny_models as tm
+from test_pruner import batches
+from test_selection import make_scores
+
+import prune_heads as ph
+from prune_heads.recovery.search import search_order, searched_scores
+from prune_heads.scoring.selection import removal_units
+
+# two layers of 6 query heads, 2 per KV head: groups (0, 1), (2, 3), (4, 5)
+SCORES = make_scores([[1.0] * 6, [1.0] * 6], group_sizes=[2, 2])
+A, B, C = ("layers.0.attn", (0, 1)), ("layers.0.attn", (2, 3)), ("layers.1.attn", (0, 1))
+ALONE = {A: 1.0, B: 2.0, C: 3.0}
+
+
+def measured(plan: dict, changed: str) -> float:
+    """An additive cost of the units gone, except that B costs 10 more once A has gone (A stood in for it)."""
+    gone = {(name, heads[i : i + 2]) for name, heads in plan.items() for i in range(0, len(heads), 2)}
+    return sum(ALONE.get(u, 5.0) for u in gone) + (10.0 if {A, B} <= gone else 0.0)
+
+
+def test_units_are_what_selection_removes_together():
+    units = removal_units(SCORES, gqa="groups", min_heads_per_layer=1)
+    assert units == {n: ([(0, 1), (2, 3), (4, 5)], 5) for n in ("layers.0.attn", "layers.1.attn")}
+    assert removal_units(SCORES, gqa="even")["layers.0.attn"][0] == [(0, 2, 4), (1, 3, 5)]
+    assert list(removal_units(SCORES, ignore="layers.1")) == ["layers.0.attn"]
+
+
+def test_one_round_takes_the_cheapest_alone_and_more_rounds_measure_what_went_before():
+    units = removal_units(SCORES)
+    once, present = search_order(units, budget=4, rounds=1, cost=measured)
+    assert once[:2] == [A, B] and present == [6]  # each cheap alone
+    twice, present = search_order(units, budget=4, rounds=2, cost=measured)
+    assert twice[:2] == [A, C] and present == [6, 5]  # B measured again once A has gone: 13 > 4
+    for order in (once, twice):  # every unit is ranked, once
+        assert sorted(order) == sorted((n, u) for n, (us, _) in units.items() for u in us)
+
+
+def test_a_layer_never_loses_more_than_its_room():
+    units = {"layers.0.attn": ([(0, 1), (2, 3), (4, 5)], 2), "layers.1.attn": ([(0, 1), (2, 3), (4, 5)], 6)}
+    order, _ = search_order(
+        units, budget=4, rounds=1, cost=lambda plan, changed: 0.0 if changed == "layers.0.attn" else 1
+    )
+    assert order[:2] == [A, C]
+
+
+def test_searched_scores_make_select_heads_take_the_searched_units():
+    order, _ = search_order(removal_units(SCORES), budget=4, rounds=2, cost=measured)
+    plan = ph.select_heads(searched_scores(SCORES, order), num_heads=4)
+    assert plan == {"layers.0.attn": [0, 1], "layers.1.attn": [0, 1]}
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_the_default_tries_the_searched_plan_and_counts_its_work(name):
+    result = ph.prune_model(
+        tm.build(name), batches(name), ph.PruneConfig(ph.SelectionConfig(num_heads=4)), progress=False
+    )
+    tried = next(e["tried"] for e in result.recovery if e["step"] == "selection")
+    assert "search + reconstruction" in tried
+    assert result.work["search"] > 0
+    without = ph.RecoveryConfig(search_rounds=0)
+    result = ph.prune_model(
+        tm.build(name), batches(name), ph.PruneConfig(ph.SelectionConfig(num_heads=4), recovery=without), progress=False
+    )
+    assert not any("search" in k for k in next(e["tried"] for e in result.recovery if e["step"] == "selection"))
+
+
+def test_a_tuning_budget_too_small_for_the_search_leaves_it_out_and_says_so():
+    config = ph.PruneConfig(ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(tuning_budget=0.5))
+    result = ph.prune_model(tm.build("llama"), batches("llama"), config, progress=False)
+    notes = next(e["notes"] for e in result.recovery if e["step"] == "notes")
+    assert any(n.startswith("search not tried: its work") for n in notes)
+    assert result.work["search"] == 0.0
