@@ -208,6 +208,8 @@ def test_smollm2_gguf_recipe_end_to_end(tmp_path):
             "--set",
             "recovery.epochs=1",
             "--set",
+            "recovery.search_rounds=0",  # GGUF in and out under test; the search has its own (tests/test_search.py)
+            "--set",
             "evaluation.speed.seq_len=8",
             "--set",
             "evaluation.speed.generate_tokens=4",
