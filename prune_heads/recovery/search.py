@@ -8,6 +8,7 @@ measures both, at the price of one forward pass over a few calibration examples 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -73,11 +74,4 @@ def searched_scores(scores: HeadScores, order: list[Unit]) -> HeadScores:
         name: torch.tensor([place.get((name, h), top) for h in heads], dtype=torch.float32)
         for name, heads in scores.heads.items()
     }
-    return HeadScores(
-        method="search",
-        num_examples=scores.num_examples,
-        scores=values,
-        heads=dict(scores.heads),
-        group_sizes=dict(scores.group_sizes),
-        original_heads=dict(scores.original_heads),
-    )
+    return dataclasses.replace(scores, method="search", scores=values, variance=None, meta={})
