@@ -23,6 +23,7 @@ from .export.persistence import ModelNotFoundError, OutputExistsError, load_prun
 from .model.layers import UnsupportedModelError, scan_required
 from .model.surgery import PlanError, RecordError
 from .recipes import load_recipe, parse_recipe, recipe_path, shipped_recipes
+from .recovery.search import ROUNDS
 from .scoring.methods import METHODS
 
 BAD_INPUT = (
@@ -462,9 +463,9 @@ def _plan_file(path: str) -> dict:
     "--search-rounds",
     type=click.IntRange(min=0),
     default=RecoveryConfig.search_rounds,
-    show_default=True,
     help="Rounds of the searched plan (each measures every KV group's or head's removal, with the reconstruction, "
-    "on a few calibration examples, and removes the cheapest share); 0: leave it out.",
+    f"on a few calibration examples, and removes the cheapest share); 0: leave it out. Default: {ROUNDS} where "
+    "the outputs are per token (language models), none where each example gives one (classifiers, embeddings).",
 )
 @click.option(
     "--epochs",
@@ -534,7 +535,7 @@ def prune_command(
     gate_tuning: bool,
     bias_tuning: bool,
     projection_tuning: bool,
-    search_rounds: int,
+    search_rounds: int | None,
     epochs: int,
     tuning_budget: float | None,
     holdout: float,

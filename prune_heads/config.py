@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .data import TASKS
 from .export.gguf import FILE_TYPES, GGUF_TYPES
+from .recovery.search import ROUNDS
 from .recovery.tuning import AVERAGE, MIN_TUNING_FLOPS
 from .scoring.methods import METHODS
 from .scoring.selection import GQA_MODES, GRANULARITIES, ROUNDING
@@ -64,8 +65,10 @@ class RecoveryConfig:
     fluctuation as candidate plans beside the plain one (and, with reconstruction, the structured-OBS plan and
     the searched plan: `search_rounds` rounds that each measure, on the first `search_examples` calibration
     examples (whole batches), the divergence when each KV group or head goes on top of the earlier rounds'
-    removals with its reconstruction, and remove the cheapest share, `prune_heads.recovery.search`; 0 rounds
-    leave it out, and with a `tuning_budget` it is tried only when its counted work fits inside it);
+    removals with its reconstruction, and remove the cheapest share, `prune_heads.recovery.search`; None, the
+    default, is 2 rounds where the model's outputs are per position (a language model's tokens) and none
+    where each example gives one output (a class, a value, an embedding: there it never won), 0 rounds leave
+    it out, and with a `tuning_budget` it is tried only when its counted work fits inside it);
     `reconstruction` refits each pruned layer's output projection (its kept columns and bias) to the unpruned
     layer's output by ridge least squares, closed form from Gram matrices recorded while scoring, the ridge
     chosen per layer on the held-out tokens (`prune_heads.recovery.reconstruction`); without it,
@@ -88,7 +91,7 @@ class RecoveryConfig:
     holdout: float = 0.2
     rearrange: bool = True
     reconstruction: bool = True
-    search_rounds: int = 2
+    search_rounds: int | None = None
     search_examples: int = 24
     bias_compensation: bool = True
     gate_tuning: bool = True
@@ -118,11 +121,11 @@ class RecoveryConfig:
             raise ConfigError(f"recovery.epochs is {self.epochs}; give 0 or more")
         if self.projection_rank < 1:
             raise ConfigError(f"recovery.projection_rank is {self.projection_rank}; give 1 or more")
-        if self.search_rounds < 0 or self.search_examples < 1:
-            key = "search_rounds" if self.search_rounds < 0 else "search_examples"
+        if (self.search_rounds or 0) < 0 or self.search_examples < 1:
+            key = "search_examples" if self.search_examples < 1 else "search_rounds"
             raise ConfigError(
-                f"recovery.{key} is {getattr(self, key)}; give 0 or more search_rounds (0: no searched plan) "
-                "and 1 or more search_examples"
+                f"recovery.{key} is {getattr(self, key)}; give 0 or more search_rounds (0: no searched plan; "
+                f"null: {ROUNDS} where the outputs are per token) and 1 or more search_examples"
             )
 
     @classmethod

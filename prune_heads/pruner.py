@@ -31,7 +31,7 @@ from .model.surgery import PlanError
 from .recovery.gated import GatedModel
 from .recovery.holdout import one_standard_error, split_holdout
 from .recovery.reconstruction import Refit, refit, refit_flops, removal_cost
-from .recovery.search import search_order, searched_scores
+from .recovery.search import ROUNDS, search_order, searched_scores
 from .recovery.tuning import tune
 from .runtime.memory import release_freed_memory
 from .runtime.work import Budget, Work
@@ -273,13 +273,14 @@ def _searched(
     calib: list[dict],
     objective: Objective,
     config: RecoveryConfig,
+    rounds: int,
     work: Work,
     limit: float,
 ) -> tuple[dict[str, list[int]] | None, float, str | None]:
-    """The searched plan (`prune_heads.recovery.search`) on the first `search_examples` calibration examples,
-    with its counted work (each round priced by the units present at its start: a forward pass over those
-    examples and a layer's refit each), or None and why when its work (every unit measured in every round)
-    would pass `limit`."""
+    """The plan searched in `rounds` rounds (`prune_heads.recovery.search`) on the first `search_examples`
+    calibration examples, with its counted work (each round priced by the units present at its start: a
+    forward pass over those examples and a layer's refit each), or None and why when its work (every unit
+    measured in every round) would pass `limit`."""
     bias = config.bias_tuning or config.bias_compensation
     count, batches = 0, []
     for batch in calib:
@@ -293,7 +294,7 @@ def _searched(
     every = [(name, unit) for name, (layer_units, _) in units.items() for unit in layer_units]
     refits = sum(refit_flops([gated.layers[index[n]]], {n: list(u)}) for n, u in every)
     price = work.forward(batches) + refits / max(len(every), 1)  # one unit measured, its layer refitted
-    bound = config.search_rounds * len(every) * price
+    bound = rounds * len(every) * price
     if bound > limit:
         return None, 0.0, f"search not tried: its work (up to {bound / 1e12:.1f} TFLOPs) passes the tuning budget"
     kept: dict[tuple[str, tuple[int, ...]], Refit] = {}  # the refits of the state so far, layer by layer
@@ -315,7 +316,7 @@ def _searched(
         gated.use({name: list(heads) for name, heads in plan.items()}, refits=refits)
         return float(gated.divergences(batches, targets, objective).mean())
 
-    order, present = search_order(units, requested_heads(gated.model, **kwargs), config.search_rounds, cost)
+    order, present = search_order(units, requested_heads(gated.model, **kwargs), rounds, cost)
     gated.restore()
     spent = sum(present) * price
     try:
@@ -360,12 +361,18 @@ def _choose(
         result.work["reconstruction"] += refit_flops(gated.layers, plan)
         return State(plan, refits=fitted)
 
-    if r.rearrange and r.reconstruction and r.search_rounds and recorder is not None and unpruned is not None:
-        limit = math.inf if r.tuning_budget is None else r.tuning_budget * result.work["calibration_pass"]
-        assert result.scores is not None
-        plan, result.work["search"], why = _searched(
-            gated, result.scores, kwargs, recorder, unpruned, calib, objective, r, work, limit
-        )
+    if r.rearrange and r.reconstruction and r.search_rounds != 0 and recorder is not None and unpruned is not None:
+        rounds = r.search_rounds
+        if rounds is None:  # the default: only where the outputs are per position
+            rounds = ROUNDS if objective.per_position(targets[0]) else 0
+        plan: dict[str, list[int]] | None = None
+        why: str | None = f"search not tried: one output per example (search_rounds: {ROUNDS} tries it)"
+        if rounds:
+            limit = math.inf if r.tuning_budget is None else r.tuning_budget * result.work["calibration_pass"]
+            assert result.scores is not None
+            plan, result.work["search"], why = _searched(
+                gated, result.scores, kwargs, recorder, unpruned, calib, objective, r, rounds, work, limit
+            )
         if plan is not None:
             plans = {**plans, "search": plan}
         if why is not None:

@@ -90,3 +90,13 @@ def test_the_probe_is_a_deterministic_logistic_regression_and_gives_the_encoders
     assert torch.allclose(objective.per_example(outputs, batch, g), expected)
     assert torch.allclose(objective.value(outputs, batch, None), expected)
     assert "labels" not in objective.inputs(batch) and "labels" in Objective(torch.nn.Identity()).inputs(batch)
+
+
+def test_per_position_tells_a_language_models_references_from_one_output_per_example():
+    objective, batch = Objective(torch.nn.Identity()), {"attention_mask": torch.ones(2, 5, dtype=torch.long)}
+    small = objective.reference(SequenceClassifierOutput(logits=torch.randn(2, 5, 7)), batch)  # tokens, 7 classes
+    large = objective.reference(SequenceClassifierOutput(logits=torch.randn(2, 5, 5000)), batch)  # top-k and rest
+    classes = objective.reference(SequenceClassifierOutput(logits=torch.randn(2, 5000)), batch)  # one per example
+    embedding = objective.reference(BaseModelOutput(last_hidden_state=torch.randn(2, 5, 8)), batch)
+    assert isinstance(large, tuple) and isinstance(classes, tuple)  # both coarsened to the top classes
+    assert [Objective.per_position(r) for r in (small, large, classes, embedding)] == [True, True, False, False]

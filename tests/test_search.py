@@ -51,18 +51,25 @@ def test_searched_scores_make_select_heads_take_the_searched_units():
 
 
 @pytest.mark.parametrize("name", ["llama", "bert"])
-def test_the_default_tries_the_searched_plan_and_counts_its_work(name):
-    result = ph.prune_model(
-        tm.build(name), batches(name), ph.PruneConfig(ph.SelectionConfig(num_heads=4)), progress=False
-    )
-    tried = next(e["tried"] for e in result.recovery if e["step"] == "selection")
-    assert "search + reconstruction" in tried
-    assert result.work["search"] > 0
-    without = ph.RecoveryConfig(search_rounds=0)
-    result = ph.prune_model(
-        tm.build(name), batches(name), ph.PruneConfig(ph.SelectionConfig(num_heads=4), recovery=without), progress=False
-    )
-    assert not any("search" in k for k in next(e["tried"] for e in result.recovery if e["step"] == "selection"))
+def test_the_default_searches_where_outputs_are_per_token_and_counts_its_work(name):
+    """A language model's default tries the searched plan; a classifier's (one output per example, where the
+    search's plan never won) leaves it out and says so, unless `search_rounds` asks for it."""
+
+    def run(**recovery):
+        config = ph.PruneConfig(ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(**recovery))
+        result = ph.prune_model(tm.build(name), batches(name), config, progress=False)
+        notes = next((e["notes"] for e in result.recovery if e["step"] == "notes"), [])
+        return next(e["tried"] for e in result.recovery if e["step"] == "selection"), result.work, notes
+
+    tried, work, notes = run()
+    per_token = name == "llama"
+    assert ("search + reconstruction" in tried) == per_token and (work.get("search", 0.0) > 0) == per_token
+    assert ("search not tried: one output per example (search_rounds: 2 tries it)" in notes) != per_token
+    tried, work, _ = run(search_rounds=2)
+    assert "search + reconstruction" in tried and work["search"] > 0
+    tried, work, notes = run(search_rounds=0)
+    assert not any("search" in k for k in tried) and "search" not in work
+    assert not any("search" in n for n in notes)
 
 
 def test_a_tuning_budget_too_small_for_the_search_leaves_it_out_and_says_so():

@@ -226,6 +226,13 @@ class Objective:
         top, index = logp.topk(TOP_K, dim=-1)
         return top, index, _log_rest(top)
 
+    @staticmethod
+    def per_position(reference) -> bool:
+        """Whether a `reference` holds an output per position (a language model's tokens: [batch, positions,
+        classes]) rather than one per example (a class distribution or an embedding)."""
+        first = reference[0] if isinstance(reference, tuple) else reference
+        return first.dim() > 2
+
     def divergence(self, outputs, batch: dict, reference) -> torch.Tensor:
         """Per-example KL(reference || gated) on logits (on the reference's top TOP_K classes and one bin for
         the rest when the vocabulary is larger: the KL of the coarsened distributions), or 1 - cosine on
