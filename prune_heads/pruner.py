@@ -366,7 +366,7 @@ def _choose(
         if rounds is None:  # the default: only where the outputs are per position
             rounds = ROUNDS if objective.per_position(targets[0]) else 0
         plan: dict[str, list[int]] | None = None
-        why: str | None = f"search not tried: one output per example (search_rounds: {ROUNDS} tries it)"
+        why: str | None = None
         if rounds:
             limit = math.inf if r.tuning_budget is None else r.tuning_budget * result.work["calibration_pass"]
             assert result.scores is not None

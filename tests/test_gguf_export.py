@@ -425,6 +425,8 @@ def test_prune_to_gguf_from_the_command_line_then_inspect(tmp_path, smollm2):
             "45",
             "--epochs",
             "1",
+            "--search-rounds",
+            "0",  # GGUF in and out under test; the searched plan has its own tests (tests/test_search.py)
             "-o",
             str(out),
         ]
