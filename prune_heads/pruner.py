@@ -361,22 +361,20 @@ def _choose(
         result.work["reconstruction"] += refit_flops(gated.layers, plan)
         return State(plan, refits=fitted)
 
-    if r.rearrange and r.reconstruction and r.search_rounds != 0 and recorder is not None and unpruned is not None:
+    if r.rearrange and r.reconstruction and recorder is not None and unpruned is not None:
         rounds = r.search_rounds
         if rounds is None:  # the default: only where the outputs are per position
             rounds = ROUNDS if objective.per_position(targets[0]) else 0
-        plan: dict[str, list[int]] | None = None
-        why: str | None = None
         if rounds:
             limit = math.inf if r.tuning_budget is None else r.tuning_budget * result.work["calibration_pass"]
             assert result.scores is not None
             plan, result.work["search"], why = _searched(
                 gated, result.scores, kwargs, recorder, unpruned, calib, objective, r, rounds, work, limit
             )
-        if plan is not None:
-            plans = {**plans, "search": plan}
-        if why is not None:
-            notes.append(why)
+            if plan is not None:
+                plans = {**plans, "search": plan}
+            if why is not None:
+                notes.append(why)
     tried: dict[str, tuple[torch.Tensor | None, State]] = {}  # in order of preference
     result.work["reconstruction"] = 0.0
     for name, plan in plans.items():
