@@ -23,8 +23,8 @@ many KV groups go, not which (benchmarks/in_llama_cpp.py measures it; the README
 Run: .venv/bin/python benchmarks/frontier.py [--model smollm2|gemma3] [--only "METHOD"] [--depth 1/3] [--device cuda]
      .venv/bin/python benchmarks/frontier.py --table
      .venv/bin/python benchmarks/frontier.py --paired "FLAP" "default" --depth 1/3   (two cells, paired)
-(a default-path cell on 2 cores: Gemma 3 about half an hour, its searched plan included; SmolLM2's search,
-over 90 KV groups, adds about half an hour to its 8 minutes by the counted work; FLAP about 5.)
+(a default-path cell on 2 cores: pruning about half an hour with the searched plan, 32 minutes for SmolLM2 at
+1/6 and 34 for Gemma 3 at 1/3, then the measurements; FLAP about 5.)
 """
 
 from __future__ import annotations
