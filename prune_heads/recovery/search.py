@@ -35,8 +35,7 @@ def search_order(
     heads it may lose)`; `budget` heads go in `rounds` rounds of equal shares; `cost(plan, layer)` measures
     the plan whose `layer` differs from the state so far."""
     removed: dict[str, tuple[int, ...]] = {}
-    order: list[Unit] = []
-    gone_units: set[Unit] = set()  # the units of `order`, for membership at thousands of units
+    order: dict[Unit, None] = {}  # the units removed, in order (a dict: membership at thousands of units)
     last: dict[Unit, float] = {}
     present: list[int] = []
     total = sum(len(u) for u, _ in units.values())
@@ -50,7 +49,7 @@ def search_order(
         for name, (layer_units, room) in units.items():
             for unit in layer_units:
                 heads = removed.get(name, ())
-                if (name, unit) not in gone_units and len(heads) + len(unit) <= room:
+                if (name, unit) not in order and len(heads) + len(unit) <= room:
                     costs[(name, unit)] = cost({**removed, name: tuple(sorted(heads + unit))}, name)
         if not costs:
             break
@@ -61,13 +60,12 @@ def search_order(
             if taken >= share:
                 break
             if len(heads) + len(unit) <= units[name][1]:
-                order.append((name, unit))
-                gone_units.add((name, unit))
+                order[(name, unit)] = None
                 removed[name] = tuple(sorted(heads + unit))
                 taken += len(unit)
-    left = [u for u in sorted(last, key=last.__getitem__) if u not in gone_units]
-    never = [(n, u) for n, (us, _) in units.items() for u in us if (n, u) not in gone_units and (n, u) not in last]
-    return order + left + never, present
+    left = [u for u in sorted(last, key=last.__getitem__) if u not in order]
+    never = [(n, u) for n, (us, _) in units.items() for u in us if (n, u) not in order and (n, u) not in last]
+    return [*order, *left, *never], present
 
 
 def searched_scores(scores: HeadScores, order: list[Unit]) -> HeadScores:
