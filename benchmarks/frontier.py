@@ -73,10 +73,11 @@ def default(model, data, num_heads: int, recovery: dict | None = None, **selecti
     )
     result = ph.prune_model(model, data, config, progress=False)
     work = result.work
-    spent = sum(work.get(k, 0.0) for k in ("recording", "search", "selection", "tuning")) + work["calibration_pass"]
+    stages = ("generation", "recording", "search", "selection", "tuning")
+    spent = sum(work.get(k, 0.0) for k in stages) + work["calibration_pass"]
     tried = next((e["tried"] for e in result.recovery if e.get("step") == "selection"), {})
     kept = [e.get("kept") for e in result.recovery if e.get("step") != "notes"]
-    return {"fisher_passes": spent / work["calibration_pass"], "kept": kept, "heldout_kl": tried}
+    return {"fisher_passes": spent / work["calibration_pass"], "kept": kept, "heldout_kl": tried, "work": work}
 
 
 METHODS = {  # (model, data, heads to remove, the selection a KV group needs) -> what to record

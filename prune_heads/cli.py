@@ -23,6 +23,7 @@ from .export.persistence import ModelNotFoundError, OutputExistsError, load_prun
 from .model.layers import UnsupportedModelError, scan_required
 from .model.surgery import PlanError, RecordError
 from .recipes import load_recipe, parse_recipe, recipe_path, shipped_recipes
+from .recovery.generated import SHARE
 from .recovery.search import ROUNDS
 from .scoring.methods import METHODS
 
@@ -460,6 +461,14 @@ def _plan_file(path: str) -> dict:
 @recovery_step("bias_tuning", "Tune the output biases with the gates.")
 @recovery_step("projection_tuning", "Tune a low-rank update of each output projection with them (LoRA's form).")
 @click.option(
+    "--generated-share",
+    type=click.FloatRange(min=0),
+    default=RecoveryConfig.generated_share,
+    help="Text the unpruned model writes itself, added beside the calibration batches as this share of their "
+    "examples, so recovery fits and checks the model's own distribution as well as your domain; 0: leave it out. "
+    f"Default: {SHARE} for a decoder-only language model, none for other models.",
+)
+@click.option(
     "--search-rounds",
     type=click.IntRange(min=0),
     default=RecoveryConfig.search_rounds,
@@ -535,6 +544,7 @@ def prune_command(
     gate_tuning: bool,
     bias_tuning: bool,
     projection_tuning: bool,
+    generated_share: float | None,
     search_rounds: int | None,
     epochs: int,
     tuning_budget: float | None,
@@ -575,6 +585,7 @@ def prune_command(
         gate_tuning=gate_tuning,
         bias_tuning=bias_tuning,
         projection_tuning=projection_tuning,
+        generated_share=generated_share,
         search_rounds=search_rounds,
         tuning_budget=tuning_budget,
     )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .data import TASKS
 from .export.gguf import FILE_TYPES, GGUF_TYPES
+from .recovery.generated import SHARE
 from .recovery.search import ROUNDS
 from .recovery.tuning import AVERAGE, MIN_TUNING_FLOPS
 from .scoring.methods import METHODS
@@ -61,34 +62,38 @@ class RecoveryConfig:
     """Retraining-free recovery, each step decided on held-out calibration data (`holdout` of the scoring
     batches, at least one batch, never the evaluation split): a step is kept only if it lowers the held-out
     divergence from the unpruned model by more than one standard error of the paired per-example differences
-    (Breiman's rule: not on noise). `rearrange` adds Kwon et al.'s Fisher-block selection and FLAP's
-    fluctuation as candidate plans beside the plain one (and, with reconstruction, the structured-OBS plan and
-    the searched plan: `search_rounds` rounds that each measure, on the first `search_examples` calibration
-    examples (whole batches), the divergence when each KV group or head goes on top of the earlier rounds'
-    removals with its reconstruction, and remove the cheapest share, `prune_heads.recovery.search`; None, the
-    default, is 2 rounds where the model's outputs are per position (a language model's tokens) and none
-    where each example gives one output (a class, a value, an embedding: there it never won), 0 rounds leave
-    it out, and with a `tuning_budget` it is tried only when its counted work fits inside it);
-    `reconstruction` refits each pruned layer's output projection (its kept columns and bias) to the unpruned
-    layer's output by ridge least squares, closed form from Gram matrices recorded while scoring, the ridge
-    chosen per layer on the held-out tokens (`prune_heads.recovery.reconstruction`); without it,
-    `bias_compensation` adds the removed heads' mean output to the output bias (FLAP, An et al. 2024; the
-    reconstruction's limit); `gate_tuning` tunes one scale per kept head to the unpruned model's outputs, and
-    `bias_tuning` the output biases with them, and `projection_tuning` a rank-`projection_rank` update of every
-    output projection (LoRA's form, Hu et al. 2022, folded into the weights: it moves what the kept heads
-    write, not only how loud each is), for at most `epochs` epochs, stopping when the held-out
-    divergence stops falling (the default: the held-out data decides how much work depth needs), or, with a
-    `tuning_budget`, before a step would take the recovery (recording statistics, trying candidates, tuning)
-    past that many times the work of one forward and backward pass over the calibration batches (the default
-    fisher scoring's cost); a capped tuning still gets at least `min_tuning_flops`, so small models tune fully,
-    and a cut epoch is checked like a whole one. Work is counted in FLOPs from the model
-    and the data (`prune_heads.runtime.work`), never timed: the same inputs, config and seed give the same model on
-    any machine. Each check tries both the tuned values and their moving average over the steps (`average`,
-    its decay per step; 0: the tuned values alone) and keeps the lower. Everything is tuned on the gated
-    model (no copy of it) and folded into the weights. `holdout: 0` applies every enabled step without
-    checking it (tuning then leaves the moving average)."""
+    (Breiman's rule: not on noise). `generated_share` adds text the unpruned model samples itself beside the
+    calibration batches, that share of their examples (self-calibration, `prune_heads.recovery.generated`), so
+    every step is fitted and checked on the model's own distribution as well as the user's domain; None, the
+    default, is 3/8 for a decoder-only language model and none for other models, 0 leaves it out. `rearrange`
+    adds Kwon et al.'s Fisher-block selection and FLAP's fluctuation as candidate plans beside the plain one
+    (and, with reconstruction, the structured-OBS plan and the searched plan: `search_rounds` rounds that each
+    measure, on the first `search_examples` calibration examples (whole batches), the divergence when each KV
+    group or head goes on top of the earlier rounds' removals with its reconstruction, and remove the cheapest
+    share, `prune_heads.recovery.search`; None, the default, is 2 rounds where the model's outputs are per
+    position (a language model's tokens) and none where each example gives one output (a class, a value, an
+    embedding: there it never won), 0 rounds leave it out, and with a `tuning_budget` it is tried only when its
+    counted work fits inside it); `reconstruction` refits each pruned layer's output projection (its kept
+    columns and bias) to the unpruned layer's output by ridge least squares, closed form from Gram matrices
+    recorded while scoring, the ridge chosen per layer on the held-out tokens
+    (`prune_heads.recovery.reconstruction`); without it, `bias_compensation` adds the removed heads' mean output
+    to the output bias (FLAP, An et al. 2024; the reconstruction's limit); `gate_tuning` tunes one scale per
+    kept head to the unpruned model's outputs, and `bias_tuning` the output biases with them, and
+    `projection_tuning` a rank-`projection_rank` update of every output projection (LoRA's form, Hu et al. 2022,
+    folded into the weights: it moves what the kept heads write, not only how loud each is), for at most
+    `epochs` epochs, stopping when the held-out divergence stops falling (the default: the held-out data decides
+    how much work depth needs), or, with a `tuning_budget`, before a step would take the recovery (recording
+    statistics, trying candidates, tuning) past that many times the work of one forward and backward pass over
+    the calibration batches (the default fisher scoring's cost); a capped tuning still gets at least
+    `min_tuning_flops`, so small models tune fully, and a cut epoch is checked like a whole one. Work is counted
+    in FLOPs from the model and the data (`prune_heads.runtime.work`), never timed: the same inputs, config and
+    seed give the same model on any machine. Each check tries both the tuned values and their moving average
+    over the steps (`average`, its decay per step; 0: the tuned values alone) and keeps the lower. Everything is
+    tuned on the gated model (no copy of it) and folded into the weights. `holdout: 0` applies every enabled
+    step without checking it (tuning then leaves the moving average)."""
 
     holdout: float = 0.2
+    generated_share: float | None = None
     rearrange: bool = True
     reconstruction: bool = True
     search_rounds: int | None = None
@@ -117,6 +122,11 @@ class RecoveryConfig:
                 raise ConfigError(
                     f"recovery.{key} is {getattr(self, key)}; give a value from 0 up to (not including) 1"
                 )
+        if self.generated_share is not None and self.generated_share < 0:
+            raise ConfigError(
+                f"recovery.generated_share is {self.generated_share}; give 0 or more (null: {SHARE} for a "
+                "decoder-only language model, 0 for others)"
+            )
         if self.epochs < 0:
             raise ConfigError(f"recovery.epochs is {self.epochs}; give 0 or more")
         if self.projection_rank < 1:

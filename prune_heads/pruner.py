@@ -29,6 +29,7 @@ from .model.layers import require_attention
 from .model.probe import probe_layers
 from .model.surgery import PlanError
 from .recovery.gated import GatedModel
+from .recovery.generated import SHARE, token_batches, with_generated, writes_text
 from .recovery.holdout import one_standard_error, split_holdout
 from .recovery.reconstruction import Refit, refit, refit_flops, removal_cost
 from .recovery.search import ROUNDS, search_order, searched_scores
@@ -161,16 +162,18 @@ def prune_model(
 ) -> PruneResult:
     """Prune `model` in place, the whole flow in one call, and say what was done.
 
-    `data`: a `TaskData` from `ph.load_task_data` or any iterable of batch dicts (labels optional), used
-    for scoring and calibration, never the evaluation split. `config` (default `PruneConfig()`: fisher
-    scores, half the heads, held-out recovery) sets scoring, selection and recovery; `PruneConfig.from_recipe`
-    builds one from a recipe. The budget is checked against the model's structure before any data is read.
-    With recovery on, `recovery.holdout` of the batches is held out: the candidate plans (the plain ranking,
-    Kwon et al.'s Fisher-block rearrangement, FLAP's fluctuation, structured OBS, the plan searched by measured
-    removals), each with its closed-form reconstruction (or bias compensation), and gate, bias and projection
-    tuning with early stopping are kept only when they lower the divergence from the unpruned model there, so
-    the result is never worse on held-out data than the plain selection (docs/recovery.md). No copy of the
-    model is made: candidates and tuning run on the model itself through gates, then folded in.
+    `data`: a `TaskData` from `ph.load_task_data` or any iterable of batch dicts (labels optional), used for
+    scoring and calibration, never the evaluation split. `config` (default `PruneConfig()`: fisher scores, half
+    the heads, held-out recovery) sets scoring, selection and recovery; `PruneConfig.from_recipe` builds one
+    from a recipe. The budget is checked against the model's structure before any data is read. With recovery
+    on, a decoder-only language model first writes calibration text of its own beside the batches
+    (`recovery.generated_share`), and `recovery.holdout` of the batches is held out: the candidate plans (the
+    plain ranking, Kwon et al.'s Fisher-block rearrangement, FLAP's fluctuation, structured OBS, the plan
+    searched by measured removals), each with its closed-form reconstruction (or bias compensation), and gate,
+    bias and projection tuning with early stopping are kept only when they lower the divergence from the
+    unpruned model there, so the result is never worse on held-out data than the plain selection
+    (docs/recovery.md). No copy of the model is made: candidates and tuning run on the model itself through
+    gates, then folded in.
     """
     config = config or PruneConfig()
     start = time.perf_counter()
@@ -181,6 +184,10 @@ def prune_model(
     seq_len = next((v.shape[-1] for v in batches[0].values() if torch.is_tensor(v) and v.dim() > 1), 128)
     kwargs = selection_budget(model, config, seq_len)
     asked = requested_heads(model, **kwargs)
+    generated: list[dict] = []
+    share = _generated_share(model, batches, r) if r.enabled and s.steps == 1 else 0.0
+    if share:
+        batches, generated = with_generated(model, batches, share, s.seed)
     if s.objective == "label-free":
         batches = [without_labels(b) for b in batches]
     if s.steps > 1:
@@ -226,6 +233,8 @@ def prune_model(
         )
     if recorded:
         result.work["recording"] = choice.work.forward(calib)
+    if generated:  # sampled with the KV cache: a forward pass over the written tokens
+        result.work["generation"] = choice.work.forward(generated)
     # proven exact before tuning (a refused plan leaves the model as it was), so that tuning, the flow's peak,
     # runs without the output projections' originals beside the model
     gated.prove(choice.plan, calib[0])
@@ -240,6 +249,20 @@ def prune_model(
     result.timings = {k: round(v, 3) for k, v in timings.items()}
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _generated_share(model: nn.Module, batches: list[dict], r: RecoveryConfig) -> float:
+    """`r.generated_share`, or by default `SHARE` for a decoder-only language model on token batches and 0
+    otherwise; a share asked of a model or data that cannot take it is refused (before any scoring)."""
+    fits = writes_text(model) and token_batches(batches)
+    if r.generated_share is None:
+        return SHARE if fits else 0.0
+    if r.generated_share and not fits:
+        raise ConfigError(
+            f"recovery.generated_share is {r.generated_share}, but only a decoder-only language model on batches "
+            "of token ids writes its own calibration text; give 0 (or leave it out) for this model"
+        )
+    return r.generated_share
 
 
 @dataclass
@@ -449,7 +472,7 @@ def _tune(
         ]
         groups = [{"params": params, "lr": lr} for _, params, lr in tunables]
         check = (lambda: float(gated.divergences(heldout, targets, objective).mean())) if heldout else None
-        before = sum(result.work.get(k, 0.0) for k in ("recording", "search", "selection"))  # recovery's, before tuning
+        before = sum(result.work.get(k, 0.0) for k in ("generation", "recording", "search", "selection"))
         limit = (  # None: no cap, the held-out stop and `epochs` end tuning
             None
             if r.tuning_budget is None

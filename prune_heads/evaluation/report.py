@@ -239,10 +239,11 @@ class Report:
         if "calibration_pass" in work:
             tuning_budget = work.get("tuning_budget")
             limit = f" of its {_tflops(tuning_budget)} budget" if tuning_budget is not None else ""
+            written = f"writing calibration text {_tflops(work['generation'])}; " if "generation" in work else ""
             lines += [
                 "",
                 f"Work, counted in FLOPs (the limits never read a clock): one forward and backward pass over "
-                f"the calibration batches {_tflops(work['calibration_pass'])}; recording the statistics "
+                f"the calibration batches {_tflops(work['calibration_pass'])}; {written}recording the statistics "
                 f"{_tflops(work.get('recording', 0))}; the plan search {_tflops(work.get('search', 0))}; candidate "
                 f"trials {_tflops(work.get('selection', 0))}; "
                 f"tuning {_tflops(work.get('tuning', 0))}{limit}.",

@@ -1,0 +1,73 @@
+import pytest
+import tiny_models as tm
+import torch
+from test_pruner import batches
+
+import prune_heads as ph
+from prune_heads.config import ConfigError
+from prune_heads.data import without_labels
+from prune_heads.recovery.generated import SHARE, with_generated, writes_text
+
+
+def test_only_a_decoder_only_language_model_writes_its_own_text():
+    assert writes_text(tm.build("llama")) and writes_text(tm.build("gpt2"))
+    assert not writes_text(tm.build("bert")) and not writes_text(tm.build("t5"))
+
+
+def test_a_batch_of_sampled_text_follows_each_calibration_batch():
+    model = tm.build("llama")
+    given = [dict(b, labels=b["input_ids"]) for b in batches("llama", n=3, batch=8)]
+    given[1]["attention_mask"][:, :2] = 0  # left padding: a row starts at its first attended token
+    out, generated = with_generated(model, given, SHARE, seed=0)
+    assert [b is g for b, g in zip(out[::2], given)] == [True] * 3 and out[1::2] == generated
+    for batch, extra in zip(given, generated):
+        assert extra["input_ids"].shape == (3, batch["input_ids"].shape[1])  # round(0.375 * 8) as wide
+        assert torch.equal(extra["labels"], extra["input_ids"]) and bool(extra["attention_mask"].all())
+    starts = torch.stack([row[m.bool()][0] for row, m in zip(given[1]["input_ids"], given[1]["attention_mask"])])
+    assert torch.equal(generated[1]["input_ids"][:, 0], starts[:3])
+    assert "labels" not in with_generated(model, [without_labels(given[0])], SHARE, seed=0)[1][0]
+
+
+def test_three_are_written_for_every_eight_examples_whatever_the_batch_size():
+    model, given = tm.build("llama"), batches("llama", n=8, batch=1)
+    out, generated = with_generated(model, given, SHARE, seed=0)
+    assert len(generated) == 3 and all(g["input_ids"].shape[0] == 1 for g in generated)
+    # written where round(0.375 * examples so far) grows: after the 2nd, 4th and 7th example
+    assert [i for i, b in enumerate(out) if any(b is g for g in generated)] == [2, 5, 9]
+
+
+def test_the_same_seed_writes_the_same_text_and_leaves_the_callers_random_state():
+    model, given = tm.build("llama"), batches("llama", n=2, batch=8)
+    torch.manual_seed(5)
+    before = torch.rand(1)
+    torch.manual_seed(5)
+    once = with_generated(model, given, SHARE, seed=0)[1]
+    assert torch.equal(torch.rand(1), before)
+    again = with_generated(model, given, SHARE, seed=0)[1]
+    other = with_generated(model, given, SHARE, seed=1)[1]
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(once, again))
+    assert not all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(once, other))
+
+
+def run(name: str, **recovery) -> ph.PruneResult:
+    config = ph.PruneConfig(
+        ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(search_rounds=0, epochs=1, **recovery)
+    )
+    return ph.prune_model(tm.build(name), batches(name, batch=8), config, progress=False)
+
+
+def test_the_default_adds_generated_text_for_a_language_model_only_and_counts_its_work():
+    language_model = run("llama")
+    examples = 5 * (8 + 3)  # 3 written beside each batch of 8 (round(0.375 * 8)), as wide (9 tokens)
+    assert language_model.heldout["examples"] == examples // 5  # a fifth held out, written ones among them
+    per_token = language_model.work["calibration_pass"] / 2 / (examples * 4 // 5 * 9)  # forward FLOPs
+    assert language_model.work["generation"] == pytest.approx(per_token * 5 * 3 * 9)
+    assert "generation" not in run("llama", generated_share=0).work
+    assert "generation" not in run("bert").work
+
+
+def test_a_share_asked_of_a_model_that_writes_no_text_is_refused_before_scoring():
+    with pytest.raises(ConfigError, match="generated_share is 0.5, but only a decoder-only language model"):
+        run("bert", generated_share=0.5)
+    with pytest.raises(ConfigError, match="recovery.generated_share is -1; give 0 or more"):
+        ph.RecoveryConfig(generated_share=-1)
