@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 
 from ..data import input_device
 
-SHARE = 0.375  # generated examples per calibration example: 3 beside each batch of 8
+SHARE = 0.375  # written examples per calibration example: 3 for every 8
 TOP_P = 0.95  # nucleus sampling at temperature 1: the model's own distribution without its unlikely tail
 
 
