@@ -45,6 +45,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import prune_heads as ph
 from prune_heads.evaluation.confidence import compare
 from prune_heads.evaluation.task import evaluation
+from prune_heads.pruner import BEFORE_TUNING
 
 OUT = Path(__file__).resolve().parent / ".frontier"
 DEPTHS = {"1/6": 1 / 6, "1/3": 1 / 3, "1/2": 1 / 2}
@@ -73,8 +74,7 @@ def default(model, data, num_heads: int, recovery: dict | None = None, **selecti
     )
     result = ph.prune_model(model, data, config, progress=False)
     work = result.work
-    stages = ("generation", "recording", "search", "selection", "tuning")
-    spent = sum(work.get(k, 0.0) for k in stages) + work["calibration_pass"]
+    spent = sum(work.get(k, 0.0) for k in (*BEFORE_TUNING, "tuning")) + work["calibration_pass"]
     tried = next((e["tried"] for e in result.recovery if e.get("step") == "selection"), {})
     kept = [e.get("kept") for e in result.recovery if e.get("step") != "notes"]
     return {"fisher_passes": spent / work["calibration_pass"], "kept": kept, "heldout_kl": tried, "work": work}

@@ -44,6 +44,7 @@ from .scoring.recording import Recorder, record
 from .scoring.selection import check_budget, heads_for_flops, removal_units, requested_heads, select_heads
 
 logger = logging.getLogger("prune_heads")
+BEFORE_TUNING = ("generation", "recording", "search", "selection")  # recovery's counted work before tuning
 
 
 @dataclass
@@ -472,7 +473,7 @@ def _tune(
         ]
         groups = [{"params": params, "lr": lr} for _, params, lr in tunables]
         check = (lambda: float(gated.divergences(heldout, targets, objective).mean())) if heldout else None
-        before = sum(result.work.get(k, 0.0) for k in ("generation", "recording", "search", "selection"))
+        before = sum(result.work.get(k, 0.0) for k in BEFORE_TUNING)
         limit = (  # None: no cap, the held-out stop and `epochs` end tuning
             None
             if r.tuning_budget is None
