@@ -4,9 +4,10 @@ import torch
 from test_pruner import batches
 
 import prune_heads as ph
+import prune_heads.recovery.generated as generated
 from prune_heads.config import ConfigError
 from prune_heads.data import without_labels
-from prune_heads.recovery.generated import SHARE, with_generated, writes_text
+from prune_heads.recovery.generated import SHARE, nucleus, sample, with_generated, writes_text
 
 
 def test_only_a_decoder_only_language_model_writes_its_own_text():
@@ -43,10 +44,42 @@ def test_the_same_seed_writes_the_same_text_and_leaves_the_callers_random_state(
     torch.manual_seed(5)
     once = with_generated(model, given, SHARE, seed=0)[1]
     assert torch.equal(torch.rand(1), before)
+    torch.manual_seed(6)  # the draws come from the seed's own generator, not the global random state
     again = with_generated(model, given, SHARE, seed=0)[1]
     other = with_generated(model, given, SHARE, seed=1)[1]
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(once, again))
     assert not all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(once, other))
+
+
+def test_nucleus_keeps_the_most_likely_tokens_until_their_mass_reaches_top_p():
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3], [0.97, 0.01, 0.01, 0.01]])
+    kept = nucleus(probs.clone(), 0.75)
+    assert torch.equal(kept, torch.tensor([[0.0, 0.5, 0.0, 0.3], [0.97, 0.0, 0.0, 0.0]]))
+    assert torch.equal(nucleus(probs.clone(), 0.0), torch.tensor([[0.0, 0.5, 0.0, 0.0], [0.97, 0.0, 0.0, 0.0]]))
+
+
+DECODERS = [name for name, family in tm.FAMILIES.items() if family[3] == "decoder"]
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_sampling_with_the_kv_cache_follows_the_models_own_next_token(name, monkeypatch):
+    model = tm.build(name)
+    model.config.eos_token_id = [5, 7]
+    monkeypatch.setattr(generated, "TOP_P", 1e-6)  # only the most likely token: greedy
+    written = sample(model, torch.tensor([[3], [9]]), 6, torch.Generator().manual_seed(0))
+    expected = torch.tensor([[3], [9]])
+    for _ in range(6):  # the whole sequence each step, no cache
+        logits = model(expected).logits[:, -1]
+        logits[:, [5, 7]] = -torch.inf
+        expected = torch.cat([expected, logits.argmax(-1, keepdim=True)], 1)
+    assert torch.equal(written, expected)
+
+
+def test_the_end_of_text_tokens_are_never_written():
+    model = tm.build("llama")
+    model.config.eos_token_id = list(range(3, model.config.vocab_size))  # all but 0, 1 and 2 end the text
+    written = sample(model, torch.tensor([[1]] * 4), 12, torch.Generator().manual_seed(0))
+    assert written.shape == (4, 13) and bool((written[:, 1:] < 3).all())
 
 
 def run(name: str, **recovery) -> ph.PruneResult:

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import GenerationConfig
 
 from ..data import input_device
+from ..scoring.objective import frozen
 
 SHARE = 0.375  # written examples per calibration example: 3 for every 8
 TOP_P = 0.95  # nucleus sampling at temperature 1: the model's own distribution without its unlikely tail
@@ -28,48 +28,68 @@ def token_batches(batches: list[dict]) -> bool:
     return all(torch.is_tensor(b.get("input_ids")) and b["input_ids"].dim() == 2 for b in batches)
 
 
+def prompts(batch: dict, rows: int) -> torch.Tensor:
+    """The one-token prompts (rows x 1) the written text starts from: the first attended token of the batch's
+    examples in turn."""
+    ids = batch["input_ids"]
+    mask = batch.get("attention_mask", torch.ones_like(ids)).bool()
+    first = torch.stack([row[keep][0] if keep.any() else row[0] for row, keep in zip(ids, mask)])
+    return first[torch.arange(rows) % len(first)].unsqueeze(1)
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs` (rows x vocabulary) with each row's unlikely tail set to 0: only the most likely tokens whose mass
+    before them is under `top_p` stay (the most likely one always does)."""
+    ordered, order = probs.sort(-1, descending=True)
+    tail = ordered.cumsum(-1) - ordered >= top_p
+    tail[:, 0] = False
+    ordered[tail] = 0
+    return torch.zeros_like(probs).scatter(-1, order, ordered)
+
+
+def sample(model: nn.Module, prompt: torch.Tensor, new_tokens: int, generator: torch.Generator) -> torch.Tensor:
+    """`prompt` (rows x 1 token ids) and `new_tokens` tokens more, sampled from `model` with its KV cache at
+    temperature 1 and top-p `TOP_P`, the end-of-text tokens held back so every row is as long as asked. The
+    draws come from `generator` on the CPU, so the same seed writes the same text on any device (a CUDA
+    generator's stream differs from the CPU's; only a draw within float rounding of a boundary can differ)."""
+    lm: Any = model  # a transformers model: its config and KV cache
+    ends = lm.config.eos_token_id
+    ends = [] if ends is None else [ends] if isinstance(ends, int) else list(ends)
+    tokens, cache = prompt, None
+    with frozen(model):
+        for _ in range(new_tokens):
+            out = lm(tokens[:, -1:], attention_mask=torch.ones_like(tokens), past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1].float()
+            logits[:, ends] = -torch.inf
+            drawn = torch.multinomial(nucleus(logits.softmax(-1), TOP_P).cpu(), 1, generator=generator)
+            tokens = torch.cat([tokens, drawn.to(tokens.device)], 1)
+    return tokens
+
+
 @torch.no_grad()
 def with_generated(model: nn.Module, batches: list[dict], share: float, seed: int) -> tuple[list[dict], list[dict]]:
     """(all batches, the generated ones): after each calibration batch, a batch of sequences as wide as it, as
     many as bring the written ones to `round(share * the examples so far)` (3 for every 8 examples at the
-    default share, whatever the batch size), sampled from `model` (temperature 1, top-p 0.95), each started from
-    the first token of one of the batch's examples, with the tokens themselves as labels where the batch has
-    labels. Sampled under `seed` without touching the caller's random state: the same inputs and seed give the
-    same text."""
-    lm: Any = model  # a transformers model: its config and generate()
+    default share, whatever the batch size), `sample`d from `model`, each started from `prompts`, with the
+    tokens themselves as labels where the batch has labels. Drawn from a generator seeded with `seed`: the same
+    inputs and seed give the same text on any device, the caller's random state untouched."""
     device = input_device(model)
-    devices = [device] if device.type == "cuda" else []
+    generator = torch.Generator().manual_seed(seed)
     out: list[dict] = []
     generated: list[dict] = []
     seen = written = 0
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        for batch in batches:
-            out.append(batch)
-            ids = batch["input_ids"]
-            seen += ids.shape[0]
-            rows, width = round(share * seen) - written, ids.shape[1]  # the share of all examples so far
-            if rows == 0 or width < 2:
-                continue
-            mask = batch.get("attention_mask", torch.ones_like(ids)).bool()
-            first = torch.stack([row[keep][0] if keep.any() else row[0] for row, keep in zip(ids, mask)])
-            prompt = first[torch.arange(rows) % len(first)].unsqueeze(1).to(device)
-            sampling = GenerationConfig(
-                do_sample=True,
-                temperature=1.0,
-                top_p=TOP_P,
-                top_k=0,
-                max_new_tokens=width - 1,
-                min_new_tokens=width - 1,
-                eos_token_id=lm.config.eos_token_id,  # suppressed up to the batch's width (min_new_tokens)
-                pad_token_id=lm.config.pad_token_id if lm.config.pad_token_id is not None else 0,
-            )
-            tokens = lm.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=sampling)
-            tokens = tokens[:, :width].to(ids.device)
-            extra = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}
-            if "labels" in batch:
-                extra["labels"] = tokens.clone()
-            out.append(extra)
-            generated.append(extra)
-            written += rows
+    for batch in batches:
+        out.append(batch)
+        ids = batch["input_ids"]
+        seen += ids.shape[0]
+        rows, width = round(share * seen) - written, ids.shape[1]  # the share of all examples so far
+        if rows == 0 or width < 2:
+            continue
+        tokens = sample(model, prompts(batch, rows).to(device), width - 1, generator).to(ids.device)
+        extra = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}
+        if "labels" in batch:
+            extra["labels"] = tokens.clone()
+        out.append(extra)
+        generated.append(extra)
+        written += rows
     return out, generated
