@@ -5,6 +5,7 @@ that domain does not cost the model elsewhere (measured on SmolLM2: benchmarks/R
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -55,11 +56,12 @@ def sample(model: nn.Module, prompt: torch.Tensor, new_tokens: int, generator: t
     lm: Any = model  # a transformers model: its config and KV cache
     ends = lm.config.eos_token_id
     ends = [] if ends is None else [ends] if isinstance(ends, int) else list(ends)
+    named = "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"  # by version
     tokens, cache = prompt, None
     with frozen(model):
         for _ in range(new_tokens):
-            out = lm(tokens[:, -1:], attention_mask=torch.ones_like(tokens), past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1].float()
+            out = lm(tokens[:, -1:], attention_mask=torch.ones_like(tokens), use_cache=True, **{named: cache})
+            cache, logits = out[named], out.logits[:, -1].float()
             logits[:, ends] = -torch.inf
             drawn = torch.multinomial(nucleus(logits.softmax(-1), TOP_P).cpu(), 1, generator=generator)
             tokens = torch.cat([tokens, drawn.to(tokens.device)], 1)
