@@ -73,11 +73,11 @@ class RecoveryConfig:
     share, `prune_heads.recovery.search`; None, the default, is 2 rounds where the model's outputs are per
     position (a language model's tokens) and none where each example gives one output (a class, a value, an
     embedding: there it never won), 0 rounds leave it out, and with a `tuning_budget` it is tried only when its
-    counted work fits inside it); `reconstruction` refits each pruned layer's output projection (its kept
-    columns and bias) to the unpruned layer's output by ridge least squares, closed form from Gram matrices
-    recorded while scoring, the ridge chosen per layer on the held-out tokens
-    (`prune_heads.recovery.reconstruction`); without it, `bias_compensation` adds the removed heads' mean output
-    to the output bias (FLAP, An et al. 2024; the reconstruction's limit); `gate_tuning` tunes one scale per
+    counted work fits in what the written text and the recording left of it); `reconstruction` refits each
+    pruned layer's output projection (its kept columns and bias) to the unpruned layer's output by ridge least
+    squares, closed form from Gram matrices recorded while scoring, the ridge chosen per layer on the held-out
+    tokens (`prune_heads.recovery.reconstruction`); without it, `bias_compensation` adds the removed heads' mean
+    output to the output bias (FLAP, An et al. 2024; the reconstruction's limit); `gate_tuning` tunes one scale per
     kept head to the unpruned model's outputs, and `bias_tuning` the output biases with them, and
     `projection_tuning` a rank-`projection_rank` update of every output projection (LoRA's form, Hu et al. 2022,
     folded into the weights: it moves what the kept heads write, not only how loud each is), for at most

@@ -227,15 +227,17 @@ def prune_model(
         r = config.recovery
     plans = _candidates(scores, recorder, layers, kwargs, r, notes)
     result = PruneResult(plan=plans["ranked"], scores=scores, asked=asked)
+    work = Work.of(model, calib[0])
+    result.work = {"calibration_pass": work.forward_backward(calib), "heldout_pass": work.forward(heldout)}
+    if recorded:
+        result.work["recording"] = work.forward(calib)
+    if generated:  # sampled with the KV cache: a forward pass over the written tokens
+        result.work["generation"] = work.forward(generated)
     gated = GatedModel(model, layers)
     with frozen(model), gated:
         choice = _choose(
-            gated, plans, recorder, calib, heldout, objective, config, result, timings, notes, device, kwargs
+            gated, plans, recorder, calib, heldout, objective, config, result, timings, notes, device, kwargs, work
         )
-    if recorded:
-        result.work["recording"] = choice.work.forward(calib)
-    if generated:  # sampled with the KV cache: a forward pass over the written tokens
-        result.work["generation"] = choice.work.forward(generated)
     # proven exact before tuning (a refused plan leaves the model as it was), so that tuning, the flow's peak,
     # runs without the output projections' originals beside the model
     gated.prove(choice.plan, calib[0])
@@ -320,7 +322,9 @@ def _searched(
     price = work.forward(batches) + refits / max(len(every), 1)  # one unit measured, its layer refitted
     bound = rounds * len(every) * price
     if bound > limit:
-        return None, 0.0, f"search not tried: its work (up to {bound / 1e12:.1f} TFLOPs) passes the tuning budget"
+        one, left = work.forward_backward(calib), max(limit, 0.0)  # one: the unit of tuning_budget
+        why = f"up to {bound / one:.1f} calibration passes, more than the {left / one:.1f} the budget has left"
+        return None, 0.0, f"search not tried: its work ({why})"
     kept: dict[tuple[str, tuple[int, ...]], Refit] = {}  # the refits of the state so far, layer by layer
 
     def fitted(name: str, heads: tuple[int, ...]) -> Refit:
@@ -362,15 +366,14 @@ def _choose(
     notes: list[str],
     device,
     kwargs: dict,
+    work: Work,
 ) -> Choice:
     """Choose the plan and its reconstruction (or bias compensation) on the held-out batches and leave `gated`
-    in that state; with `search_rounds`, the searched plan (for the selection's `kwargs`) is a candidate too.
-    The work is counted in FLOPs (`result.work`)."""
+    in that state; with `search_rounds`, the searched plan (for the selection's `kwargs`) is a candidate too,
+    within what the tuning budget has left. The work is counted in FLOPs (`result.work`), priced by `work`."""
     r = config.recovery
     tick = time.perf_counter()
     heldout = [to_device(without_labels(b), device) for b in heldout]
-    work = Work.of(gated.model, calib[0])
-    result.work = {"calibration_pass": work.forward_backward(calib), "heldout_pass": work.forward(heldout)}
     unpruned = unpruned_heldout(gated, heldout, objective, r.reconstruction) if heldout else None
     targets = unpruned.targets if unpruned is not None else []
 
@@ -390,7 +393,8 @@ def _choose(
         if rounds is None:  # the default: only where the outputs are per position
             rounds = ROUNDS if objective.per_position(targets[0]) else 0
         if rounds:
-            limit = math.inf if r.tuning_budget is None else r.tuning_budget * result.work["calibration_pass"]
+            spent = sum(result.work.get(k, 0.0) for k in BEFORE_TUNING)  # the writing and the recording
+            limit = math.inf if r.tuning_budget is None else r.tuning_budget * result.work["calibration_pass"] - spent
             assert result.scores is not None
             plan, result.work["search"], why = _searched(
                 gated, result.scores, kwargs, recorder, unpruned, calib, objective, r, rounds, work, limit

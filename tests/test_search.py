@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import tiny_models as tm
 from test_pruner import batches
@@ -78,3 +80,21 @@ def test_a_tuning_budget_too_small_for_the_search_leaves_it_out_and_says_so():
     notes = next(e["notes"] for e in result.recovery if e["step"] == "notes")
     assert any(n.startswith("search not tried: its work") for n in notes)
     assert result.work["search"] == 0.0
+
+
+def test_the_search_fits_in_what_the_tuning_budget_has_left_after_the_writing_and_the_recording():
+    def run(budget: float) -> tuple[list[str], dict]:
+        config = ph.PruneConfig(ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(tuning_budget=budget))
+        result = ph.prune_model(tm.build("llama"), batches("llama"), config, progress=False)
+        return next((e["notes"] for e in result.recovery if e["step"] == "notes"), []), result.work
+
+    notes, work = run(0.5)
+    pattern = r"search not tried: its work \(up to ([0-9.]+) calibration passes, more than the ([0-9.]+)"
+    spent = (work["recording"] + work["generation"]) / work["calibration_pass"]  # before the search, in passes
+    found = re.search(pattern, " ".join(notes))
+    assert found and float(found.group(2)) == pytest.approx(max(0.5 - spent, 0.0), abs=0.05)
+    bound = float(found.group(1))  # to a tenth
+    notes, work = run(bound + spent / 2)  # the search alone would fit; after what was spent it does not
+    assert spent / 2 > 0.05 and work["search"] == 0.0 and any(n.startswith("search not tried") for n in notes)
+    notes, work = run(bound + spent + 0.1)
+    assert work["search"] > 0 and not any(n.startswith("search not tried") for n in notes)
