@@ -1,5 +1,5 @@
-"""On a CUDA GPU (skipped where there is none): scoring, the whole flow, removal and reloading give on the GPU
-what they give on the CPU, and a bfloat16 model stays on the GPU in bfloat16 through every step."""
+"""On a CUDA GPU (skipped where there is none): scoring, the written text, the whole flow, removal and reloading
+give on the GPU what they give on the CPU, and a bfloat16 model stays on the GPU in bfloat16 through every step."""
 
 import copy
 
@@ -10,6 +10,7 @@ from test_pruner import batches
 from test_surgery import _gate_off
 
 import prune_heads as ph
+from prune_heads.recovery.generated import SHARE, with_generated
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -69,6 +70,13 @@ def test_prune_model_on_the_gpu_equals_the_cpu(name):
         expected = tm.main_output(cpu(**inputs))
         found = tm.main_output(gpu(**on_gpu([inputs])[0])).cpu()
     torch.testing.assert_close(found, expected, rtol=1e-3, atol=1e-4)
+
+
+def test_the_text_a_model_writes_on_the_gpu_is_the_cpus():
+    given = batches("llama", n=3, batch=8)
+    cpu = with_generated(tm.build("llama"), given, SHARE, seed=0)[1]
+    gpu = with_generated(tm.build("llama").to(CUDA), on_gpu(given), SHARE, seed=0)[1]
+    assert all(torch.equal(a["input_ids"], b["input_ids"].cpu()) for a, b in zip(cpu, gpu, strict=True))
 
 
 def test_bfloat16_on_the_gpu_prunes_saves_reloads_and_generates(tmp_path):
