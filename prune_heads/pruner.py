@@ -227,14 +227,14 @@ def prune_model(
         r = config.recovery
     plans = _candidates(scores, recorder, layers, kwargs, r, notes)
     result = PruneResult(plan=plans["ranked"], scores=scores, asked=asked)
-    work = Work.of(model, calib[0])
-    result.work = {"calibration_pass": work.forward_backward(calib), "heldout_pass": work.forward(heldout)}
-    if recorded:
-        result.work["recording"] = work.forward(calib)
-    if generated:  # sampled with the KV cache: a forward pass over the written tokens
-        result.work["generation"] = work.forward(generated)
     gated = GatedModel(model, layers)
     with frozen(model), gated:
+        work = Work.of(gated.model, calib[0])
+        result.work = {"calibration_pass": work.forward_backward(calib), "heldout_pass": work.forward(heldout)}
+        if recorded:
+            result.work["recording"] = work.forward(calib)
+        if generated:  # sampled with the KV cache: a forward pass over the written tokens
+            result.work["generation"] = work.forward(generated)
         choice = _choose(
             gated, plans, recorder, calib, heldout, objective, config, result, timings, notes, device, kwargs, work
         )
