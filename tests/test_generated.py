@@ -4,7 +4,6 @@ import torch
 from test_pruner import batches
 
 import prune_heads as ph
-import prune_heads.recovery.generated as generated
 from prune_heads.config import ConfigError
 from prune_heads.data import without_labels
 from prune_heads.recovery.generated import SHARE, nucleus, sample, with_generated, writes_text
@@ -65,7 +64,7 @@ DECODERS = [name for name, family in tm.FAMILIES.items() if family[3] == "decode
 def test_sampling_with_the_kv_cache_follows_the_models_own_next_token(name, monkeypatch):
     model = tm.build(name)
     model.config.eos_token_id = [5, 7]
-    monkeypatch.setattr(generated, "TOP_P", 1e-6)  # only the most likely token: greedy
+    monkeypatch.setattr("prune_heads.recovery.generated.TOP_P", 1e-6)  # only the most likely token: greedy
     written = sample(model, torch.tensor([[3], [9]]), 6, torch.Generator().manual_seed(0))
     expected = torch.tensor([[3], [9]])
     for _ in range(6):  # the whole sequence each step, no cache
