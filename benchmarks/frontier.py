@@ -1,7 +1,9 @@
 """The speed-quality frontier of a decoder LLM: quality at 1/6, 1/3 and 1/2 of the KV groups removed, for the
 default path, whole attention blocks (`granularity="layer"`), query heads only (the same share, even per KV
 group, KV cache kept), the default path capped at one pass of tuning work (`tuning_budget: 1.0`: what the
-held-out stop's extra work buys) and FLAP, each against the unpruned model on the same windows and documents:
+held-out stop's extra work buys), the default path with text the model writes itself beside the calibration
+(`generated_share` 3/8, on two draws: scoring seeds 0 and 1) and FLAP, each against the unpruned model on the
+same windows and documents:
 
 - perplexity on movie-snippets test[:1000] (the calibration's domain) and tweet-snippets test[:1000] (another),
   change with its 95% paired interval over windows;
@@ -46,6 +48,7 @@ import prune_heads as ph
 from prune_heads.evaluation.confidence import compare
 from prune_heads.evaluation.task import evaluation
 from prune_heads.pruner import BEFORE_TUNING
+from prune_heads.recovery.generated import SHARE
 
 OUT = Path(__file__).resolve().parent / ".frontier"
 DEPTHS = {"1/6": 1 / 6, "1/3": 1 / 3, "1/2": 1 / 2}
@@ -68,9 +71,11 @@ def gemma3():
 MODELS = {"smollm2": smollm2, "gemma3": gemma3}
 
 
-def default(model, data, num_heads: int, recovery: dict | None = None, **selection) -> dict:
+def default(model, data, num_heads: int, recovery: dict | None = None, seed: int = 0, **selection) -> dict:
     config = ph.PruneConfig(
-        selection=ph.SelectionConfig(num_heads=num_heads, **selection), recovery=ph.RecoveryConfig(**(recovery or {}))
+        selection=ph.SelectionConfig(num_heads=num_heads, **selection),
+        scoring=ph.ScoringConfig(seed=seed),
+        recovery=ph.RecoveryConfig(**(recovery or {})),
     )
     result = ph.prune_model(model, data, config, progress=False)
     work = result.work
@@ -87,6 +92,13 @@ METHODS = {  # (model, data, heads to remove, the selection a KV group needs) ->
     # the work capped (`--tuning-budget 1`, the earlier default): what tuning until the held-out stop buys
     "default, budget of 1 pass": lambda model, data, n, groups: default(
         model, data, n, recovery={"tuning_budget": 1.0}, **groups
+    ),
+    # text the model writes itself beside the calibration batches (`generated_share`), and another draw of it
+    "default, with the written text": lambda model, data, n, groups: default(
+        model, data, n, recovery={"generated_share": SHARE}, **groups
+    ),
+    "default, with the written text, seed 1": lambda model, data, n, groups: default(
+        model, data, n, recovery={"generated_share": SHARE}, seed=1, **groups
     ),
     "FLAP": lambda model, data, n, groups: {
         "plan": {k: len(v) for k, v in flap(model, data.batches, num_heads=n).items()}

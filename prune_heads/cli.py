@@ -464,9 +464,10 @@ def _plan_file(path: str) -> dict:
     "--generated-share",
     type=click.FloatRange(min=0),
     default=RecoveryConfig.generated_share,
-    help="Text the unpruned model writes itself, added beside the calibration batches as this share of their "
-    "examples, so recovery fits and checks the model's own distribution as well as your domain; 0: leave it out. "
-    f"Default: {SHARE} for a decoder-only language model, none for other models.",
+    help="Text a decoder-only language model writes itself, added beside the calibration batches as this share "
+    "of their examples, so recovery fits and checks the model's own distribution as well as your domain "
+    f"({SHARE} measured: it trades quality in your domain for quality elsewhere; see docs/recovery.md). "
+    "Default: 0, none.",
 )
 @click.option(
     "--search-rounds",
@@ -544,7 +545,7 @@ def prune_command(
     gate_tuning: bool,
     bias_tuning: bool,
     projection_tuning: bool,
-    generated_share: float | None,
+    generated_share: float,
     search_rounds: int | None,
     epochs: int,
     tuning_budget: float | None,

@@ -62,10 +62,12 @@ class RecoveryConfig:
     """Retraining-free recovery, each step decided on held-out calibration data (`holdout` of the scoring
     batches, at least one batch, never the evaluation split): a step is kept only if it lowers the held-out
     divergence from the unpruned model by more than one standard error of the paired per-example differences
-    (Breiman's rule: not on noise). `generated_share` adds text the unpruned model samples itself beside the
-    calibration batches, that share of their examples (self-calibration, `prune_heads.recovery.generated`), so
-    every step is fitted and checked on the model's own distribution as well as the user's domain; None, the
-    default, is 3/8 for a decoder-only language model and none for other models, 0 leaves it out. `rearrange`
+    (Breiman's rule: not on noise). `generated_share` adds text the unpruned model samples itself beside a decoder-only
+    language model's calibration batches, that share of their examples (self-calibration,
+    `prune_heads.recovery.generated`; `SHARE`, 3/8, is the share measured), so every step is fitted and checked
+    on the model's own distribution as well as the user's domain; 0, the default, leaves it out: it moved the
+    cost of pruning from the other domain to the user's on both models measured, a good trade on SmolLM2 and a
+    poor one on Gemma 3, and nothing on held-out calibration data tells which (benchmarks/README.md). `rearrange`
     adds Kwon et al.'s Fisher-block selection and FLAP's fluctuation as candidate plans beside the plain one
     (and, with reconstruction, the structured-OBS plan and the searched plan: `search_rounds` rounds that each
     measure, on the first `search_examples` calibration examples (whole batches), the divergence when each KV
@@ -73,7 +75,7 @@ class RecoveryConfig:
     share, `prune_heads.recovery.search`; None, the default, is 2 rounds where the model's outputs are per
     position (a language model's tokens) and none where each example gives one output (a class, a value, an
     embedding: there it never won), 0 rounds leave it out, and with a `tuning_budget` it is tried only when its
-    counted work fits in what the written text and the recording left of it); `reconstruction` refits each
+    counted work fits in what the recording and any written text left of it); `reconstruction` refits each
     pruned layer's output projection (its kept columns and bias) to the unpruned layer's output by ridge least
     squares, closed form from Gram matrices recorded while scoring, the ridge chosen per layer on the held-out
     tokens (`prune_heads.recovery.reconstruction`); without it, `bias_compensation` adds the removed heads' mean
@@ -93,7 +95,7 @@ class RecoveryConfig:
     step without checking it (tuning then leaves the moving average)."""
 
     holdout: float = 0.2
-    generated_share: float | None = None
+    generated_share: float = 0.0
     rearrange: bool = True
     reconstruction: bool = True
     search_rounds: int | None = None
@@ -122,10 +124,10 @@ class RecoveryConfig:
                 raise ConfigError(
                     f"recovery.{key} is {getattr(self, key)}; give a value from 0 up to (not including) 1"
                 )
-        if self.generated_share is not None and self.generated_share < 0:
+        if self.generated_share < 0:
             raise ConfigError(
-                f"recovery.generated_share is {self.generated_share}; give 0 or more (null: {SHARE} for a "
-                "decoder-only language model, 0 for others)"
+                f"recovery.generated_share is {self.generated_share}; give 0 or more (0: none; {SHARE} is the "
+                "share measured for a decoder-only language model)"
             )
         if self.epochs < 0:
             raise ConfigError(f"recovery.epochs is {self.epochs}; give 0 or more")

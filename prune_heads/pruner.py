@@ -29,7 +29,7 @@ from .model.layers import require_attention
 from .model.probe import probe_layers
 from .model.surgery import PlanError
 from .recovery.gated import GatedModel
-from .recovery.generated import SHARE, token_batches, with_generated, writes_text
+from .recovery.generated import token_batches, with_generated, writes_text
 from .recovery.holdout import one_standard_error, split_holdout
 from .recovery.reconstruction import Refit, refit, refit_flops, removal_cost
 from .recovery.search import ROUNDS, search_order, searched_scores
@@ -167,13 +167,13 @@ def prune_model(
     scoring and calibration, never the evaluation split. `config` (default `PruneConfig()`: fisher scores, half
     the heads, held-out recovery) sets scoring, selection and recovery; `PruneConfig.from_recipe` builds one
     from a recipe. The budget is checked against the model's structure before any data is read. With recovery
-    on, a decoder-only language model first writes calibration text of its own beside the batches
-    (`recovery.generated_share`), and `recovery.holdout` of the batches is held out: the candidate plans (the
-    plain ranking, Kwon et al.'s Fisher-block rearrangement, FLAP's fluctuation, structured OBS, the plan
-    searched by measured removals), each with its closed-form reconstruction (or bias compensation), and gate,
-    bias and projection tuning with early stopping are kept only when they lower the divergence from the
-    unpruned model there, so the result is never worse on held-out data than the plain selection
-    (docs/recovery.md). No copy of the model is made: candidates and tuning run on the model itself through
+    on, a decoder-only language model can first write calibration text of its own beside the batches
+    (`recovery.generated_share`, off by default), and `recovery.holdout` of the batches is held out: the
+    candidate plans (the plain ranking, Kwon et al.'s Fisher-block rearrangement, FLAP's fluctuation,
+    structured OBS, the plan searched by measured removals), each with its closed-form reconstruction (or bias
+    compensation), and gate, bias and projection tuning with early stopping are kept only when they lower the
+    divergence from the unpruned model there, so the result is never worse on held-out data than the plain
+    selection (docs/recovery.md). No copy of the model is made: candidates and tuning run on the model itself through
     gates, then folded in.
     """
     config = config or PruneConfig()
@@ -255,11 +255,9 @@ def prune_model(
 
 
 def _generated_share(model: nn.Module, batches: list[dict], r: RecoveryConfig) -> float:
-    """`r.generated_share`, or by default `SHARE` for a decoder-only language model on token batches and 0
-    otherwise; a share asked of a model or data that cannot take it is refused (before any scoring)."""
+    """`r.generated_share`; a share asked of a model or data that cannot take it is refused (before any
+    scoring)."""
     fits = writes_text(model) and token_batches(batches)
-    if r.generated_share is None:
-        return SHARE if fits else 0.0
     if r.generated_share and not fits:
         raise ConfigError(
             f"recovery.generated_share is {r.generated_share}, but only a decoder-only language model on batches "

@@ -88,13 +88,14 @@ def run(name: str, **recovery) -> ph.PruneResult:
     return ph.prune_model(tm.build(name), batches(name, batch=8), config, progress=False)
 
 
-def test_the_default_adds_generated_text_for_a_language_model_only_and_counts_its_work():
-    language_model = run("llama")
+def test_generated_text_is_added_only_when_asked_and_its_work_is_counted():
+    language_model = run("llama", generated_share=SHARE)
     examples = 5 * (8 + 3)  # 3 written beside each batch of 8 (round(0.375 * 8)), as wide (9 tokens)
     assert language_model.heldout["examples"] == examples // 5  # a fifth held out, written ones among them
     per_token = language_model.work["calibration_pass"] / 2 / (examples * 4 // 5 * 9)  # forward FLOPs
     assert language_model.work["generation"] == pytest.approx(per_token * 5 * 3 * 9)
-    assert "generation" not in run("llama", generated_share=0).work
+    by_default = run("llama")
+    assert "generation" not in by_default.work and by_default.heldout["examples"] == 5 * 8 // 5
     assert "generation" not in run("bert").work
 
 

@@ -6,6 +6,7 @@ from test_pruner import batches
 from test_selection import make_scores
 
 import prune_heads as ph
+from prune_heads.recovery.generated import SHARE
 from prune_heads.recovery.search import search_order, searched_scores
 from prune_heads.scoring.selection import removal_units
 
@@ -84,7 +85,8 @@ def test_a_tuning_budget_too_small_for_the_search_leaves_it_out_and_says_so():
 
 def test_the_search_fits_in_what_the_tuning_budget_has_left_after_the_writing_and_the_recording():
     def run(budget: float) -> tuple[list[str], dict]:
-        config = ph.PruneConfig(ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(tuning_budget=budget))
+        recovery = ph.RecoveryConfig(tuning_budget=budget, generated_share=SHARE)
+        config = ph.PruneConfig(ph.SelectionConfig(num_heads=4), recovery=recovery)
         result = ph.prune_model(tm.build("llama"), batches("llama"), config, progress=False)
         return next((e["notes"] for e in result.recovery if e["step"] == "notes"), []), result.work
 

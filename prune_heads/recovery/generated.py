@@ -1,7 +1,8 @@
 """Calibration text the unpruned model writes itself (self-calibration, Williams et al., NAACL 2025), added
-beside a language model's calibration batches: the plan, the refits, the tuning and the held-out checks that
-keep them then see the model's own broad distribution as well as the user's domain, so that what is fitted to
-that domain does not cost the model elsewhere (measured on SmolLM2: benchmarks/README.md)."""
+beside a language model's calibration batches when `recovery.generated_share` asks for it: the plan, the
+refits, the tuning and the held-out checks that keep them then see the model's own broad distribution as well
+as the user's domain. It moves the cost of pruning from other text to that domain, at a rate that depends on
+the model (SmolLM2 and Gemma 3: benchmarks/README.md), so it is off by default."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import nn
 from ..data import input_device
 from ..scoring.objective import frozen
 
-SHARE = 0.375  # written examples per calibration example: 3 for every 8
+SHARE = 0.375  # written examples per calibration example, the share measured: 3 for every 8
 TOP_P = 0.95  # nucleus sampling at temperature 1: the model's own distribution without its unlikely tail
 
 
