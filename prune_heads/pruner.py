@@ -257,8 +257,7 @@ def prune_model(
 def _generated_share(model: nn.Module, batches: list[dict], r: RecoveryConfig) -> float:
     """`r.generated_share`; a share asked of a model or data that cannot take it is refused (before any
     scoring)."""
-    fits = writes_text(model) and token_batches(batches)
-    if r.generated_share and not fits:
+    if r.generated_share and not (writes_text(model) and token_batches(batches)):  # checked only when asked
         raise ConfigError(
             f"recovery.generated_share is {r.generated_share}, but only a decoder-only language model on batches "
             "of token ids writes its own calibration text; give 0 (or leave it out) for this model"
