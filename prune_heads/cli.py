@@ -591,7 +591,7 @@ def prune_command(
         tuning_budget=tuning_budget,
     )
     recovery_section = (
-        {**vars(RecoveryConfig.off()), "holdout": holdout, "epochs": epochs}
+        {**vars(RecoveryConfig.off()), "holdout": holdout, "epochs": epochs, "generated_share": generated_share}
         if not recovery
         else {**steps_on, "holdout": holdout, "epochs": epochs}
     )

@@ -129,6 +129,11 @@ class RecoveryConfig:
                 f"recovery.generated_share is {self.generated_share}; give 0 or more (0: none; {SHARE} is the "
                 "share measured for a decoder-only language model)"
             )
+        if self.generated_share and not self.enabled:
+            raise ConfigError(
+                f"recovery.generated_share is {self.generated_share}, but recovery is off and only recovery "
+                "uses the written text; turn recovery on (drop --no-recovery, or a recipe's recovery: off) or give 0"
+            )
         if self.epochs < 0:
             raise ConfigError(f"recovery.epochs is {self.epochs}; give 0 or more")
         if self.projection_rank < 1:

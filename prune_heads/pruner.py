@@ -186,7 +186,7 @@ def prune_model(
     kwargs = selection_budget(model, config, seq_len)
     asked = requested_heads(model, **kwargs)
     generated: list[dict] = []
-    share = _generated_share(model, batches, r) if r.enabled and s.steps == 1 else 0.0
+    share = _generated_share(model, batches, r)  # only with recovery on, so never with steps > 1
     if share:
         batches, generated = with_generated(model, batches, share, s.seed)
     if s.objective == "label-free":

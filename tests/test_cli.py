@@ -186,6 +186,10 @@ def test_a_budget_the_structure_cannot_meet_is_refused_before_data(tmp_path):
     result = _invoke([*args, "--sparsity", "0.1"])  # never silently an unpruned model
     assert result.exit_code == 2 and "0 heads (sparsity 0.0000) or 2 heads" in result.output
     assert not (tmp_path / "o").exists()
+    for more in (["--num-heads", "2"], ["--sparsity", "0.5", "--steps", "2"]):  # asked, never dropped silently
+        result = _invoke([*args, *more, "--no-recovery", "--generated-share", "0.375"])
+        assert result.exit_code == 2 and "generated_share is 0.375, but recovery is off" in result.output, more
+        assert "drop --no-recovery" in result.output and not (tmp_path / "o").exists()
 
 
 def test_smollm2_gguf_recipe_end_to_end(tmp_path):

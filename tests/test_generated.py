@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import tiny_models as tm
 import torch
@@ -99,8 +101,12 @@ def test_generated_text_is_added_only_when_asked_and_its_work_is_counted():
     assert "generation" not in run("bert").work
 
 
-def test_a_share_asked_of_a_model_that_writes_no_text_is_refused_before_scoring():
+def test_a_share_asked_of_a_model_that_writes_no_text_or_with_recovery_off_is_refused_before_scoring():
     with pytest.raises(ConfigError, match="generated_share is 0.5, but only a decoder-only language model"):
         run("bert", generated_share=0.5)
     with pytest.raises(ConfigError, match="recovery.generated_share is -1; give 0 or more"):
         ph.RecoveryConfig(generated_share=-1)
+    off = dataclasses.replace(ph.RecoveryConfig.off(), holdout=0.2)  # recovery off: nothing would use the text
+    with pytest.raises(ConfigError, match="generated_share is 0.375, but recovery is off"):
+        dataclasses.replace(off, generated_share=SHARE)
+    assert dataclasses.replace(off, gate_tuning=True, generated_share=SHARE).generated_share == SHARE
