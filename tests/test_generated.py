@@ -106,7 +106,7 @@ def test_a_share_asked_of_a_model_that_writes_no_text_or_with_recovery_off_is_re
         run("bert", generated_share=0.5)
     with pytest.raises(ConfigError, match="recovery.generated_share is -1; give 0 or more"):
         ph.RecoveryConfig(generated_share=-1)
-    off = dataclasses.replace(ph.RecoveryConfig.off(), holdout=0.2)  # recovery off: nothing would use the text
+    off = ph.RecoveryConfig.off()  # recovery off: nothing would use the text
     with pytest.raises(ConfigError, match="generated_share is 0.375, but recovery is off"):
         dataclasses.replace(off, generated_share=SHARE)
     assert dataclasses.replace(off, gate_tuning=True, generated_share=SHARE).generated_share == SHARE
