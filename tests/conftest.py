@@ -44,6 +44,8 @@ FAST = [
     "evaluation.speed.batch_size=8",
     "--set",
     "evaluation.speed.seq_len=64",
+    "--set",
+    "recovery.epochs=1",  # tuning's epochs are tested in test_recovery.py; four here were half the run's time
 ]
 
 

@@ -733,7 +733,19 @@ def gemma3(tmp_path_factory) -> Path:
     return package.assemble(tmp_path_factory.mktemp("gemma3") / "gemma-3-270m-q4_k_m.gguf")
 
 
-def test_gemma3_gguf_in_gguf_out_is_exact_in_llama_cpp(tmp_path, gemma3):
+@pytest.fixture(scope="module")
+def gemma3_model(gemma3) -> torch.nn.Module:
+    """The real Gemma 3 dequantized to float32, loaded once (about a minute): each test prunes its own copy."""
+    return ph.load_pruned(gemma3.parent, gguf_file=gemma3.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def gemma3_tokenizer(gemma3):
+    """Transformers' Gemma 3 tokenizer from the GGUF (262,144 tokens: half a minute to convert), loaded once."""
+    return T.AutoTokenizer.from_pretrained(gemma3.parent, gguf_file=gemma3.name)
+
+
+def test_gemma3_gguf_in_gguf_out_is_exact_in_llama_cpp(tmp_path, gemma3, gemma3_model):
     """A real Gemma 3, GGUF in, GGUF out, with one query head of four removed from every layer: every tensor is
     the source's bytes (the norms too: Gemma's 1 + w as llama.cpp stores it), llama.cpp computes exactly what it
     computes on the source with that head's output columns zeroed (logits and greedy tokens), and agrees with
@@ -741,7 +753,7 @@ def test_gemma3_gguf_in_gguf_out_is_exact_in_llama_cpp(tmp_path, gemma3):
     (Q4_K_M: llama.cpp quantizes activations, transformers runs the dequantized weights in float32; later greedy
     tokens follow the CPU's kernels: an AVX2 build of llama.cpp parts from transformers at the second token
     of the unpruned file, a native AVX-512 one did not)."""
-    model = ph.load_pruned(gemma3.parent, gguf_file=gemma3.name, dtype=torch.float32).eval()
+    model = copy.deepcopy(gemma3_model)
     ids = [2, *lc.tokenize(gemma3, PROMPT)]  # Gemma wants its <bos>
     agreement = {}
     for state in ("unpruned", "pruned"):
@@ -826,13 +838,14 @@ def test_a_gemma3_checkpoint_is_pruned_to_gguf_from_the_command_line(tmp_path):
     assert len(lc.run(tmp_path / "out.gguf", [tokenizer.bos_token_id, *reloaded(PROMPT)["input_ids"]], 8)[1]) == 8
 
 
-def test_gemma3_270m_from_hugging_face_weights_equals_transformers_in_llama_cpp(tmp_path, gemma3):
+def test_gemma3_270m_from_hugging_face_weights_equals_transformers_in_llama_cpp(
+    tmp_path, gemma3_model, gemma3_tokenizer
+):
     """The real Gemma 3 270M as if from safetensors (its weights dequantized, transformers' tokenizer), one
     query head of four removed from every layer, written in f32 from the weights: llama.cpp gives transformers'
     logits to 2e-3 of the largest (measured 4.9e-4 pruned, 3.7e-4 unpruned: ggml's float16 GELU table) and the
     same greedy tokens."""
-    tokenizer = T.AutoTokenizer.from_pretrained(gemma3.parent, gguf_file=gemma3.name)
-    model = ph.load_pruned(gemma3.parent, gguf_file=gemma3.name, dtype=torch.float32).eval()
+    tokenizer, model = gemma3_tokenizer, copy.deepcopy(gemma3_model)
     del model.config.gguf_source
     ph.prune(model, {l.index: [1] for l in ph.find_attention(model)})
     written = ph.save_gguf(model, tmp_path / "pruned.gguf", tokenizer=tokenizer, tensor_type="f32")
@@ -844,11 +857,11 @@ def test_gemma3_270m_from_hugging_face_weights_equals_transformers_in_llama_cpp(
     assert greedy == expected_greedy
 
 
-def test_gemma3s_tokenizer_from_hugging_face_tokenizes_as_its_gguf_does(tmp_path, gemma3):
+def test_gemma3s_tokenizer_from_hugging_face_tokenizes_as_its_gguf_does(tmp_path, gemma3, gemma3_tokenizer):
     """Gemma 3's real tokenizer (262,144 tokens; transformers' from the GGUF) written from Hugging Face: llama.cpp
     gives transformers' ids and those of the original file, and the scores order the tokens BPE makes as the
     file's sentencepiece scores do."""
-    tokenizer = T.AutoTokenizer.from_pretrained(gemma3.parent, gguf_file=gemma3.name)
+    tokenizer = gemma3_tokenizer
     config = T.LlamaConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=len(tokenizer)
     )

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 import prune_heads as ph
 from prune_heads.cli import main
-from prune_heads.evaluation.lm_eval import SHIPPED_TASKS, LmEvalError, lm_eval
+from prune_heads.evaluation.lm_eval import SHIPPED_TASKS, LmEvalError, _task_manager, lm_eval
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -92,14 +92,20 @@ def test_a_local_task_folder_in_lm_eval_s_own_format(smollm2, tmp_path):
         for b in range(4)
     ]
     (tmp_path / "sums.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    (tmp_path / "sums.yaml").write_text(
+    task = (
         "task: tiny_sums\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: "
         f"{tmp_path / 'sums.jsonl'}\noutput_type: multiple_choice\ntest_split: test\n"
         "doc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
         "metric_list:\n  - metric: acc\n"
     )
+    (tmp_path / "sums.yaml").write_text(task)
     found = lm_eval(model, tokenizer, ["tiny_sums"], include=tmp_path)
     assert len(found.correct["tiny_sums:acc"]) == 12
+    assert _task_manager(tmp_path) is _task_manager(tmp_path)  # lm-eval's task index is built once per process
+    (tmp_path / "sums.yaml").write_text(task.replace("tiny_sums", "tiny_sums_renamed"))  # but read again if edited
+    assert "tiny_sums_renamed" in _task_manager(tmp_path).all_tasks
+    with pytest.raises(LmEvalError, match="unknown lm-eval task 'tiny_sums'"):
+        lm_eval(model, tokenizer, ["tiny_sums"], include=tmp_path)
 
 
 def test_evaluate_command_prints_task_metrics_with_their_errors():

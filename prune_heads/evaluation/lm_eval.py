@@ -10,6 +10,7 @@ gets a paired interval like every other metric (`prune_heads.confidence`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,14 +46,29 @@ class LmEvalConfig:
 
 def _task_manager(include: str | Path | None):
     try:
-        from lm_eval.tasks import TaskManager
+        import lm_eval.tasks  # noqa: F401
     except ImportError:
         raise LmEvalError("lm-eval tasks need lm-evaluation-harness: pip install 'prune-heads[lmeval]'") from None
 
-    paths = [str(SHIPPED_TASKS)] + ([str(include)] if include else [])
     if include and not Path(include).is_dir():
         raise LmEvalError(f"--lm-eval-include {include} is not a folder of lm-eval task YAMLs")
-    return TaskManager(include_path=paths)
+    folder = str(Path(include).resolve()) if include else None
+    return _indexed(folder, _yaml_state(folder) if folder else ())
+
+
+@functools.cache
+def _indexed(include: str | None, state: tuple) -> Any:
+    """lm-eval's index of its thousands of task YAMLs takes seconds to build, so it is built once per process
+    (per include folder and the state of its YAMLs, which `state` carries so an edited folder is read again)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=[str(SHIPPED_TASKS)] + ([include] if include else []))
+
+
+def _yaml_state(folder: str) -> tuple:
+    return tuple(
+        (str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(Path(folder).rglob("*.y*ml")) if p.is_file()
+    )
 
 
 def _load_tasks(tasks: list[str], manager) -> dict:
