@@ -56,10 +56,11 @@ def _task_manager(include: str | Path | None):
     return _indexed(folder, _yaml_state(folder) if folder else ())
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4)
 def _indexed(include: str | None, state: tuple) -> Any:
     """lm-eval's index of its thousands of task YAMLs takes seconds to build, so it is built once per process
-    (per include folder and the state of its YAMLs, which `state` carries so an edited folder is read again)."""
+    (per include folder and the state of its YAMLs, which `state` carries so an edited folder is read again;
+    the four latest kept)."""
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=[str(SHIPPED_TASKS)] + ([include] if include else []))
