@@ -67,9 +67,8 @@ def _indexed(include: str | None, state: tuple) -> Any:
 
 
 def _yaml_state(folder: str) -> tuple:
-    return tuple(
-        (str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(Path(folder).rglob("*.y*ml")) if p.is_file()
-    )
+    files = [p for p in sorted(Path(folder).rglob("*.y*ml")) if p.is_file()]
+    return tuple((str(p), stat.st_mtime_ns, stat.st_size) for p, stat in zip(files, map(Path.stat, files)))
 
 
 def _load_tasks(tasks: list[str], manager) -> dict:
