@@ -2,12 +2,15 @@
 groups) against one fisher scoring pass over the same batches, on random-weight Llama-shaped models from 135M
 to 1.2B parameters (the shapes of SmolLM2-135M, SmolLM2-360M and Llama-3.2-1B), float32 and bfloat16.
 
-Each run is a fresh process. On the CPU the peak is the kernel's resident high-water mark (VmHWM), reset once
-the model and the batches are loaded, minus the resident memory then; on CUDA, peak allocated memory above
-what was allocated. Both are set against the weights' bytes.
+Each run is a fresh process, its C allocator set as the `prune-heads` command sets it (`--allocator command`:
+`map_large_blocks`, glibc mapping every block of 256 KiB or more on its own) or left at glibc's default
+(`--allocator library`, what a caller of the API gets unless it calls `map_large_blocks` itself). On the CPU
+the peak is the kernel's resident high-water mark (VmHWM), reset once the model and the batches are loaded,
+minus the resident memory then; on CUDA, peak allocated memory above what was allocated. Both are set against
+the weights' bytes.
 
 Run: .venv/bin/python benchmarks/memory.py [--sizes 135m,360m,1b] [--dtypes float32,bfloat16]
-         [--batches 16 --batch-size 2 --length 256] [--device cuda]
+         [--batches 16 --batch-size 2 --length 256] [--allocator command|library] [--device cuda]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from common import PeakRSS, Timer, markdown_table, torch_threads
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import prune_heads as ph
+from prune_heads.runtime.memory import map_large_blocks
 
 SHAPES = {  # Hugging Face configs of the real models, weights random
     "135m": dict(
@@ -67,9 +71,14 @@ SHAPES = {  # Hugging Face configs of the real models, weights random
 CONFIG = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.25, round="nearest"))
 
 
-def measure(kind: str, size: str, dtype: str, device: str, batches: int, batch_size: int, length: int) -> dict:
-    """One run in this process: the model and batches built, then `kind` ("fisher" or "default") timed with
-    its peak memory above what was held before it."""
+def measure(
+    kind: str, size: str, dtype: str, device: str, batches: int, batch_size: int, length: int, allocator: str
+) -> dict:
+    """One run in this process: the allocator set (`allocator` "command" as `prune-heads` sets it), the model
+    and batches built, then `kind` ("fisher" or "default") timed with its peak memory above what was held
+    before it."""
+    if allocator == "command":
+        map_large_blocks()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=4096, **SHAPES[size]))
     model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
@@ -109,12 +118,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--allocator", choices=("command", "library"), default="command")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # kind,size,dtype: one run, in-process
     args = parser.parse_args()
     shape = (args.batches, args.batch_size, args.length)
     if args.measure:
         kind, size, dtype = args.measure.split(",")
-        print(json.dumps(measure(kind, size, dtype, args.device, *shape)))
+        print(json.dumps(measure(kind, size, dtype, args.device, *shape, args.allocator)))
         return
     rows = []
     for size in args.sizes.split(","):
@@ -134,6 +144,8 @@ def main() -> None:
                     str(args.batch_size),
                     "--length",
                     str(args.length),
+                    "--allocator",
+                    args.allocator,
                 ]
                 found[kind] = json.loads(
                     subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
@@ -154,7 +166,11 @@ def main() -> None:
                     f"{(default['peak'] - fisher['peak']) / weights:+.1%}",
                 ]
             )
-    device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch_threads()} threads"
+    device = (
+        torch.cuda.get_device_name()
+        if args.device == "cuda"
+        else f"CPU, {torch_threads()} threads, allocator as the {args.allocator} leaves it"
+    )
     print(
         f"\nRandom-weight Llama shapes, {args.batches} batches of {args.batch_size} x {args.length} tokens, {device}; "
         f"the default path removes 1/4 of the heads as whole KV groups (the nearest reachable count):\n"

@@ -25,6 +25,7 @@ from .model.surgery import PlanError, RecordError
 from .recipes import load_recipe, parse_recipe, recipe_path, shipped_recipes
 from .recovery.generated import SHARE
 from .recovery.search import ROUNDS
+from .runtime.memory import map_large_blocks
 from .scoring.methods import METHODS
 
 BAD_INPUT = (
@@ -864,5 +865,13 @@ def demo(output: str, sparsity: float, force: bool, as_json: bool) -> None:
     )
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The `prune-heads` command: `main` in a process whose C allocator maps an activation's blocks on their own
+    (`map_large_blocks`: the scoring pass and the default path peak lower on the CPU), which the command may
+    decide for its own process and the library leaves to its caller."""
+    map_large_blocks()
     main()
+
+
+if __name__ == "__main__":
+    entry()

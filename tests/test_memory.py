@@ -2,8 +2,10 @@
 pass however many batches it has. The check runs in a fresh process: the allocator's state is per process."""
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +65,43 @@ def test_resident_memory_stays_flat_over_every_loop_of_the_default_path():
     for loop, residents in loops.items():
         growth = max(residents) - residents[0]
         assert growth < LOGITS, f"{loop}: resident memory grew by {growth / MIB:.0f} MiB over {len(residents)} batches"
+
+
+BLOCKS = """
+import ctypes, json, sys, torch
+
+class Info(ctypes.Structure):
+    names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+    _fields_ = [(n, ctypes.c_size_t) for n in names.split()]
+
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = Info
+if sys.argv[1] == "command":  # the console script's function, as `prune-heads --help` runs it
+    from prune_heads.cli import entry
+    sys.argv = ["prune-heads", "--help"]
+    try:
+        entry()
+    except SystemExit:
+        pass
+first = torch.empty(4 << 20, dtype=torch.uint8)  # over glibc's initial threshold (128 KiB): mapped
+del first  # by default freeing it raises the threshold to 4 MiB
+mapped = mallinfo2().hblks
+# 64 blocks of an activation's size (256 tokens x 576 floats: 576 KiB), more than the heap has free
+blocks = [torch.empty(512 << 10, dtype=torch.uint8) for _ in range(64)]
+print(json.dumps(mallinfo2().hblks - mapped))
+"""
+
+
+@pytest.mark.skipif(prune_heads.runtime.memory._glibc("mallinfo2") is None, reason="glibc 2.33's mallinfo2")
+def test_the_command_maps_an_activation_s_blocks_on_their_own():
+    """The `prune-heads` script's function sets glibc's mmap threshold (`map_large_blocks`): after a 4 MiB block
+    is freed, 512 KiB blocks are still mapped on their own (freeing one returns it to the system; the first may
+    come from the heap's free top); in a process that did not set it, glibc's adaptive threshold has risen to
+    4 MiB and puts them all on the heap. The library alone leaves the caller's allocator as it is."""
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'^prune-heads = "prune_heads\.cli:entry"$', pyproject, re.MULTILINE)
+    new_mapped = {}
+    for how in ("library", "command"):
+        done = subprocess.run([sys.executable, "-c", BLOCKS, how], capture_output=True, text=True, check=True)
+        new_mapped[how] = json.loads(done.stdout.splitlines()[-1])
+    assert new_mapped["library"] == 0 and new_mapped["command"] >= 63, new_mapped
