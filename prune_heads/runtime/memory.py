@@ -35,7 +35,7 @@ def map_large_blocks(threshold: int = HEAP_BLOCK_LIMIT) -> bool:
     so that freeing it returns it to the system at once. By default glibc raises that threshold to the size of
     the largest mapped block freed so far (up to 32 MiB), after which a forward and backward pass's activations
     live on the heap and the ones it frees stay resident until the step ends: on the 135M Llama shape at 256
-    tokens the scoring pass peaked 90 MiB and the default path 117 MiB lower with 256 KiB (benchmarks/memory.py),
+    tokens the scoring pass peaked about 90 MiB and the default path about 120 MiB lower with 256 KiB (benchmarks),
     the default path +8.4% of the weights above the scoring pass against +12-15% without. Process-wide and for
     good (it turns glibc's adaptive threshold off), so the `prune-heads` command sets it for its own process and
     the library leaves a caller's process as it is. Returns whether it was set (False off glibc)."""
