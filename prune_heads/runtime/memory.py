@@ -36,7 +36,7 @@ def map_large_blocks(threshold: int = HEAP_BLOCK_LIMIT) -> bool:
     the largest mapped block freed so far (up to 32 MiB), after which a forward and backward pass's activations
     live on the heap and the ones it frees stay resident until the step ends: on the 135M Llama shape at 256
     tokens the scoring pass peaked about 90 MiB and the default path about 120 MiB lower with 256 KiB (benchmarks),
-    the default path +8.4% of the weights above the scoring pass against +12-15% without. Process-wide and for
+    the default path +8.4-9.4% of the weights above the scoring pass against +12-15% without. Process-wide and for
     good (it turns glibc's adaptive threshold off), so the `prune-heads` command sets it for its own process and
     the library leaves a caller's process as it is. Returns whether it was set (False off glibc)."""
     return _MALLOPT is not None and bool(_MALLOPT(_M_MMAP_THRESHOLD, threshold))
