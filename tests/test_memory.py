@@ -86,7 +86,7 @@ if sys.argv[1] == "command":  # the console script's function, as `prune-heads -
 first = torch.empty(4 << 20, dtype=torch.uint8)  # over glibc's initial threshold (128 KiB): mapped
 del first  # by default freeing it raises the threshold to 4 MiB
 mapped = mallinfo2().hblks
-# 64 blocks of an activation's size (256 tokens x 576 floats: 576 KiB), more than the heap has free
+# 64 blocks of 512 KiB, under an activation's size (256 tokens x 576 floats: 576 KiB), more than the heap has free
 blocks = [torch.empty(512 << 10, dtype=torch.uint8) for _ in range(64)]
 print(json.dumps(mallinfo2().hblks - mapped))
 """

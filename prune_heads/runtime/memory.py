@@ -12,7 +12,7 @@ _M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
 def _glibc(name: str):
     try:
         return getattr(ctypes.CDLL(None), name)
-    except (OSError, AttributeError, TypeError):  # not glibc (macOS, Windows): nothing to do
+    except (OSError, AttributeError, TypeError):  # not glibc (macOS, Windows, musl): nothing to do
         return None
 
 
