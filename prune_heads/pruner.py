@@ -25,6 +25,7 @@ from torch import nn
 from .config import ConfigError, PruneConfig, RecoveryConfig
 from .data import DataError, TaskData, batch_size, input_device, to_device, with_targets, without_labels
 from .export.persistence import output_biases_load
+from .model.blocks import Resume, block_chain
 from .model.layers import require_attention
 from .model.probe import probe_layers
 from .model.surgery import PlanError
@@ -35,7 +36,7 @@ from .recovery.reconstruction import Refit, refit, refit_flops, removal_cost
 from .recovery.search import ROUNDS, search_order, searched_scores
 from .recovery.tuning import tune
 from .runtime.memory import release_freed_memory
-from .runtime.work import Budget, Work
+from .runtime.work import Budget, Work, module_shares
 from .scoring.head_scores import HeadScores
 from .scoring.iterative import prune_iteratively
 from .scoring.methods import fluctuation, head_scores, score_heads
@@ -301,9 +302,11 @@ def _searched(
     limit: float,
 ) -> tuple[dict[str, list[int]] | None, float, str | None]:
     """The plan searched in `rounds` rounds (`prune_heads.recovery.search`) on the first `search_examples`
-    calibration examples, with its counted work (each round priced by the units present at its start: a
-    forward pass over those examples and a layer's refit each), or None and why when its work (every unit
-    measured in every round) would pass `limit`."""
+    calibration examples, with its counted work, or None and why when its work would pass `limit`. A unit is
+    measured by a forward pass over those examples that starts at the unit's block where the model is one
+    chain of blocks and starting there is proven exact on it (`prune_heads.model.blocks`), else over the whole
+    model. Each round is priced by the units present at its start (their mean price: the blocks from theirs
+    on, and a layer's refit) and the blocks run to keep what enters theirs (at most one pass)."""
     bias = config.bias_tuning or config.bias_compensation
     count, batches = 0, []
     for batch in calib:
@@ -315,19 +318,66 @@ def _searched(
     units = removal_units(scores, **kwargs)
     index = {layer.name: i for i, layer in enumerate(gated.layers)}
     every = [(name, unit) for name, (layer_units, _) in units.items() for unit in layer_units]
+    whole = work.forward(batches)
     refits = sum(refit_flops([gated.layers[index[n]]], {n: list(u)}) for n, u in every)
-    price = work.forward(batches) + refits / max(len(every), 1)  # one unit measured, its layer refitted
-    bound = rounds * len(every) * price
-    if bound > limit:
+    chain = block_chain(gated.model, gated.layers)
+    shares = None if chain is None else module_shares(gated.model, batches[0], list(chain[0]))
+    block = {} if chain is None or shares is None else {l.name: b for l, b in zip(gated.layers, chain[1])}
+    probe = max(every, key=lambda u: block.get(u[0], 0), default=None)  # the unit whose passes start latest
+    if probe is None or not block.get(probe[0]):  # no unit after the first block: nothing to start later
+        block = {}
+    before = [0.0] if not block or shares is None else [sum(shares[:j]) for j in range(len(shares) + 1)]
+
+    def price(name: str) -> float:  # a forward pass from the unit's block on
+        return whole * (1.0 - before[block.get(name, 0)])
+
+    def priced(spent: float) -> tuple[float, float]:  # a unit's mean price, and the bound with `spent` before
+        unit = (sum(price(n) for n, _ in every) + refits) / max(len(every), 1)
+        return unit, spent + rounds * (len(every) * unit + (whole if block else 0.0))
+
+    def refused(bound: float, spent: float) -> tuple[None, float, str]:
         one, left = work.forward_backward(calib), max(limit, 0.0)  # one: the unit of tuning_budget
         why = f"up to {bound / one:.1f} calibration passes, more than the {left / one:.1f} the budget has left"
-        return None, 0.0, f"search not tried: its work ({why})"
+        return None, spent, f"search not tried: its work ({why})"
+
+    # the proof: the whole pass and two from the probe's block
+    proof = whole + 2 * price(probe[0]) if block and probe is not None else 0.0
+    price_of_unit, bound = priced(proof)
+    if bound > limit:
+        return refused(bound, 0.0)
+    resume = Resume(chain[0], batches, gated) if block and chain is not None else None
     kept: dict[tuple[str, tuple[int, ...]], Refit] = {}  # the refits of the state so far, layer by layer
 
     def fitted(name: str, heads: tuple[int, ...]) -> Refit:
         gated.restore()  # fitted against the unpruned weights
         i = index[name]
         return refit(gated.layers[i], heads, recorder.moments[i], unpruned.moments[i], bias)
+
+    def measured(plan: dict[str, tuple[int, ...]], changed: str) -> torch.Tensor:
+        """The divergences of the model as `use`d (in `plan`, which differs from the searched state at
+        `changed`), from `changed`'s block on where that is proven."""
+        if resume is None:
+            return gated.divergences(batches, targets, objective)
+        j = block[changed]
+        resume.start(j, tuple(tuple((n, h) for n, h in sorted(plan.items()) if block[n] == i) for i in range(j)))
+        with resume.replaying():
+            return gated.divergences(batches, targets, objective)
+
+    def kept_outputs() -> float:  # the work of the blocks run to keep what enters a later one
+        return 0.0 if resume is None else whole * sum(n * share for n, share in zip(resume.ran, shares or []))
+
+    why = None
+    if resume is not None and probe is not None:
+        name, unit = probe
+        gated.use({name: list(unit)})
+        whole_model = lambda: gated.divergences(batches, targets, objective)  # noqa: E731
+        if not resume.proven(whole_model, lambda: measured({name: unit}, name)):
+            proof += kept_outputs()
+            resume, block, before = None, {}, [0.0]
+            why = "search: each forward pass over the whole model (starting at a unit's block was not exact here)"
+            price_of_unit, bound = priced(proof)
+            if bound > limit:
+                return refused(bound, proof)
 
     @torch.no_grad()
     def cost(plan: dict[str, tuple[int, ...]], changed: str) -> float:
@@ -339,13 +389,13 @@ def _searched(
         refits = {name: kept[(name, heads)] for name, heads in plan.items() if name != changed}
         refits[changed] = fitted(changed, plan[changed])
         gated.use({name: list(heads) for name, heads in plan.items()}, refits=refits)
-        return float(gated.divergences(batches, targets, objective).mean())
+        return float(measured(plan, changed).mean())
 
     order, present = search_order(units, requested_heads(gated.model, **kwargs), rounds, cost)
     gated.restore()
-    spent = sum(present) * price
+    spent = sum(present) * price_of_unit + proof + kept_outputs()
     try:
-        return select_heads(searched_scores(scores, order), **kwargs), spent, None
+        return select_heads(searched_scores(scores, order), **kwargs), spent, why
     except PlanError as error:
         return None, spent, f"search not tried: {error}"
 

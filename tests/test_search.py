@@ -2,10 +2,12 @@ import re
 
 import pytest
 import tiny_models as tm
+import torch
 from test_pruner import batches
 from test_selection import make_scores
 
 import prune_heads as ph
+from prune_heads import pruner
 from prune_heads.recovery.generated import SHARE
 from prune_heads.recovery.search import search_order, searched_scores
 from prune_heads.scoring.selection import removal_units
@@ -100,3 +102,51 @@ def test_the_search_fits_in_what_the_tuning_budget_has_left_after_the_writing_an
     assert spent / 2 > 0.05 and work["search"] == 0.0 and any(n.startswith("search not tried") for n in notes)
     notes, work = run(bound + spent + 0.1)
     assert work["search"] > 0 and not any(n.startswith("search not tried") for n in notes)
+
+
+def _deep_llama():
+    import transformers as T
+
+    torch.manual_seed(0)
+    config = T.LlamaConfig(**{**tm.COMMON, "num_hidden_layers": 6, "num_key_value_heads": 2})
+    return T.LlamaForCausalLM(config).eval()
+
+
+def _searched(monkeypatch, chain=True, changing=False):
+    """The default flow's search on a 6-block Llama: its candidates' held-out values, the pruned weights, the
+    search's counted work and the notes; `chain=False` measures every unit over the whole model, `changing`
+    makes the last block change what it is given (so starting part-way is not exact)."""
+    if not chain:
+        monkeypatch.setattr(pruner, "block_chain", lambda model, layers: None)
+    model = _deep_llama()
+    if changing:
+        last = model.model.layers[-1]
+        plain = last.forward
+
+        def forward(hidden_states, *args, **kwargs):
+            out = plain(hidden_states, *args, **kwargs)
+            if not torch.is_grad_enabled():  # after its use; in a backward pass autograd would refuse it
+                hidden_states.mul_(1.5)
+            return out
+
+        last.forward = forward
+    config = ph.PruneConfig(ph.SelectionConfig(num_heads=8), recovery=ph.RecoveryConfig(epochs=1))
+    result = ph.prune_model(model, batches("llama"), config, progress=False)
+    monkeypatch.undo()
+    tried = next(e["tried"] for e in result.recovery if e["step"] == "selection")
+    notes = next((e["notes"] for e in result.recovery if e["step"] == "notes"), [])
+    return tried, model.state_dict(), result.work["search"] / result.work["calibration_pass"], notes
+
+
+def test_the_search_measures_from_each_unit_s_block_for_the_same_plan_and_less_work(monkeypatch):
+    tried, weights, work, notes = _searched(monkeypatch)
+    whole_tried, whole_weights, whole_work, whole_notes = _searched(monkeypatch, chain=False)
+    assert tried == whole_tried and weights.keys() == whole_weights.keys()
+    assert all(torch.equal(weights[k], whole_weights[k]) for k in weights)
+    assert work < 0.8 * whole_work and not notes and not whole_notes
+
+
+def test_a_model_where_starting_part_way_is_not_exact_is_searched_over_the_whole_model_and_says_so(monkeypatch):
+    tried, _, work, notes = _searched(monkeypatch, changing=True)
+    assert "search + reconstruction" in tried
+    assert any(n.startswith("search: each forward pass over the whole model") for n in notes)

@@ -2,8 +2,9 @@
 
 `families` (where each transformers attention module keeps its heads, as data), `layers` (finding the
 attention layers and describing their heads), `hooks` and `gates` (a gate per head on any backend),
-`surgery` (slicing the projections and recording what was removed) and `probe` (`prune`, which proves each
-planned layer on a copy before it changes anything). Nothing here knows about data, scores or budgets.
+`surgery` (slicing the projections and recording what was removed), `probe` (`prune`, which proves each
+planned layer on a copy before it changes anything) and `blocks` (forward passes that start at a block, for
+measuring a change at or after it). Nothing here knows about data, scores or budgets.
 """
 
 from .families import FAMILIES, AttentionSpec, register_family

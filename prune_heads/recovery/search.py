@@ -4,7 +4,8 @@ divergence of the model from the unpruned one when that unit goes on top of what
 pruned layer with its reconstruction, and removes the cheapest units up to the round's share of the budget.
 Per-head estimates (gradients, Fisher blocks, a layer's own reconstruction error) cannot see what a layer's
 removal does further on, nor that a head the others stood in for matters once its neighbour has gone; this
-measures both, at the price of one forward pass over a few calibration examples per unit and round."""
+measures both, at the price of one forward pass over a few calibration examples per unit and round, from
+the unit's block on where the model is one chain of blocks (`prune_heads.model.blocks`)."""
 
 from __future__ import annotations
 

@@ -45,12 +45,40 @@ _FUSED_ATTENTION = [
 ]
 
 
-def count_flops(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
-    """FLOPs of one forward pass, counted by torch.utils.flop_counter (matmuls, convolutions, attention)."""
+def _counted(model: nn.Module, inputs: dict[str, torch.Tensor]) -> FlopCounterMode:
+    """torch.utils.flop_counter's counts of one forward pass (matmuls, convolutions, attention), per module."""
     fused = dict.fromkeys(_FUSED_ATTENTION, _attention_flops)
     with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=fused) as counter:
         model(**inputs)
-    return int(counter.get_total_flops())
+    return counter
+
+
+def count_flops(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
+    """FLOPs of one forward pass, counted by torch.utils.flop_counter (matmuls, convolutions, attention)."""
+    return int(_counted(model, inputs).get_total_flops())
+
+
+def first_example(batch: dict) -> dict:
+    """The batch cut to its first example (labels dropped): what a pass is priced from."""
+    rows = next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim())
+    return {
+        k: v[:1] if torch.is_tensor(v) and v.dim() and v.shape[0] == rows else v
+        for k, v in batch.items()
+        if k != "labels"
+    }
+
+
+def module_shares(model: nn.Module, batch: dict, modules: list[nn.Module]) -> list[float] | None:
+    """Each module's share of a forward pass's FLOPs, counted on the first example of `batch`; None where
+    the counter names one of them otherwise than by its path in the model (so it cannot be priced)."""
+    counter = _counted(model, first_example(batch))
+    counts = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
+    paths = {id(m): name for name, m in model.named_modules()}
+    names = [f"{type(model).__name__}.{paths.get(id(m))}" for m in modules]
+    total = counter.get_total_flops()
+    if not total or any(name not in counts for name in names):
+        return None
+    return [counts[name] / total for name in names]
 
 
 @dataclass(frozen=True)
@@ -62,12 +90,7 @@ class Work:
     @classmethod
     def of(cls, model: nn.Module, batch: dict) -> Work:
         """Count one forward pass of `model` on the first example of `batch` (labels dropped)."""
-        rows = next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim())
-        one = {
-            k: v[:1] if torch.is_tensor(v) and v.dim() and v.shape[0] == rows else v
-            for k, v in batch.items()
-            if k != "labels"
-        }
+        one = first_example(batch)
         return cls(count_flops(model, one) / max(positions(one), 1))
 
     def forward(self, batches: Iterable[dict]) -> float:
