@@ -326,7 +326,7 @@ def _searched(
     probe = max(every, key=lambda u: block.get(u[0], 0), default=None)  # the unit whose passes start latest
     if probe is None or not block.get(probe[0]):  # no unit after the first block: nothing to start later
         block = {}
-    before = [0.0] if not block or shares is None else [sum(shares[:j]) for j in range(len(shares) + 1)]
+    before = [0.0] if shares is None else [sum(shares[:j]) for j in range(len(shares) + 1)]  # before[0] is 0
 
     def price(name: str) -> float:  # a forward pass from the unit's block on
         return whole * (1.0 - before[block.get(name, 0)])
@@ -373,7 +373,7 @@ def _searched(
         whole_model = lambda: gated.divergences(batches, targets, objective)  # noqa: E731
         if not resume.proven(whole_model, lambda: measured({name: unit}, name)):
             proof += kept_outputs()
-            resume, block, before = None, {}, [0.0]
+            resume, block = None, {}  # every unit priced from block 0: a whole pass
             why = "search: each forward pass over the whole model (starting at a unit's block was not exact here)"
             price_of_unit, bound = priced(proof)
             if bound > limit:
