@@ -73,6 +73,7 @@ def test_recipe_typo_is_named(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.fixtures
 @pytest.mark.parametrize(
     "extra, message",
     [

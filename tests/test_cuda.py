@@ -6,8 +6,6 @@ import copy
 import pytest
 import tiny_models as tm
 import torch
-from test_pruner import batches
-from test_surgery import _gate_off
 
 import prune_heads as ph
 from prune_heads.recovery.generated import SHARE, with_generated
@@ -32,8 +30,8 @@ def on_gpu(batch: list[dict]) -> list[dict]:
 @pytest.mark.parametrize("name", ["bert", "llama", "gpt2", "t5"])
 @pytest.mark.parametrize("method", ["gradient", "fisher"])
 def test_scores_on_the_gpu_equal_the_cpu(name, method):
-    cpu = ph.score_heads(tm.build(name), batches(name), method=method, progress=False)
-    gpu = ph.score_heads(tm.build(name).to(CUDA), batches(name), method=method, progress=False)
+    cpu = ph.score_heads(tm.build(name), tm.batches(name), method=method, progress=False)
+    gpu = ph.score_heads(tm.build(name).to(CUDA), tm.batches(name), method=method, progress=False)
     assert gpu.heads == cpu.heads
     for layer, scores in cpu.scores.items():
         assert gpu.scores[layer].device.type == "cpu"  # scores come back to the CPU whatever the model's device
@@ -46,7 +44,7 @@ def test_zero_gates_equal_removal_on_the_gpu(name):
     layers = ph.find_attention(model)
     plan = tm.uneven_plan(layers)
     with ph.head_gates(model) as gates, torch.no_grad():
-        _gate_off(gates, layers, plan)
+        tm.gate_off(gates, layers, plan)
         gated = tm.main_output(model(**inputs))
     ph.prune(model, plan)
     with torch.no_grad():
@@ -59,8 +57,8 @@ def test_zero_gates_equal_removal_on_the_gpu(name):
 def test_prune_model_on_the_gpu_equals_the_cpu(name):
     config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4))
     cpu, gpu = tm.build(name), tm.build(name).to(CUDA)
-    on_cpu = ph.prune_model(cpu, batches(name), config, progress=False)
-    on_gpu_ = ph.prune_model(gpu, batches(name), config, progress=False)
+    on_cpu = ph.prune_model(cpu, tm.batches(name), config, progress=False)
+    on_gpu_ = ph.prune_model(gpu, tm.batches(name), config, progress=False)
     assert on_gpu_.plan == on_cpu.plan
     assert [e.get("kept") for e in on_gpu_.recovery] == [e.get("kept") for e in on_cpu.recovery]
     assert on_gpu_.work == pytest.approx(on_cpu.work)  # counted work, not the device, limits the flow
@@ -73,7 +71,7 @@ def test_prune_model_on_the_gpu_equals_the_cpu(name):
 
 
 def test_the_text_a_model_writes_on_the_gpu_is_the_cpus():
-    given = batches("llama", n=3, batch=8)
+    given = tm.batches("llama", n=3, batch=8)
     cpu = with_generated(tm.build("llama"), given, SHARE, seed=0)[1]
     gpu = with_generated(tm.build("llama").to(CUDA), on_gpu(given), SHARE, seed=0)[1]
     assert all(torch.equal(a["input_ids"], b["input_ids"].cpu()) for a, b in zip(cpu, gpu, strict=True))
@@ -81,7 +79,7 @@ def test_the_text_a_model_writes_on_the_gpu_is_the_cpus():
 
 def test_bfloat16_on_the_gpu_prunes_saves_reloads_and_generates(tmp_path):
     model = tm.build("llama", dtype=torch.bfloat16).to(CUDA)
-    result = ph.prune_model(model, on_gpu(batches("llama")), ph.PruneConfig(), progress=False)
+    result = ph.prune_model(model, on_gpu(tm.batches("llama")), ph.PruneConfig(), progress=False)
     assert result.heads_removed > 0
     assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in model.parameters())
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -100,7 +98,7 @@ def test_bfloat16_sdpa_with_grouped_key_value_heads_prunes_on_the_gpu():
     # torch's FLOP counter (before 2.13) refused, so the default path failed counting its work
     model = tm.build("llama", dtype=torch.bfloat16, attn="sdpa").to(CUDA)
     assert model.config.num_key_value_heads < model.config.num_attention_heads
-    data = [dict(b, attention_mask=torch.ones_like(b["attention_mask"])) for b in on_gpu(batches("llama"))]
+    data = [dict(b, attention_mask=torch.ones_like(b["attention_mask"])) for b in on_gpu(tm.batches("llama"))]
     result = ph.prune_model(model, data, ph.PruneConfig(), progress=False)
     assert result.heads_removed > 0 and result.work["calibration_pass"] > 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -109,6 +107,6 @@ def test_bfloat16_sdpa_with_grouped_key_value_heads_prunes_on_the_gpu():
 def test_scoring_leaves_the_model_where_it_was():
     model = tm.build("llama").to(CUDA)
     before = copy.deepcopy(model.state_dict())
-    ph.score_heads(model, batches("llama"), method="fisher", progress=False)
+    ph.score_heads(model, tm.batches("llama"), method="fisher", progress=False)
     after = model.state_dict()
     assert all(after[k].device.type == "cuda" and torch.equal(after[k], v) for k, v in before.items())

@@ -3,7 +3,6 @@ import dataclasses
 import pytest
 import tiny_models as tm
 import torch
-from test_pruner import batches
 
 import prune_heads as ph
 from prune_heads.config import ConfigError
@@ -18,7 +17,7 @@ def test_only_a_decoder_only_language_model_writes_its_own_text():
 
 def test_a_batch_of_sampled_text_follows_each_calibration_batch():
     model = tm.build("llama")
-    given = [dict(b, labels=b["input_ids"]) for b in batches("llama", n=3, batch=8)]
+    given = [dict(b, labels=b["input_ids"]) for b in tm.batches("llama", n=3, batch=8)]
     given[1]["attention_mask"][:, :2] = 0  # left padding: a row starts at its first attended token
     out, generated = with_generated(model, given, SHARE, seed=0)
     assert [b is g for b, g in zip(out[::2], given)] == [True] * 3 and out[1::2] == generated
@@ -31,7 +30,7 @@ def test_a_batch_of_sampled_text_follows_each_calibration_batch():
 
 
 def test_three_are_written_for_every_eight_examples_whatever_the_batch_size():
-    model, given = tm.build("llama"), batches("llama", n=8, batch=1)
+    model, given = tm.build("llama"), tm.batches("llama", n=8, batch=1)
     out, generated = with_generated(model, given, SHARE, seed=0)
     assert len(generated) == 3 and all(g["input_ids"].shape[0] == 1 for g in generated)
     # written where round(0.375 * examples so far) grows: after the 2nd, 4th and 7th example
@@ -39,7 +38,7 @@ def test_three_are_written_for_every_eight_examples_whatever_the_batch_size():
 
 
 def test_the_same_seed_writes_the_same_text_and_leaves_the_callers_random_state():
-    model, given = tm.build("llama"), batches("llama", n=2, batch=8)
+    model, given = tm.build("llama"), tm.batches("llama", n=2, batch=8)
     torch.manual_seed(5)
     before = torch.rand(1)
     torch.manual_seed(5)
@@ -87,7 +86,7 @@ def run(name: str, **recovery) -> ph.PruneResult:
     config = ph.PruneConfig(
         ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(search_rounds=0, epochs=1, **recovery)
     )
-    return ph.prune_model(tm.build(name), batches(name, batch=8), config, progress=False)
+    return ph.prune_model(tm.build(name), tm.batches(name, batch=8), config, progress=False)
 
 
 def test_generated_text_is_added_only_when_asked_and_its_work_is_counted():

@@ -161,6 +161,7 @@ LLAMA3_ROPE = {
 }
 
 
+@pytest.mark.llama_cpp
 @pytest.mark.parametrize(
     "kv_heads, plan, bias, rope, architecture",
     [
@@ -192,6 +193,7 @@ def test_hugging_face_llama_to_gguf_equals_transformers_in_llama_cpp(
     assert lc.tokenize(written.path, text) == bpe_tokenizer(text)["input_ids"]
 
 
+@pytest.mark.llama_cpp
 @pytest.mark.parametrize("prefix", ["normalizer", "metaspace", "none"])
 def test_a_sentencepiece_style_tokenizer_is_written_as_llama_cpp_tokenizes_it(tmp_path, prefix):
     """Hugging Face in with a sentencepiece-style tokenizer: llama.cpp's `llama` tokenizer, the scores from
@@ -262,6 +264,7 @@ SMOLLM2_PLANS = {  # KV head g serves query heads 3g..3g+2
 }
 
 
+@pytest.mark.llama_cpp
 @pytest.mark.parametrize("plan_name", list(SMOLLM2_PLANS))
 def test_smollm2_gguf_in_gguf_out_copies_bytes_and_is_exact_in_llama_cpp(tmp_path, smollm2, smollm2_model, plan_name):
     source, model = smollm2 / SMOLLM2_FILE, smollm2_model
@@ -300,6 +303,7 @@ def test_smollm2_gguf_in_gguf_out_copies_bytes_and_is_exact_in_llama_cpp(tmp_pat
     assert greedy == reference_greedy
 
 
+@pytest.mark.llama_cpp
 def test_smollm2_recovered_tensors_are_written_anew_and_exact_in_llama_cpp(tmp_path, smollm2, smollm2_loaded):
     """What recovery changes (scales folded into the output projection, new output biases) is found by
     comparison, written in the requested type, and computes in llama.cpp what the unpruned model, gated and
@@ -347,6 +351,7 @@ def test_default_type_of_changed_tensors_is_the_sources(tmp_path, smollm2_model)
     assert written.written == {"blk.0.attn_output.weight": "Q4_1"}  # 384 columns: whole blocks of 32
 
 
+@pytest.mark.llama_cpp
 @pytest.mark.parametrize("ftype, expected", [("Q8_0", {"Q8_0"}), ("Q4_K_M", {"Q4_K", "Q5_0"})])
 def test_a_pruned_file_is_requantized_whole_by_llama_cpp_in_one_step(tmp_path, smollm2_model, ftype, expected):
     """`tensor_type` of a llama.cpp file type: the deci file (emptied layers, the first one too) is written and
@@ -374,6 +379,7 @@ def test_a_file_type_needs_llama_cpp_and_is_named_with_the_choices(smollm2_model
         ph.check_gguf(smollm2_model, tensor_type="Q4_K_M")
 
 
+@pytest.mark.llama_cpp
 def test_smollm2_from_hugging_face_weights_tokenizes_as_llama_cpp_does(tmp_path, smollm2, smollm2_model):
     """Hugging Face in: SmolLM2 written from its (dequantized) weights and transformers' tokenizer gives the
     token ids llama.cpp gives with the original file, and the model's own logits."""
@@ -400,6 +406,7 @@ def _invoke(args: list[str]):
     return CliRunner().invoke(main, args)
 
 
+@pytest.mark.llama_cpp
 def test_prune_to_gguf_from_the_command_line_then_inspect(tmp_path, smollm2):
     """The README's recipe, shortened: prune the shipped GGUF to a GGUF, inspect it, run it in llama.cpp."""
     out = tmp_path / "smollm2-pruned.gguf"
@@ -556,6 +563,7 @@ def test_a_model_without_any_head_is_refused(tmp_path, bpe_tokenizer):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.llama_cpp
 @pytest.mark.parametrize(
     "plan, architecture", [({i: [2, 3] for i in range(3)}, "llama"), ({0: [0, 1], 2: [1, 3]}, "deci")]
 )
@@ -608,6 +616,7 @@ def _as_phi3_file(llama_file: Path, target: Path, head_dim: int) -> Path:
     return target
 
 
+@pytest.mark.llama_cpp
 @pytest.mark.parametrize(
     "plan, bias, architecture",
     [({i: [2, 3] for i in range(3)}, False, "llama"), ({0: [0, 1, 2, 3], 2: [1, 3]}, True, "deci")],
@@ -673,6 +682,7 @@ def tiny_qwen3(vocab: int, head_dim: int) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.llama_cpp
 def test_qwen3_even_plans_are_written_as_qwen3_and_equal_transformers(tmp_path, bpe_tokenizer):
     """Qwen3's q/k norms are computed by llama.cpp's qwen3 alone: an even plan keeps that architecture, from
     weights (head size 32 against a width of 64 / 4 heads: key_length and value_length say it) and GGUF in,
@@ -745,6 +755,7 @@ def gemma3_tokenizer(gemma3):
     return T.AutoTokenizer.from_pretrained(gemma3.parent, gguf_file=gemma3.name)
 
 
+@pytest.mark.llama_cpp
 def test_gemma3_gguf_in_gguf_out_is_exact_in_llama_cpp(tmp_path, gemma3, gemma3_model):
     """A real Gemma 3, GGUF in, GGUF out, with one query head of four removed from every layer: every tensor is
     the source's bytes (the norms too: Gemma's 1 + w as llama.cpp stores it), llama.cpp computes exactly what it
@@ -800,6 +811,7 @@ def tiny_gemma3(tokenizer, kv_heads: int) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.llama_cpp
 @pytest.mark.parametrize("kv_heads, plan", [(2, [1, 3]), (1, [0])], ids=["gqa", "mqa"])
 def test_gemma3_from_hugging_face_weights_equals_transformers_in_llama_cpp(tmp_path, kv_heads, plan):
     """A tiny Gemma 3 written from its weights as llama.cpp's gemma3, with the sentencepiece-style tokenizer
@@ -819,6 +831,7 @@ def test_gemma3_from_hugging_face_weights_equals_transformers_in_llama_cpp(tmp_p
     assert greedy == expected_greedy
 
 
+@pytest.mark.llama_cpp
 def test_a_gemma3_checkpoint_is_pruned_to_gguf_from_the_command_line(tmp_path):
     """`prune-heads prune FOLDER -o out.gguf` on a Gemma 3 saved as safetensors with its sentencepiece-style
     tokenizer (saved and reloaded): even plan, no output bias, the file runs in llama.cpp and tokenizes as the
@@ -838,6 +851,7 @@ def test_a_gemma3_checkpoint_is_pruned_to_gguf_from_the_command_line(tmp_path):
     assert len(lc.run(tmp_path / "out.gguf", [tokenizer.bos_token_id, *reloaded(PROMPT)["input_ids"]], 8)[1]) == 8
 
 
+@pytest.mark.llama_cpp
 def test_gemma3_270m_from_hugging_face_weights_equals_transformers_in_llama_cpp(
     tmp_path, gemma3_model, gemma3_tokenizer
 ):
@@ -857,6 +871,7 @@ def test_gemma3_270m_from_hugging_face_weights_equals_transformers_in_llama_cpp(
     assert greedy == expected_greedy
 
 
+@pytest.mark.llama_cpp
 def test_gemma3s_tokenizer_from_hugging_face_tokenizes_as_its_gguf_does(tmp_path, gemma3, gemma3_tokenizer):
     """Gemma 3's real tokenizer (262,144 tokens; transformers' from the GGUF) written from Hugging Face: llama.cpp
     gives transformers' ids and those of the original file, and the scores order the tokens BPE makes as the

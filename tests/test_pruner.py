@@ -14,13 +14,6 @@ from prune_heads.scoring.methods import score_heads
 from prune_heads.scoring.objective import Objective, neighbour_divergence
 
 
-def batches(name="bert", n=5, labels=True, batch=4):
-    out = [tm.make_inputs(name, batch=batch, seq=9, seed=s) for s in range(n)]
-    if labels and tm.FAMILIES[name][3] == "encoder":
-        out = [dict(b, labels=torch.tensor([0, 1] * (batch // 2))) for b in out]
-    return out
-
-
 def kl(model, reference, data):
     objective = Objective(reference)
     with torch.no_grad():
@@ -41,7 +34,7 @@ def test_default_config_is_the_best_measured_path():
 def test_the_default_tunes_until_the_heldout_stop_and_reports_its_work_as_strict_json():
     model = tm.build("llama")
     config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4))
-    result = ph.prune_model(model, batches("llama", n=10, labels=False), config, progress=False)
+    result = ph.prune_model(model, tm.batches("llama", n=10, labels=False), config, progress=False)
     tuning = next(e for e in result.recovery if "tuning" in e["step"])
     assert tuning["budget_flops"] is None and "tuning_budget" not in result.work and tuning["flops"] > 0
     assert 0 < tuning["epochs_run"] <= config.recovery.epochs
@@ -52,7 +45,7 @@ def test_the_default_tunes_until_the_heldout_stop_and_reports_its_work_as_strict
 def test_prune_model_removes_exactly_the_budget_and_reports_its_decisions(name):
     model = tm.build(name)
     result = ph.prune_model(
-        model, batches(name), ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4)), progress=False
+        model, tm.batches(name), ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4)), progress=False
     )
     assert result.heads_removed == result.asked == 4
     assert sum(l.num_heads for l in ph.find_attention(model)) == 12 - 4
@@ -71,7 +64,7 @@ def test_prune_model_result_is_the_gated_state_it_measured():
     """The held-out value recorded for the kept state is what the folded, pruned model gives."""
     model = tm.build("bert")
     original = copy.deepcopy(model)
-    data = batches("bert", n=5)
+    data = tm.batches("bert", n=5)
     result = ph.prune_model(model, data, ph.PruneConfig(selection=ph.SelectionConfig(num_heads=5)), progress=False)
     _, heldout = split_holdout([{k: v for k, v in b.items() if k != "labels"} for b in data], 0.2)
     measured = kl(model, original, heldout) / sum(b["input_ids"].shape[0] for b in heldout)
@@ -91,11 +84,11 @@ def test_each_candidate_is_measured_as_if_it_were_tried_alone(monkeypatch):
 
     real = pruner._candidates
     monkeypatch.setattr(pruner, "_candidates", candidates)
-    tried = next(e for e in ph.prune_model(tm.build("llama"), batches("llama"), config, False).recovery)["tried"]
+    tried = next(e for e in ph.prune_model(tm.build("llama"), tm.batches("llama"), config, False).recovery)["tried"]
     assert len(seen) >= 3
     for name, plan in seen.items():
         monkeypatch.setattr(pruner, "_candidates", lambda *a, plan=plan, **k: {"ranked": plan})
-        alone = ph.prune_model(tm.build("llama"), batches("llama"), config, False).recovery[0]["tried"]
+        alone = ph.prune_model(tm.build("llama"), tm.batches("llama"), config, False).recovery[0]["tried"]
         assert alone["ranked + reconstruction"] == pytest.approx(tried[f"{name} + reconstruction"], rel=1e-9)
 
 
@@ -104,7 +97,7 @@ def test_embedding_models_decide_on_neighbour_divergence_and_cosine():
     neighbour distribution among the held-out ones; the recorded value is what the pruned model gives."""
     model = tm.build("xlm-roberta")
     original = copy.deepcopy(model)
-    data = batches("xlm-roberta", n=10, labels=False)
+    data = tm.batches("xlm-roberta", n=10, labels=False)
     result = ph.prune_model(model, data, ph.PruneConfig(selection=ph.SelectionConfig(num_heads=6)), progress=False)
     _, heldout = split_holdout(data, 0.2)
     objective = Objective(original)
@@ -131,7 +124,7 @@ def test_prune_model_makes_no_copy_of_the_model(monkeypatch):
         return original(value, *args, **kwargs)
 
     monkeypatch.setattr(copy, "deepcopy", refuse)
-    ph.prune_model(model, batches("llama"), progress=False)
+    ph.prune_model(model, tm.batches("llama"), progress=False)
 
 
 def test_tuning_runs_without_what_only_the_choice_needed(monkeypatch):
@@ -160,7 +153,7 @@ def test_tuning_runs_without_what_only_the_choice_needed(monkeypatch):
 
     monkeypatch.setattr(pruner, "tune", inspecting)
     monkeypatch.setattr(pruner, "score_heads", scoring)
-    result = ph.prune_model(tm.build("llama"), batches("llama", n=10), progress=False)
+    result = ph.prune_model(tm.build("llama"), tm.batches("llama", n=10), progress=False)
     selection = next(e for e in result.recovery if e["step"] == "selection")
     assert selection["kept"].endswith("+ reconstruction")  # refits were made and written into the weights
     assert seen == {"statistics while scoring": 0, "statistics and refits": 0, "originals": 0}
@@ -174,22 +167,22 @@ def test_budget_is_refused_before_any_scoring(monkeypatch):
     monkeypatch.setattr("prune_heads.pruner.score_heads", boom)
     llama = tm.build("llama")  # 3 layers x 4 heads in KV groups of 2
     with pytest.raises(ph.PlanError, match=r"exactly 1 heads.* 0 heads .* or 2 heads"):
-        ph.prune_model(llama, batches("llama"), ph.PruneConfig(selection=ph.SelectionConfig(num_heads=1)))
+        ph.prune_model(llama, tm.batches("llama"), ph.PruneConfig(selection=ph.SelectionConfig(num_heads=1)))
     with pytest.raises(ph.PlanError, match="exactly"):
-        ph.prune_model(llama, batches("llama"), ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.1)))
+        ph.prune_model(llama, tm.batches("llama"), ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.1)))
 
 
 def test_round_takes_the_nearest_reachable_budget_and_says_so():
     llama = tm.build("llama")
     config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=3, round="down"))
-    result = ph.prune_model(llama, batches("llama"), config, progress=False)
+    result = ph.prune_model(llama, tm.batches("llama"), config, progress=False)
     assert (result.asked, result.heads_removed) == (3, 2)
 
 
 def test_layer_granularity_drops_attention_blocks_and_their_kv_cache():
     llama = tm.build("llama")
     config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4, granularity="layer"))
-    result = ph.prune_model(llama, batches("llama"), config, progress=False)
+    result = ph.prune_model(llama, tm.batches("llama"), config, progress=False)
     assert [len(h) for h in result.plan.values()] == [4]
     assert sorted(l.num_heads for l in ph.find_attention(llama)) == [0, 4, 4]
     out = llama.generate(**tm.make_inputs("llama"), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
@@ -203,7 +196,7 @@ def test_bias_compensation_adds_a_recorded_bias_that_reloads(tmp_path):
         selection=ph.SelectionConfig(num_heads=4),
         recovery=ph.RecoveryConfig(holdout=0, rearrange=False, gate_tuning=False, bias_tuning=False),
     )
-    ph.prune_model(llama, batches("llama"), config, progress=False)
+    ph.prune_model(llama, tm.batches("llama"), config, progress=False)
     pruned = [l for l in ph.find_attention(llama) if l.num_heads < 4]
     assert pruned and all(l.module.o_proj.bias is not None and l.module.o_proj.bias.abs().sum() > 0 for l in pruned)
     ph.save_pruned(llama, tmp_path / "m")
@@ -215,7 +208,7 @@ def test_bias_compensation_adds_a_recorded_bias_that_reloads(tmp_path):
 
 def test_flap_bias_compensation_restores_the_removed_heads_mean_output():
     model = tm.build("bert")
-    data = [{k: v for k, v in b.items() if k != "labels"} for b in batches("bert")]
+    data = [{k: v for k, v in b.items() if k != "labels"} for b in tm.batches("bert")]
     layers = ph.find_attention(model)
     from prune_heads.scoring.recording import record
 
@@ -238,7 +231,7 @@ def test_flap_bias_compensation_restores_the_removed_heads_mean_output():
 def test_tuning_the_gated_model_equals_tuning_a_pruned_copy():
     reference = tm.build("bert")
     plan = {"bert.encoder.layer.0.attention": [0, 1], "bert.encoder.layer.2.attention": [3]}
-    data = [{k: v for k, v in b.items() if k != "labels"} for b in batches("bert", n=3)]
+    data = [{k: v for k, v in b.items() if k != "labels"} for b in tm.batches("bert", n=3)]
     pruned = copy.deepcopy(reference)
     ph.prune(pruned, plan)
     ph.tune_gates(pruned, reference, data, epochs=3, lr=0.05, seed=1, bias_lr=0.01, average=0.9)
@@ -291,7 +284,7 @@ def test_each_tuning_step_switches_alone_and_is_named_in_the_report(steps, name)
     model = tm.build("bert")
     before = {l.name: l.module.output.dense.weight.clone() for l in ph.find_attention(model)}
     config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=1), recovery=ph.RecoveryConfig(holdout=0, **steps))
-    result = ph.prune_model(model, batches("bert", n=2), config, progress=False)
+    result = ph.prune_model(model, tm.batches("bert", n=2), config, progress=False)
     assert [e["step"] for e in result.recovery] == ["selection", name]
     layers = {l.name: l for l in ph.find_attention(model)}
     untouched = [n for n in before if not result.plan.get(n)]  # no refit there: only tuning changes the weight
@@ -352,7 +345,7 @@ def test_a_budget_that_binds_gives_the_same_weights_when_the_clock_is_slow(monke
     config = ph.PruneConfig(
         selection=ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(min_tuning_flops=0.0, tuning_budget=3.0)
     )
-    data = batches("llama", n=10, labels=False)
+    data = tm.batches("llama", n=10, labels=False)
     runs = []
     for slow in (False, True):
         if slow:
@@ -433,17 +426,17 @@ def test_label_free_objective_and_iterative_steps():
     config = ph.PruneConfig(
         selection=ph.SelectionConfig(sparsity=0.25), scoring=ph.ScoringConfig(objective="label-free")
     )
-    assert ph.prune_model(model, batches("bert"), config, progress=False).heads_removed == 3
+    assert ph.prune_model(model, tm.batches("bert"), config, progress=False).heads_removed == 3
     with pytest.raises(ph.config.ConfigError, match="turn recovery off"):
         ph.prune_model(
             tm.build("bert"),
-            batches("bert"),
+            tm.batches("bert"),
             ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.5), scoring=ph.ScoringConfig(steps=2)),
         )
     iterative = ph.PruneConfig(
         selection=ph.SelectionConfig(sparsity=0.5), scoring=ph.ScoringConfig(steps=2), recovery=ph.RecoveryConfig.off()
     )
-    result = ph.prune_model(tm.build("bert"), batches("bert"), iterative, progress=False)
+    result = ph.prune_model(tm.build("bert"), tm.batches("bert"), iterative, progress=False)
     assert result.heads_removed == 6 and len(result.history) == 3
 
 
@@ -463,8 +456,8 @@ def test_no_recovery_records_nothing_and_equals_plain_prune(monkeypatch, method)
         scoring=ph.ScoringConfig(method=method),
         recovery=ph.RecoveryConfig.off(),
     )
-    result = ph.prune_model(model, batches("bert"), config, progress=False)
-    scores = ph.score_heads(plain, batches("bert"), method=method, progress=False)
+    result = ph.prune_model(model, tm.batches("bert"), config, progress=False)
+    scores = ph.score_heads(plain, tm.batches("bert"), method=method, progress=False)
     assert result.plan == ph.select_heads(scores, num_heads=5)
     ph.prune(plain, result.plan)
     inputs = tm.make_inputs("bert")

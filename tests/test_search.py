@@ -3,8 +3,6 @@ import re
 import pytest
 import tiny_models as tm
 import torch
-from test_pruner import batches
-from test_selection import make_scores
 
 import prune_heads as ph
 from prune_heads import pruner
@@ -13,7 +11,7 @@ from prune_heads.recovery.search import search_order, searched_scores
 from prune_heads.scoring.selection import removal_units
 
 # two layers of 6 query heads, 2 per KV head: groups (0, 1), (2, 3), (4, 5)
-SCORES = make_scores([[1.0] * 6, [1.0] * 6], group_sizes=[2, 2])
+SCORES = tm.make_scores([[1.0] * 6, [1.0] * 6], group_sizes=[2, 2])
 A, B, C = ("layers.0.attn", (0, 1)), ("layers.0.attn", (2, 3)), ("layers.1.attn", (0, 1))
 ALONE = {A: 1.0, B: 2.0, C: 3.0}
 
@@ -62,7 +60,7 @@ def test_the_default_searches_where_outputs_are_per_token_and_counts_its_work(na
 
     def run(**recovery):
         config = ph.PruneConfig(ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(**recovery))
-        result = ph.prune_model(tm.build(name), batches(name), config, progress=False)
+        result = ph.prune_model(tm.build(name), tm.batches(name), config, progress=False)
         notes = next((e["notes"] for e in result.recovery if e["step"] == "notes"), [])
         return next(e["tried"] for e in result.recovery if e["step"] == "selection"), result.work, notes
 
@@ -79,7 +77,7 @@ def test_the_default_searches_where_outputs_are_per_token_and_counts_its_work(na
 
 def test_a_tuning_budget_too_small_for_the_search_leaves_it_out_and_says_so():
     config = ph.PruneConfig(ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(tuning_budget=0.5))
-    result = ph.prune_model(tm.build("llama"), batches("llama"), config, progress=False)
+    result = ph.prune_model(tm.build("llama"), tm.batches("llama"), config, progress=False)
     notes = next(e["notes"] for e in result.recovery if e["step"] == "notes")
     assert any(n.startswith("search not tried: its work") for n in notes)
     assert result.work["search"] == 0.0
@@ -89,7 +87,7 @@ def test_the_search_fits_in_what_the_tuning_budget_has_left_after_the_writing_an
     def run(budget: float) -> tuple[list[str], dict]:
         recovery = ph.RecoveryConfig(tuning_budget=budget, generated_share=SHARE)
         config = ph.PruneConfig(ph.SelectionConfig(num_heads=4), recovery=recovery)
-        result = ph.prune_model(tm.build("llama"), batches("llama"), config, progress=False)
+        result = ph.prune_model(tm.build("llama"), tm.batches("llama"), config, progress=False)
         return next((e["notes"] for e in result.recovery if e["step"] == "notes"), []), result.work
 
     notes, work = run(0.5)
@@ -131,7 +129,7 @@ def _searched(monkeypatch, chain=True, changing=False):
 
         last.forward = forward
     config = ph.PruneConfig(ph.SelectionConfig(num_heads=8), recovery=ph.RecoveryConfig(epochs=1))
-    result = ph.prune_model(model, batches("llama"), config, progress=False)
+    result = ph.prune_model(model, tm.batches("llama"), config, progress=False)
     monkeypatch.undo()
     tried = next(e["tried"] for e in result.recovery if e["step"] == "selection")
     notes = next((e["notes"] for e in result.recovery if e["step"] == "notes"), [])

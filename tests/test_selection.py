@@ -1,37 +1,24 @@
 import pytest
+import tiny_models as tm
 import torch
 
 import prune_heads as ph
 
 
-def make_scores(rows, group_sizes=None, heads=None, original=None):
-    names = [f"layers.{i}.attn" for i in range(len(rows))]
-    return ph.HeadScores(
-        method="test",
-        num_examples=1,
-        scores={n: torch.tensor(r, dtype=torch.float32) for n, r in zip(names, rows)},
-        heads={
-            n: tuple(heads[i] if heads and heads[i] else range(len(r))) for i, (n, r) in enumerate(zip(names, rows))
-        },
-        group_sizes={n: (group_sizes or [1] * len(rows))[i] for i, n in enumerate(names)},
-        original_heads={n: (original[i] if original else len(r)) for i, (n, r) in enumerate(zip(names, rows))},
-    )
-
-
 def test_global_sparsity_removes_the_lowest_heads():
-    scores = make_scores([[0.9, 0.1, 0.5, 0.2], [0.05, 0.8, 0.7, 0.6]])
+    scores = tm.make_scores([[0.9, 0.1, 0.5, 0.2], [0.05, 0.8, 0.7, 0.6]])
     assert ph.select_heads(scores, sparsity=0.375) == {"layers.0.attn": [1, 3], "layers.1.attn": [0]}
     assert ph.select_heads(scores, num_heads=2) == {"layers.0.attn": [1], "layers.1.attn": [0]}
 
 
 def test_layer_scope_and_keep_per_layer():
-    scores = make_scores([[0.9, 0.1, 0.5, 0.2], [0.05, 0.8, 0.7, 0.6]])
+    scores = tm.make_scores([[0.9, 0.1, 0.5, 0.2], [0.05, 0.8, 0.7, 0.6]])
     assert ph.select_heads(scores, sparsity=0.5, scope="layer") == {"layers.0.attn": [1, 3], "layers.1.attn": [0, 3]}
     assert ph.select_heads(scores, keep_per_layer=3) == {"layers.0.attn": [1], "layers.1.attn": [0]}
 
 
 def test_min_heads_and_ignore_protect_layers():
-    scores = make_scores([[0.1, 0.2, 0.3, 0.4], [0.9, 0.8, 0.7, 0.6]])
+    scores = tm.make_scores([[0.1, 0.2, 0.3, 0.4], [0.9, 0.8, 0.7, 0.6]])
     assert ph.select_heads(scores, num_heads=4, min_heads_per_layer=2) == {
         "layers.0.attn": [0, 1],
         "layers.1.attn": [2, 3],
@@ -53,17 +40,17 @@ def test_min_heads_and_ignore_protect_layers():
 )
 def test_impossible_requests_say_what_is_possible(kwargs, message):
     with pytest.raises(ph.PlanError, match=message):
-        ph.select_heads(make_scores([[0.1, 0.2, 0.3, 0.4], [0.9, 0.8, 0.7, 0.6]]), **kwargs)
+        ph.select_heads(tm.make_scores([[0.1, 0.2, 0.3, 0.4], [0.9, 0.8, 0.7, 0.6]]), **kwargs)
 
 
 def test_sparsity_counts_heads_already_removed():
-    scores = make_scores([[0.3, 0.4], [0.9, 0.8, 0.7, 0.6]], heads=[(0, 3), None], original=[4, 4])
+    scores = tm.make_scores([[0.3, 0.4], [0.9, 0.8, 0.7, 0.6]], heads=[(0, 3), None], original=[4, 4])
     assert ph.select_heads(scores, sparsity=0.5) == {"layers.0.attn": [0], "layers.1.attn": [3]}
 
 
 def test_grouped_query_layers_lose_groups_or_even_heads():
     # 6 query heads, 2 per KV head: groups {0,1}, {2,3}, {4,5}
-    scores = make_scores([[0.1, 0.2, 0.9, 0.8, 0.15, 0.3]], group_sizes=[2])
+    scores = tm.make_scores([[0.1, 0.2, 0.9, 0.8, 0.15, 0.3]], group_sizes=[2])
     assert ph.select_heads(scores, num_heads=2, gqa="groups") == {"layers.0.attn": [0, 1]}
     assert ph.select_heads(scores, num_heads=3, gqa="even") == {"layers.0.attn": [0, 3, 4]}
     with pytest.warns(DeprecationWarning, match="gqa='even'"):  # the old name still works
@@ -72,7 +59,7 @@ def test_grouped_query_layers_lose_groups_or_even_heads():
 
 
 def test_uniform_plans_keep_the_same_heads_in_every_layer():
-    scores = make_scores([[0.9, 0.1, 0.5, 0.2], [0.05, 0.8, 0.7, 0.6], [0.3, 0.2, 0.1, 0.4]])
+    scores = tm.make_scores([[0.9, 0.1, 0.5, 0.2], [0.05, 0.8, 0.7, 0.6], [0.3, 0.2, 0.1, 0.4]])
     # sparsity 0.5 of 12 heads: each layer loses its own two weakest, whatever the global ranking says
     assert ph.select_heads(scores, sparsity=0.5, uniform=True) == {
         "layers.0.attn": [1, 3],
@@ -84,14 +71,14 @@ def test_uniform_plans_keep_the_same_heads_in_every_layer():
         ph.select_heads(scores, num_heads=4, uniform=True)
     with pytest.raises(ph.PlanError, match="drop ignore"):
         ph.select_heads(scores, sparsity=0.5, uniform=True, ignore="layers.0")
-    uneven = make_scores([[0.3, 0.4], [0.9, 0.8, 0.7, 0.6]], heads=[(0, 3), None], original=[4, 4])
+    uneven = tm.make_scores([[0.3, 0.4], [0.9, 0.8, 0.7, 0.6]], heads=[(0, 3), None], original=[4, 4])
     with pytest.raises(ph.PlanError, match="same heads now"):
         ph.select_heads(uneven, sparsity=0.75, uniform=True)
 
 
 def test_uniform_grouped_plans_take_whole_units():
     # two layers of 6 query heads, 2 per KV head
-    scores = make_scores([[0.1, 0.2, 0.9, 0.8, 0.15, 0.3], [0.9, 0.8, 0.1, 0.1, 0.5, 0.5]], group_sizes=[2, 2])
+    scores = tm.make_scores([[0.1, 0.2, 0.9, 0.8, 0.15, 0.3], [0.9, 0.8, 0.1, 0.1, 0.5, 0.5]], group_sizes=[2, 2])
     by_groups = ph.select_heads(scores, sparsity=0.3, uniform=True, gqa="groups")  # 3.6 -> 4 heads, a group each
     assert by_groups == {"layers.0.attn": [0, 1], "layers.1.attn": [2, 3]}
     by_rounds = ph.select_heads(scores, sparsity=0.5, uniform=True, gqa="even")  # one head from every group
@@ -102,7 +89,7 @@ GQA = [[0.1, 0.2, 0.9, 0.8, 0.15, 0.3], [0.9, 0.8, 0.1, 0.1, 0.5, 0.5]]  # 2 lay
 
 
 def test_budgets_whole_groups_cannot_meet_are_refused_with_the_nearest_reachable_ones():
-    scores = make_scores(GQA, group_sizes=[2, 2])
+    scores = tm.make_scores(GQA, group_sizes=[2, 2])
     with pytest.raises(
         ph.PlanError,
         match=r"exactly 3 heads: heads go as whole KV groups.* 2 heads "
@@ -119,7 +106,7 @@ def test_budgets_whole_groups_cannot_meet_are_refused_with_the_nearest_reachable
 
 
 def test_every_plan_removes_exactly_what_was_asked():
-    scores = make_scores(GQA, group_sizes=[2, 2])
+    scores = tm.make_scores(GQA, group_sizes=[2, 2])
     for num in range(0, 9, 2):
         plan = ph.select_heads(scores, num_heads=num)
         assert sum(len(h) for h in plan.values()) == num
@@ -128,7 +115,7 @@ def test_every_plan_removes_exactly_what_was_asked():
 
 
 def test_layer_granularity_removes_whole_attention_blocks():
-    scores = make_scores([[0.9, 0.8, 0.7, 0.6], [0.1, 0.2, 0.1, 0.3], [0.5, 0.5, 0.5, 0.5]])
+    scores = tm.make_scores([[0.9, 0.8, 0.7, 0.6], [0.1, 0.2, 0.1, 0.3], [0.5, 0.5, 0.5, 0.5]])
     assert ph.select_heads(scores, num_heads=4, granularity="layer") == {"layers.1.attn": [0, 1, 2, 3]}
     assert ph.select_heads(scores, sparsity=2 / 3, granularity="layer") == {
         "layers.1.attn": [0, 1, 2, 3],
@@ -140,7 +127,7 @@ def test_layer_granularity_removes_whole_attention_blocks():
 
 def test_interactions_is_a_strategy_of_select_heads():
     block = torch.diag(torch.tensor([0.1, 0.2, 0.3, 0.4])).tolist()
-    scores = make_scores([[0.1, 0.2, 0.3, 0.4]])
+    scores = tm.make_scores([[0.1, 0.2, 0.3, 0.4]])
     scores.meta["fisher_blocks"] = {"layers.0.attn": block}
     assert ph.select_heads(scores, num_heads=2, strategy="interactions") == ph.plan_with_interactions(scores, 2)
     with pytest.raises(ph.PlanError, match="needs scope='global', gqa='groups'"):
@@ -148,7 +135,6 @@ def test_interactions_is_a_strategy_of_select_heads():
 
 
 def test_check_budget_reads_the_structure_alone():
-    import tiny_models as tm
 
     llama = tm.build("llama")  # 3 layers x 4 heads, 2 per KV head
     assert ph.check_budget(llama, sparsity=0.5) == 6

@@ -7,20 +7,13 @@ import prune_heads as ph
 DECODERS = [n for n, spec in tm.FAMILIES.items() if spec[3] == "decoder"] + ["t5", "bart"]
 
 
-def _gate_off(gates, layers, plan):
-    with torch.no_grad():
-        for i, heads in plan.items():
-            for h in heads:
-                gates[i][layers[i].heads.index(h)] = 0.0
-
-
 @pytest.mark.parametrize("name", list(tm.FAMILIES))
 def test_zero_gates_equal_physical_removal(name):
     model, inputs = tm.build(name), tm.make_inputs(name)
     layers = ph.find_attention(model)
     plan = tm.uneven_plan(layers)
     with ph.head_gates(model) as gates, torch.no_grad():
-        _gate_off(gates, layers, plan)
+        tm.gate_off(gates, layers, plan)
         gated = tm.main_output(model(**inputs))
     params_before = sum(p.numel() for p in model.parameters())
     assert ph.prune(model, plan) is model
@@ -40,7 +33,7 @@ def test_generate_after_pruning_matches_gated_model(name):
     layers = ph.find_attention(model)
     plan = tm.uneven_plan(layers)
     with ph.head_gates(model) as gates:
-        _gate_off(gates, layers, plan)
+        tm.gate_off(gates, layers, plan)
         expected = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     ph.prune(model, plan)
     produced = model.generate(**inputs, max_new_tokens=8, do_sample=False)
@@ -57,7 +50,7 @@ def test_generate_with_the_first_layer_emptied_matches_gated_model(name):
         pytest.skip(f"{type(first.module).__name__} must keep a head")
     plan = {first.index: list(first.heads)}
     with ph.head_gates(model) as gates:
-        _gate_off(gates, layers, plan)
+        tm.gate_off(gates, layers, plan)
         expected = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     ph.prune(model, plan)
     assert torch.equal(expected, model.generate(**inputs, max_new_tokens=8, do_sample=False))
@@ -154,7 +147,7 @@ def test_real_gqa_model_smollm2_prunes_groups_and_even_heads():
     plan = {i: [0, 1, 2] if i % 2 == 0 else [0, 3, 6] for i in range(30)}  # a whole group, or one head per group
     inputs = tokenizer(["The capital of France is"], return_tensors="pt")
     with ph.head_gates(model) as gates:
-        _gate_off(gates, layers, plan)
+        tm.gate_off(gates, layers, plan)
         expected = model.generate(**inputs, max_new_tokens=6, do_sample=False)
     ph.prune(model, plan)
     assert torch.equal(model.generate(**inputs, max_new_tokens=6, do_sample=False), expected)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers as T
+
+import prune_heads as ph
 
 COMMON = dict(
     hidden_size=32,
@@ -255,3 +258,71 @@ def uneven_plan(layers) -> dict[int, list[int]]:
         else:
             plan[i] = [(i + j) % heads for j in range(1 + i % (heads - 1))]
     return plan
+
+
+def batches(name="bert", n=5, labels=True, batch=4):
+    """`n` batches of the family's tiny inputs; an encoder's with alternating labels unless `labels` is False."""
+    out = [make_inputs(name, batch=batch, seq=9, seed=s) for s in range(n)]
+    if labels and FAMILIES[name][3] == "encoder":
+        out = [dict(b, labels=torch.tensor([0, 1] * (batch // 2))) for b in out]
+    return out
+
+
+def make_scores(rows, group_sizes=None, heads=None, original=None):
+    """`HeadScores` of the given per-layer rows (layers named layers.i.attn), for selection without a model."""
+    names = [f"layers.{i}.attn" for i in range(len(rows))]
+    return ph.HeadScores(
+        method="test",
+        num_examples=1,
+        scores={n: torch.tensor(r, dtype=torch.float32) for n, r in zip(names, rows)},
+        heads={
+            n: tuple(heads[i] if heads and heads[i] else range(len(r))) for i, (n, r) in enumerate(zip(names, rows))
+        },
+        group_sizes={n: (group_sizes or [1] * len(rows))[i] for i, n in enumerate(names)},
+        original_heads={n: (original[i] if original else len(r)) for i, (n, r) in enumerate(zip(names, rows))},
+    )
+
+
+def gate_off(gates, layers, plan):
+    """Set the gates of the plan's heads ({layer index: heads}) to 0."""
+    with torch.no_grad():
+        for i, heads in plan.items():
+            for h in heads:
+                gates[i][layers[i].heads.index(h)] = 0.0
+
+
+def snapshot(result, model) -> dict:
+    """What a change of how `prune_model` is written must leave alone: the plan, every decision with its
+    held-out values, the counted work, and each floating tensor's sum and absolute sum after pruning."""
+    recovery = [{k: v for k, v in entry.items() if k != "seconds"} for entry in result.recovery]
+    weights = {
+        name: [float(t.double().sum()), float(t.double().abs().sum())]
+        for name, t in model.state_dict().items()
+        if t.is_floating_point()
+    }
+    plan = {name: sorted(heads) for name, heads in sorted(result.plan.items())}
+    return {
+        "plan": plan,
+        "asked": result.asked,
+        "recovery": recovery,
+        "heldout": result.heldout,
+        "work": result.work,
+        "weights": weights,
+    }
+
+
+def assert_close(found, saved, path="report"):
+    """`found` equals `saved` (a JSON round trip of a snapshot): the same keys, strings and integers, floats
+    within 1e-4 relative (another CPU may sum in another order)."""
+    if isinstance(saved, dict):
+        assert sorted(found) == sorted(saved), f"{path}: keys {sorted(found)} != {sorted(saved)}"
+        for key in saved:
+            assert_close(found[key], saved[key], f"{path}.{key}")
+    elif isinstance(saved, list):
+        assert len(found) == len(saved), f"{path}: {len(found)} items != {len(saved)}"
+        for i, (a, b) in enumerate(zip(found, saved)):
+            assert_close(a, b, f"{path}[{i}]")
+    elif isinstance(saved, float) or isinstance(found, float):
+        assert found == pytest.approx(saved, rel=1e-4, abs=1e-7), f"{path}: {found} != {saved}"
+    else:
+        assert found == saved, f"{path}: {found!r} != {saved!r}"
