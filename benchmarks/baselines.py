@@ -6,12 +6,13 @@ from __future__ import annotations
 import torch
 
 import prune_heads as ph
-from prune_heads.data import input_device, to_device, without_labels
 from prune_heads.model.hooks import hooks
 from prune_heads.recovery.gated import GatedModel
+from prune_heads.runtime.devices import input_device, to_device
 from prune_heads.scoring.methods import fluctuation, head_scores
 from prune_heads.scoring.objective import Objective
 from prune_heads.scoring.recording import record
+from prune_heads.task_data import without_labels
 
 
 def flap(model, batches: list[dict], num_heads: int, gqa: str = "groups") -> dict:

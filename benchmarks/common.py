@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging
 
-from prune_heads.data import TaskData, load_task_data
 from prune_heads.evaluation.task import evaluate_task, evaluation
 from prune_heads.pruner import PruneResult
+from prune_heads.task_data import TaskData, load_task_data
 
 FIXTURES = Path(os.environ.get("PH_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
 MODEL = FIXTURES / "minilm-movie-sentiment"

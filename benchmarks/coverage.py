@@ -51,9 +51,9 @@ from transformers.models.auto import modeling_auto
 from transformers.utils import logging
 
 import prune_heads as ph
-from prune_heads.data import dummy_inputs
 from prune_heads.model.gates import gate_hook
 from prune_heads.model.hooks import hooks
+from prune_heads.model.inputs import dummy_inputs
 from prune_heads.model.layers import resolve
 
 logging.set_verbosity_error()

@@ -42,12 +42,12 @@ from common import (
 )
 
 import prune_heads as ph
-from prune_heads.data import without_labels
 from prune_heads.evaluation.confidence import compare
 from prune_heads.evaluation.task import NEIGHBOURS, embed, evaluation, fidelity
 from prune_heads.pipeline import load_model, load_processor, task_data
 from prune_heads.recipes import load_recipe
 from prune_heads.scoring.objective import Objective
+from prune_heads.task_data import without_labels
 
 SPARSITIES = (0.1, 0.25, 0.5)
 LABEL_FREE = ph.ScoringConfig(objective="label-free")

@@ -6,7 +6,6 @@ head matters and which go), `recovery` (what is rebuilt after removal), `evaluat
 """
 
 from .config import PruneConfig, RecoveryConfig, ScoringConfig, SelectionConfig
-from .data import TaskData, load_task_data
 from .evaluation import LmEvalConfig, LmEvalError, Report, benchmark, benchmark_pair, compare, evaluate_task, lm_eval
 from .export import (
     GgufError,
@@ -47,6 +46,7 @@ from .scoring import (
     score_heads,
     select_heads,
 )
+from .task_data import TaskData, load_task_data
 
 __all__ = [
     "AttentionLayer",

@@ -16,7 +16,6 @@ from typing import Any
 import click
 
 from .config import CHOICES, ConfigError, RecoveryConfig, ScoringConfig, SelectionConfig
-from .data import DataError
 from .evaluation.task import MetricError
 from .export.gguf import GgufError
 from .export.persistence import ModelNotFoundError, OutputExistsError, load_pruned
@@ -27,6 +26,7 @@ from .recovery.generated import SHARE
 from .recovery.search import ROUNDS
 from .runtime.memory import map_large_blocks
 from .scoring.methods import METHODS
+from .task_data import DataError
 
 BAD_INPUT = (
     ConfigError,

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .data import TASKS
 from .export.gguf import FILE_TYPES, GGUF_TYPES
 from .recovery.generated import SHARE
 from .recovery.search import ROUNDS
 from .recovery.tuning import AVERAGE, MIN_TUNING_FLOPS
 from .scoring.methods import METHODS
 from .scoring.selection import GQA_MODES, GRANULARITIES, ROUNDING
+from .task_data import TASKS
 
 DTYPES = ("float32", "float16", "bfloat16")
 FORMATS = ("safetensors", "gguf")  # a transformers folder, or one GGUF file for llama.cpp

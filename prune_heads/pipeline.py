@@ -14,7 +14,6 @@ import yaml
 from torch import nn
 
 from .config import PruneConfig
-from .data import DataError, TaskData, load_task_data
 from .evaluation.confidence import compare as compare_paired
 from .evaluation.lm_eval import lm_eval
 from .evaluation.report import Report, compare
@@ -34,6 +33,7 @@ from .model.probe import prune
 from .model.surgery import PlanError, normalize_plan
 from .pruner import PruneResult, prune_model, selection_budget
 from .recipes import Recipe, recipe_to_dict
+from .task_data import DataError, TaskData, load_task_data
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

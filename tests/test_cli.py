@@ -13,8 +13,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import prune_heads as ph
 from prune_heads.cli import main
-from prune_heads.data import load_task_data
 from prune_heads.evaluation.task import evaluate_task
+from prune_heads.task_data import load_task_data
 
 
 def test_run_writes_a_loadable_model_and_a_true_report(fixture_run, fixture_model_path, fixture_data_path):

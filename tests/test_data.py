@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from prune_heads.data import DataError, TaskData, library_bars, load_split, load_task_data, with_targets
+from prune_heads.runtime.progress import library_bars
+from prune_heads.task_data import DataError, TaskData, load_split, load_task_data, with_targets
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ import torch
 import transformers as T
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from prune_heads.data import load_task_data
 from prune_heads.evaluation.task import (
     MetricError,
     evaluate_task,
@@ -16,6 +15,7 @@ from prune_heads.evaluation.task import (
     nearest_vote,
     perplexity,
 )
+from prune_heads.task_data import load_task_data
 
 
 def test_fixture_accuracy_equals_a_plain_loop(fixture_model_path, fixture_data_path):

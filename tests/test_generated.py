@@ -6,8 +6,8 @@ import torch
 
 import prune_heads as ph
 from prune_heads.config import ConfigError
-from prune_heads.data import without_labels
 from prune_heads.recovery.generated import SHARE, nucleus, sample, with_generated, writes_text
+from prune_heads.task_data import without_labels
 
 
 def test_only_a_decoder_only_language_model_writes_its_own_text():

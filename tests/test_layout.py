@@ -6,8 +6,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "prune_heads"
 ORDER = [  # lowest first
-    "data",
+    "errors",
     "runtime",
+    "task_data",
     "model",
     "scoring",
     "recovery",

@@ -3,12 +3,12 @@ import tiny_models as tm
 import torch
 
 from prune_heads.config import PruneConfig, SelectionConfig
-from prune_heads.data import TaskData
 from prune_heads.export.persistence import stock_config
 from prune_heads.model.layers import find_attention
 from prune_heads.pruner import prune_model
 from prune_heads.recipes import RecipeError, load_recipe, parse_recipe, shipped_recipes
 from prune_heads.scoring.selection import check_budget
+from prune_heads.task_data import TaskData
 
 # hub recipe -> the tiny random stand-in of the same family used to build its pipeline here (no hub)
 STAND_INS = {
@@ -138,7 +138,7 @@ def test_omitted_sections_are_the_default_path():
 
 
 def test_a_flops_budget_becomes_a_head_count():
-    from prune_heads.data import dummy_inputs
+    from prune_heads.model.inputs import dummy_inputs
     from prune_heads.runtime.work import count_flops
 
     recipe = parse_recipe(

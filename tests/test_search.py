@@ -5,7 +5,7 @@ import tiny_models as tm
 import torch
 
 import prune_heads as ph
-from prune_heads import pruner
+from prune_heads.recovery import search
 from prune_heads.recovery.generated import SHARE
 from prune_heads.recovery.search import search_order, searched_scores
 from prune_heads.scoring.selection import removal_units
@@ -115,7 +115,7 @@ def _searched(monkeypatch, chain=True, changing=False):
     search's counted work and the notes; `chain=False` measures every unit over the whole model, `changing`
     makes the last block change what it is given (so starting part-way is not exact)."""
     if not chain:
-        monkeypatch.setattr(pruner, "block_chain", lambda model, layers: None)
+        monkeypatch.setattr(search, "block_chain", lambda model, layers: None)
     model = _deep_llama()
     if changing:
         last = model.model.layers[-1]

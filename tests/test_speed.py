@@ -5,8 +5,8 @@ import tiny_models as tm
 import torch
 
 import prune_heads as ph
-from prune_heads.data import dummy_inputs
 from prune_heads.evaluation.speed import PeakAllocations, benchmark, benchmark_pair
+from prune_heads.model.inputs import dummy_inputs
 from prune_heads.runtime.work import count_flops
 
 

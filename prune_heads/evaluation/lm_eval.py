@@ -20,7 +20,9 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from ..data import DataError, input_device, library_bars
+from ..runtime.devices import input_device
+from ..runtime.progress import library_bars
+from ..task_data import DataError
 from .confidence import mean_of
 from .task import Evaluation
 

@@ -12,7 +12,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..data import dummy_inputs, to_device
+from ..model.inputs import dummy_inputs
+from ..runtime.devices import to_device
 from ..runtime.work import count_flops
 
 

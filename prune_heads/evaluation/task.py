@@ -16,8 +16,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data import TaskData, input_device, progress_bar, to_device
+from ..runtime.devices import input_device, to_device
+from ..runtime.progress import progress_bar
 from ..scoring.objective import fit_probe, neighbour_changes, pooled
+from ..task_data import TaskData
 from .confidence import Statistic, mean_of, min_of, ratio_of
 
 _SHIPPED = Path(__file__).parent / "metrics"

@@ -26,9 +26,9 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from ..data import library_bars
 from ..model.layers import UnsupportedModelError, find_attention, resolve
 from ..model.surgery import RECORD_KEY, RecordError, reapply_record
+from ..runtime.progress import library_bars
 from .standalone import standalone_config, write_code
 
 logger = logging.getLogger("prune_heads")

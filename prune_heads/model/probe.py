@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..data import dummy_inputs, input_device, to_device
+from ..model.inputs import dummy_inputs
+from ..runtime.devices import input_device, to_device
 from .families import spec_for_type
 from .gates import gate_hook
 from .hooks import hooks

@@ -10,12 +10,12 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from ..data import on_device_of
 from ..model.gates import fold_gates, gated_features, head_gates
 from ..model.hooks import hooks
 from ..model.layers import AttentionLayer, find_attention, output_projection, resolve
 from ..model.probe import probe_plan, remove_proven
 from ..model.surgery import add_output_bias, head_features, normalize_plan
+from ..runtime.devices import on_device_of
 from ..scoring.objective import Objective
 from .reconstruction import Refit, kept_and_removed
 
@@ -109,6 +109,29 @@ class GatedModel:
             up = torch.zeros(width, rank, device=device)
             self.updates.append((down.to(device).requires_grad_(), up.requires_grad_()))
         return [t for update in self.updates for t in update]
+
+    def tunables(self, gates: bool, biases: bool, rank: int | None, seed: int) -> dict[str, list[torch.Tensor]]:
+        """Make the gates' scales and the added biases tunable as asked and, with a `rank`, start a low-rank
+        update of every output projection (`add_updates`); returns what to tune by kind: "gate", "bias",
+        "projection"."""
+        self.scales = [s.requires_grad_(gates) for s in self.scales]
+        self.biases = [b.requires_grad_(biases) for b in self.biases]
+        updates = self.add_updates(rank, seed) if rank is not None else []
+        found = {"gate": self.scales if gates else None, "bias": self.biases if biases else None}
+        found["projection"] = updates if rank is not None else None
+        return {name: params for name, params in found.items() if params is not None}
+
+    def freeze(self) -> None:
+        """Stop tuning: the scales, added biases and updates keep their values, detached."""
+        self.scales = [s.detach() for s in self.scales]
+        self.biases = [b.detach() for b in self.biases]
+        self.updates = [(down.detach(), up.detach()) for down, up in self.updates]
+
+    def untune(self, biases: list[torch.Tensor]) -> None:
+        """Back to the state before tuning: scales of 1, the added `biases` it had, no updates (the refitted
+        weights tuning never changed)."""
+        self.scales = [torch.ones_like(s) for s in self.scales]
+        self.biases, self.updates = biases, []
 
     @staticmethod
     @torch.no_grad()

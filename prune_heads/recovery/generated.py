@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data import input_device
+from ..runtime.devices import input_device
 from ..scoring.objective import frozen
 
 SHARE = 0.375  # written examples per calibration example, the share measured: 3 for every 8

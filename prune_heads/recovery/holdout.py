@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..data import batch_size
+from ..task_data import batch_size
 
 
 def split_holdout(batches: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:

@@ -24,12 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data import input_device, to_device, without_labels
 from ..model.gates import fold_gates
 from ..model.hooks import Hook, hooks
 from ..model.layers import AttentionLayer, find_attention, output_projection, resolve
 from ..model.surgery import head_features
+from ..runtime.devices import input_device, to_device
 from ..scoring.recording import Moments, token_rows
+from ..task_data import without_labels
 
 logger = logging.getLogger("prune_heads")
 RIDGES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, math.inf)  # x the mean diagonal; inf: bias compensation itself

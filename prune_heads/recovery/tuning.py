@@ -12,12 +12,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..data import input_device, on_device_of, to_device, without_labels
 from ..model.gates import fold_gates, head_gates
 from ..model.layers import find_attention, resolve
+from ..runtime.devices import input_device, on_device_of, to_device
 from ..runtime.memory import release_freed_memory
 from ..runtime.work import Budget
 from ..scoring.objective import Objective, frozen
+from ..task_data import without_labels
 
 PATIENCE = 2  # epochs without a better held-out value before tuning stops
 AVERAGE = 0.9  # decay per step of the moving average that tuning checks beside its last step

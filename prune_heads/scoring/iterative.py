@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..data import batch_size, input_device, to_device
 from ..model.probe import prune
+from ..runtime.devices import input_device, to_device
+from ..task_data import batch_size
 from .head_scores import HeadScores
 from .methods import score_heads
 from .objective import Loss, Objective, frozen

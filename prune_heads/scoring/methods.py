@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..data import TaskData, batch_size, input_device, progress_bar, to_device, with_targets
 from ..model.gates import head_gates
 from ..model.hooks import hooks
 from ..model.layers import AttentionLayer, Projection, qkv_parts, require_attention, resolve
+from ..runtime.devices import input_device, to_device
 from ..runtime.memory import release_freed_memory
 from ..runtime.parallel import distributed, rank_and_size, sum_across
+from ..runtime.progress import progress_bar
+from ..task_data import TaskData, batch_size, with_targets
 from .head_scores import HeadScores
 from .objective import Loss, Objective, encoder_probe, frozen
 from .recording import Recorder

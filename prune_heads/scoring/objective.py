@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data import to_device, without_labels
+from ..runtime.devices import to_device
 from ..runtime.memory import release_freed_memory
+from ..task_data import without_labels
 
 Loss = Callable[[object, dict], torch.Tensor]
 Reference = torch.Tensor | tuple[torch.Tensor, ...]  # what `Objective.reference` keeps of an output

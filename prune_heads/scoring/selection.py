@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..data import dummy_inputs, input_device, to_device
+from ..model.inputs import dummy_inputs
 from ..model.layers import find_attention, require_attention
 from ..model.probe import prune
 from ..model.surgery import PlanError
+from ..runtime.devices import input_device, to_device
 from ..runtime.work import count_flops
 from .head_scores import HeadScores
 

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
-import math
-import os
 import re
-import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import datasets
 import torch
-from tqdm import std as tqdm_std
-from tqdm.auto import tqdm
+
+from .runtime.progress import library_bars
 
 TASKS = ("classification", "causal-lm", "feature-extraction", "image-classification")
 _BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
@@ -71,97 +65,6 @@ def with_targets(data: TaskData | Iterable[dict]) -> list[dict]:
 def without_labels(batch: dict) -> dict:
     """The batch without its `labels` (for the label-free objective)."""
     return {k: v for k, v in batch.items() if k != "labels"}
-
-
-def bars_wanted() -> bool:
-    """Whether progress bars may show: TQDM_DISABLE is not set (`--quiet` sets it) and stderr is a terminal."""
-    return os.environ.get("TQDM_DISABLE", "").lower() in ("", "0", "false") and sys.stderr.isatty()
-
-
-def progress_bar(iterable: Iterable, desc: str, total: int | None = None, enabled: bool = True):
-    """A tqdm bar on stderr, shown only when `enabled` and `bars_wanted()`."""
-    return tqdm(iterable, desc=desc, total=total, leave=False, disable=not (enabled and bars_wanted()))
-
-
-@contextlib.contextmanager
-def library_bars() -> Iterator[None]:
-    """Other libraries' tqdm bars (transformers' weight loading and GGUF dequantization, datasets' split
-    generation, lm-eval's requests) off inside, unless `bars_wanted()`. tqdm reads TQDM_DISABLE only when it
-    is imported, so for the duration its constructor is made to disable every bar. Also a decorator."""
-    if bars_wanted():
-        yield
-        return
-    original = tqdm_std.tqdm.__init__
-
-    @functools.wraps(original)
-    def disabled(self, *args, **kwargs):
-        original(self, *args, **{**kwargs, "disable": True})
-
-    tqdm_std.tqdm.__init__ = disabled
-    try:
-        yield
-    finally:
-        tqdm_std.tqdm.__init__ = original
-
-
-def _sub_config(config: Any, key: str, default: Any = None) -> Any:
-    """`config.key`, else the value in its vision or audio sub-config (multimodal models)."""
-    for part in (config, getattr(config, "vision_config", None), getattr(config, "audio_config", None)):
-        if part is not None and getattr(part, key, None) is not None:
-            return getattr(part, key)
-    return default
-
-
-def dummy_inputs(model: torch.nn.Module, batch_size: int, seq_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random inputs of the shape the model takes, one for each input its forward names: token ids (with their
-    mask, and decoder ids for encoder-decoders), pixels (vision), log-mel features or waveforms (speech)."""
-    config: Any = model.config
-    g = torch.Generator().manual_seed(seed)
-    accepted = inspect.signature(model.forward).parameters
-    main_input = getattr(model, "main_input_name", "input_ids")
-    inputs: dict[str, torch.Tensor] = {}
-    if main_input == "input_features":
-        frames = 2 * config.max_source_positions
-        inputs["input_features"] = torch.randn(batch_size, config.num_mel_bins, frames, generator=g)
-    elif main_input == "input_values":
-        samples = seq_len * math.prod(getattr(config, "conv_stride", (320,))) + 400
-        inputs["input_values"] = torch.randn(batch_size, samples, generator=g)
-    if "pixel_values" in accepted and (main_input == "pixel_values" or hasattr(config, "vision_config")):
-        size = _sub_config(config, "image_size", 224)
-        height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
-        channels = _sub_config(config, "num_channels", 3)
-        frames = _sub_config(config, "num_frames")  # video models take [batch, frames, channels, h, w]
-        shape = (batch_size, *([frames] if frames else []), channels, height, width)
-        inputs["pixel_values"] = torch.randn(*shape, generator=g)
-    if "input_ids" in accepted and (main_input == "input_ids" or hasattr(config, "text_config")):
-        ids = torch.randint(5, config.get_text_config().vocab_size, (batch_size, seq_len), generator=g)
-        inputs["input_ids"] = ids
-        if "attention_mask" in accepted:
-            inputs["attention_mask"] = torch.ones_like(ids)
-    if config.is_encoder_decoder and "decoder_input_ids" in accepted:
-        inputs["decoder_input_ids"] = torch.ones(batch_size, max(seq_len // 4, 1), dtype=torch.long)
-    return inputs
-
-
-def to_device(batch: dict, device: torch.device | str) -> dict:
-    """The batch with its tensors moved to `device`."""
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def on_device_of(value: Any, batch: dict) -> Any:
-    """A tensor (or tuple of tensors) moved to the device of the batch's tensors."""
-    device = next(v.device for v in batch.values() if torch.is_tensor(v))
-    return tuple(t.to(device) for t in value) if isinstance(value, tuple) else value.to(device)
-
-
-def input_device(model: torch.nn.Module) -> torch.device:
-    """Where the model's inputs go: the first device of a `device_map` that is not disk, else the device of
-    its first parameter (the CPU for weights offloaded to the meta device)."""
-    placed = [d for d in getattr(model, "hf_device_map", {}).values() if d != "disk"]
-    if placed:
-        return torch.device(f"cuda:{placed[0]}" if isinstance(placed[0], int) else placed[0])
-    device = next(model.parameters()).device
-    return torch.device("cpu") if device.type == "meta" else device
 
 
 @library_bars()

@@ -1,0 +1,249 @@
+"""The candidate states of the pruned model and the held-out choice among them. A candidate is a plan (the plain
+ranking, Kwon et al.'s Fisher-block rearrangement, FLAP's fluctuation, structured OBS, the searched plan) with
+the recovery step that goes with it (its closed-form reconstruction, or bias compensation); each is tried on
+the gated model against the unpruned model's outputs on held-out calibration batches, and the first within
+one standard error of the best is kept (`holdout.one_standard_error`)."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..model.surgery import PlanError
+from ..runtime.memory import release_freed_memory
+from ..scoring.head_scores import HeadScores
+from ..scoring.methods import fluctuation, head_scores
+from ..scoring.objective import Objective
+from ..scoring.recording import Recorder
+from ..scoring.selection import select_heads
+from ..task_data import batch_size
+from .gated import GatedModel
+from .holdout import one_standard_error
+from .reconstruction import Refit, refit, refit_flops, removal_cost
+
+Plan = dict[str, list[int]]
+logger = logging.getLogger("prune_heads")
+
+
+def candidate_plans(
+    scores: HeadScores, recorder: Recorder | None, layers: list, budget: dict, rearrange: bool, reconstruction: bool
+) -> tuple[dict[str, Plan], list[str]]:
+    """The plans to try, by name, and a note for each that could not be made: the plain ranking and, with
+    `rearrange` and the unpruned model's statistics (`recorder`), the Fisher-block and FLAP plans and, with
+    `reconstruction`, the structured-OBS plan (what the kept heads can stand in for, refitted)."""
+    plans = {"ranked": select_heads(scores, **budget)}
+    if recorder is None or not rearrange:
+        return plans, []
+    notes = []
+    strategies: dict[str, Any] = {"interactions": "interactions"}
+    if reconstruction:
+        strategies["OBS"] = removal_cost(layers, recorder.moments)
+    for name, strategy in strategies.items():
+        try:
+            plans[name] = select_heads(scores, strategy=strategy, **budget)
+        except PlanError as error:
+            notes.append(f"{name} not tried: {error}")
+    groups = budget.get("gqa", "groups") == "groups"
+    fluct = head_scores("fluctuation", layers, fluctuation(layers, recorder.variances(), groups), scores.num_examples)
+    plans["fluctuation"] = select_heads(fluct, **budget)
+    return plans, notes
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan (`name` says which) and the recovery step tried with it: "", "reconstruction" or
+    "bias compensation"."""
+
+    name: str
+    plan: Plan
+    step: str = ""
+
+    @property
+    def label(self) -> str:
+        """How the report names it: "OBS + reconstruction"."""
+        return f"{self.name} + {self.step}" if self.step else self.name
+
+
+def candidates(
+    plans: dict[str, Plan], reconstruction: bool, bias_compensation: bool, recorded: bool
+) -> list[Candidate]:
+    """The candidates in order of preference: the plain ranking as it is, then each plan with its
+    reconstruction (or bias compensation, or as it is where neither is on); the steps need the unpruned
+    model's statistics (`recorded`)."""
+    found = []
+    for name, plan in plans.items():
+        if name == "ranked" or not reconstruction:
+            found.append(Candidate(name, plan))
+        if recorded and reconstruction:
+            found.append(Candidate(name, plan, "reconstruction"))
+        elif recorded and bias_compensation:
+            found.append(Candidate(name, plan, "bias compensation"))
+    return found
+
+
+def fallback(plans: dict[str, Plan], reconstruction: bool, bias_compensation: bool) -> str:
+    """The label kept where there is no held-out data to choose on: every enabled step, as configured."""
+    name = "OBS" if "OBS" in plans else "interactions" if "interactions" in plans else "ranked"
+    step = " + reconstruction" if reconstruction else " + bias compensation" if bias_compensation else ""
+    return name + step
+
+
+@dataclass
+class State:
+    """A state of the gated model: the plan, and the added biases or the reconstruction with it."""
+
+    plan: Plan
+    biases: dict[str, torch.Tensor] | None = None
+    refits: dict[str, Refit] | None = None
+
+
+@dataclass
+class Trial:
+    """What candidates are tried with: the gated model, the objective, the unpruned model's statistics on the
+    calibration batches (`calibration`, None without recovery) and on the held-out ones (`reference`, None
+    without held-out data), those held-out batches, and whether a refit fits an output bias (`bias`). Refits
+    made here count their work in `refit_work`; a refit that fell back says so in `notes`."""
+
+    gated: GatedModel
+    objective: Objective
+    calibration: Recorder | None
+    reference: Recorder | None
+    batches: list[dict]
+    bias: bool
+    refit_work: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def targets(self) -> list:
+        """The unpruned model's outputs on the held-out batches."""
+        return self.reference.targets if self.reference is not None else []
+
+    def refit(self, name: str, heads: tuple[int, ...] | list[int]) -> Refit:
+        """Layer `name`'s reconstruction without `heads`, fitted against the unpruned weights."""
+        assert self.calibration is not None
+        self.gated.restore()  # not to a candidate's refit written into the weights
+        i = [layer.name for layer in self.gated.layers].index(name)
+        held = self.reference.moments[i] if self.reference is not None else None
+        return refit(self.gated.layers[i], heads, self.calibration.moments[i], held, self.bias)
+
+    def state(self, candidate: Candidate) -> State:
+        """The candidate's state: its plan with its reconstruction or bias compensation."""
+        plan = candidate.plan
+        if candidate.step == "reconstruction":
+            return State(plan, refits=self._refits(plan))
+        if candidate.step == "bias compensation":
+            assert self.calibration is not None
+            return State(plan, biases=self.gated.compensation(plan, self.calibration.means()))
+        return State(plan)
+
+    def _refits(self, plan: Plan) -> dict[str, Refit]:
+        found = {l.name: self.refit(l.name, plan[l.name]) for l in self.gated.layers if plan.get(l.name)}
+        for name, fitted in found.items():
+            note = f"{name}: reconstruction fell back to bias compensation: {fitted.fallback}"
+            if fitted.fallback is not None and note not in self.notes:
+                self.notes.append(note)
+                logger.warning(note)
+        self.refit_work += refit_flops(self.gated.layers, plan)
+        return found
+
+    def measure(self, state: State) -> torch.Tensor | None:
+        """The per-example held-out divergences of the gated model put in `state` (None without held-out data)."""
+        self.gated.use(state.plan, state.biases, state.refits)
+        return self.divergences() if self.batches else None
+
+    def divergences(self) -> torch.Tensor:
+        """The per-example held-out divergences of the gated model as it is."""
+        return self.gated.divergences(self.batches, self.targets, self.objective)
+
+    def release(self) -> None:
+        """Drop the held-out Gram matrices once every reconstruction is made (the outputs stay)."""
+        if self.reference is not None:
+            self.reference.release_moments()
+
+
+@dataclass
+class Decision:
+    """The candidate kept (`label`: the gated model is left in its state, whose `plan` it removes), its
+    held-out values, every candidate's mean held-out value, what its reconstruction chose (None without one)
+    and how long the choice took. It keeps no refit: their fits are in the weights, the originals in the gated
+    model."""
+
+    label: str
+    plan: Plan
+    values: torch.Tensor | None
+    tried: dict[str, float | None]
+    reconstruction: dict[str, Any] | None
+    seconds: float
+
+    @property
+    def value(self) -> float | None:
+        """The kept state's mean held-out divergence."""
+        return None if self.values is None else float(self.values.mean())
+
+    def entry(self) -> dict[str, Any]:
+        """The report's "selection" step."""
+        found: dict[str, Any] = {"step": "selection", "kept": self.label, "seconds": self.seconds, "tried": self.tried}
+        if self.reconstruction is not None:
+            found["reconstruction"] = self.reconstruction
+        return found
+
+
+def choose(trial: Trial, tried: list[Candidate], otherwise: str) -> Decision:
+    """Try each candidate on the held-out batches and keep the first within one standard error of the best
+    (`otherwise`, the label to keep, without held-out batches); the gated model is left in its state. A
+    reconstruction tried is made again once kept (each is a share of the weights: not kept meanwhile)."""
+    tick = time.perf_counter()
+    measured: dict[str, tuple[torch.Tensor | None, Candidate, State]] = {}
+    for candidate in tried:
+        state = trial.state(candidate)
+        measured[candidate.label] = (trial.measure(state), candidate, State(state.plan, biases=state.biases))
+    values = {label: v for label, (v, _, _) in measured.items() if v is not None}
+    label = one_standard_error(values) if trial.batches else otherwise
+    kept, candidate, state = measured[label]
+    if candidate.step == "reconstruction":
+        state = trial.state(candidate)
+    trial.gated.use(state.plan, state.biases, state.refits)
+    means = {k: None if v is None else float(v.mean()) for k, (v, _, _) in measured.items()}
+    summary = _summary(state.refits) if state.refits else None
+    return Decision(label, state.plan, kept, means, summary, round(time.perf_counter() - tick, 3))
+
+
+def _summary(refits: dict[str, Refit]) -> dict[str, Any]:
+    """What a candidate's reconstruction chose, for the report: the ridges and the mean relative error."""
+    ridges = collections.Counter(
+        "bias compensation" if math.isinf(r.ridge) else f"{r.ridge:g}" for r in refits.values()
+    )
+    return {
+        "layers": len(refits),
+        "ridges": dict(ridges),
+        "relative_error": sum(r.error for r in refits.values()) / max(len(refits), 1),
+    }
+
+
+@torch.no_grad()
+def unpruned_heldout(gated: GatedModel, heldout: list[dict], objective: Objective, gram: bool) -> Recorder:
+    """The unpruned model's outputs on the held-out batches (what every candidate is compared with) and, with
+    `gram`, the Gram matrices there (what chooses each reconstruction's ridge)."""
+    with Recorder(gated.model, gated.layers, objective, gram=gram) as recorder:
+        gated.use({})
+        for batch in heldout:
+            gated(batch)
+            release_freed_memory()
+    return recorder
+
+
+def heldout_summary(decision: Decision, batches: list[dict]) -> dict[str, Any]:
+    """The report's held-out summary after the choice (`final` changes if tuning is kept)."""
+    return {
+        "batches": len(batches),
+        "examples": sum(batch_size(b) for b in batches),
+        "plain": decision.tried["ranked"],
+        "selected": decision.value,
+        "final": decision.value,
+    }
