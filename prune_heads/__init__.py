@@ -6,6 +6,7 @@ head matters and which go), `recovery` (what is rebuilt after removal), `evaluat
 """
 
 from .config import PruneConfig, RecoveryConfig, ScoringConfig, SelectionConfig
+from .errors import ConfigError, PruneHeadsError
 from .evaluation import LmEvalConfig, LmEvalError, Report, benchmark, benchmark_pair, compare, evaluate_task, lm_eval
 from .export import (
     GgufError,
@@ -35,6 +36,7 @@ from .model import (
 )
 from .pruner import PruneResult, prune_model
 from .recovery import reconstruct, tune_gates
+from .runtime.memory import map_large_blocks
 from .scoring import (
     METHODS,
     HeadScores,
@@ -46,11 +48,13 @@ from .scoring import (
     score_heads,
     select_heads,
 )
-from .task_data import TaskData, load_task_data
+from .task_data import DataError, TaskData, load_task_data
 
 __all__ = [
     "AttentionLayer",
     "AttentionSpec",
+    "ConfigError",
+    "DataError",
     "FAMILIES",
     "GgufError",
     "HeadGates",
@@ -63,6 +67,7 @@ __all__ = [
     "OutputExistsError",
     "PlanError",
     "PruneConfig",
+    "PruneHeadsError",
     "PruneResult",
     "RecordError",
     "RecoveryConfig",
@@ -83,6 +88,7 @@ __all__ = [
     "lm_eval",
     "load_pruned",
     "load_task_data",
+    "map_large_blocks",
     "model_card",
     "plan_with_interactions",
     "probe_plan",

@@ -15,30 +15,16 @@ from typing import Any
 
 import click
 
-from .config import CHOICES, ConfigError, RecoveryConfig, ScoringConfig, SelectionConfig
-from .evaluation.task import MetricError
-from .export.gguf import GgufError
-from .export.persistence import ModelNotFoundError, OutputExistsError, load_pruned
-from .model.layers import UnsupportedModelError, scan_required
-from .model.surgery import PlanError, RecordError
+from .config import CHOICES, RecoveryConfig, ScoringConfig, SelectionConfig
+from .errors import PruneHeadsError
+from .export.persistence import load_pruned
+from .model.layers import scan_required
+from .model.surgery import PlanError
 from .recipes import load_recipe, parse_recipe, recipe_path, shipped_recipes
 from .recovery.generated import SHARE
 from .recovery.search import ROUNDS
 from .runtime.memory import map_large_blocks
 from .scoring.methods import METHODS
-from .task_data import DataError
-
-BAD_INPUT = (
-    ConfigError,
-    PlanError,
-    DataError,
-    MetricError,
-    OutputExistsError,
-    UnsupportedModelError,
-    RecordError,
-    ModelNotFoundError,
-    GgufError,
-)
 
 
 class _Budget(click.ParamType):
@@ -59,6 +45,7 @@ class _Budget(click.ParamType):
 
 
 BUDGET = _Budget()
+_COMMAND_PROCESS = False  # set by `entry`: this process is the prune-heads command's own
 METHOD_HELP = f"Scoring method: {', '.join(sorted(METHODS))}."
 
 
@@ -68,16 +55,20 @@ def _fail(message: str, code: int) -> None:
 
 
 def handle_errors(command: Callable) -> Callable:
-    """One-line errors: exit 2 for input the user must fix, 1 for anything that failed on the way."""
+    """A command's body: input the user must fix (`PruneHeadsError`) is one line and exit 2 (with its
+    traceback under --traceback); anything else is a bug and shows its traceback. In the `prune-heads`
+    process itself (`entry`), the C allocator is set up first (`map_large_blocks`), only once a command runs."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        if _COMMAND_PROCESS:
+            map_large_blocks()
         try:
             return command(*args, **kwargs)
-        except BAD_INPUT as error:
-            _fail(str(error).splitlines()[0], 2)
-        except (FileNotFoundError, OSError, ValueError, RuntimeError) as error:
-            _fail(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", 1)
+        except PruneHeadsError as error:
+            if click.get_current_context().find_root().params.get("traceback"):
+                raise
+            _fail(str(error).splitlines()[0] if str(error) else type(error).__name__, 2)
 
     return wrapper
 
@@ -117,7 +108,8 @@ def _quiet_transformers() -> None:
     help="No progress bars or warnings on stderr, only errors (bars are "
     "also off when TQDM_DISABLE=1 or stderr is not a terminal).",
 )
-def main(quiet: bool) -> None:
+@click.option("--traceback", is_flag=True, help="Show the traceback of an input error too (exit 2 stays one line).")
+def main(quiet: bool, traceback: bool) -> None:
     """Find and physically remove redundant attention heads from transformers models.
 
     Example: prune-heads run fixture-minilm-sentiment --set selection.sparsity=0.5
@@ -866,10 +858,11 @@ def demo(output: str, sparsity: float, force: bool, as_json: bool) -> None:
 
 
 def entry() -> None:
-    """The `prune-heads` command: `main` in a process whose C allocator maps an activation's blocks on their own
-    (`map_large_blocks`: the scoring pass and the default path peak lower on the CPU), which the command may
-    decide for its own process and the library leaves to its caller."""
-    map_large_blocks()
+    """The `prune-heads` command: `main` in a process of its own, whose C allocator its commands may set up
+    (`map_large_blocks`: the scoring pass and the default path peak lower on the CPU); the library leaves that
+    to its caller."""
+    global _COMMAND_PROCESS
+    _COMMAND_PROCESS = True
     main()
 
 

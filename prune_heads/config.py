@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .errors import ConfigError
 from .export.gguf import FILE_TYPES, GGUF_TYPES
 from .recovery.generated import SHARE
 from .recovery.search import ROUNDS
@@ -15,10 +16,6 @@ from .task_data import TASKS
 
 DTYPES = ("float32", "float16", "bfloat16")
 FORMATS = ("safetensors", "gguf")  # a transformers folder, or one GGUF file for llama.cpp
-
-
-class ConfigError(ValueError):
-    """A configuration (or recipe) that cannot be used; the message names the key and what would be valid."""
 
 
 @dataclass(frozen=True)

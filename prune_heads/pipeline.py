@@ -14,6 +14,7 @@ import yaml
 from torch import nn
 
 from .config import PruneConfig
+from .errors import ConfigError
 from .evaluation.confidence import compare as compare_paired
 from .evaluation.lm_eval import lm_eval
 from .evaluation.report import Report, compare
@@ -213,7 +214,7 @@ def measure_speed(models: list[nn.Module], recipe: Recipe) -> list[dict[str, Any
     """Speed of the models in one interleaved run, as the recipe's evaluation.speed asks."""
     speed = recipe.evaluation.speed
     if speed is None:
-        raise ValueError("the recipe has no evaluation.speed section to time the models with")
+        raise ConfigError("the recipe has no evaluation.speed section to time the models with")
     timed = benchmark(
         models,
         batch_size=speed.batch_size,

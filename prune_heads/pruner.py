@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ConfigError, PruneConfig, RecoveryConfig
+from .config import PruneConfig, RecoveryConfig
+from .errors import ConfigError
 from .export.persistence import output_biases_load
 from .model.layers import require_attention
 from .model.probe import probe_layers

@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-from .config import CHOICES, ConfigError, RecoveryConfig, ScoringConfig, SelectionConfig
+from .config import CHOICES, RecoveryConfig, ScoringConfig, SelectionConfig
+from .errors import ConfigError
 from .evaluation.lm_eval import LmEvalConfig
 
 SHIPPED = Path(__file__).parent / "shipped_recipes"

@@ -11,13 +11,14 @@ from typing import Any
 import datasets
 import torch
 
+from .errors import PruneHeadsError
 from .runtime.progress import library_bars
 
 TASKS = ("classification", "causal-lm", "feature-extraction", "image-classification")
 _BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 
 
-class DataError(ValueError):
+class DataError(PruneHeadsError, ValueError):
     """A data source, split or column that does not exist; the message lists what does."""
 
 

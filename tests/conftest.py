@@ -5,6 +5,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from tiny_models import FAST
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -49,20 +50,6 @@ def fixture_model_path() -> Path:
 @pytest.fixture(scope="session")
 def fixture_data_path() -> Path:
     return FIXTURE_DATA
-
-
-FAST = [
-    "--set",
-    "data.eval_examples=300",
-    "--set",
-    "evaluation.speed.repeats=2",
-    "--set",
-    "evaluation.speed.batch_size=8",
-    "--set",
-    "evaluation.speed.seq_len=64",
-    "--set",
-    "recovery.epochs=1",  # tuning's epochs are tested in test_recovery.py; four here were half the run's time
-]
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import tiny_models
 from click.testing import CliRunner
-from conftest import FAST
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import prune_heads as ph
@@ -54,7 +53,7 @@ def test_run_writes_a_loadable_model_and_a_true_report(fixture_run, fixture_mode
 def test_existing_output_is_refused_and_left_alone(fixture_run):
     out, _ = fixture_run
     before = sorted(p.name for p in out.iterdir())
-    result = CliRunner().invoke(main, ["run", "fixture-minilm-sentiment", "-o", str(out), *FAST])
+    result = CliRunner().invoke(main, ["run", "fixture-minilm-sentiment", "-o", str(out), *tiny_models.FAST])
     assert result.exit_code == 2
     assert "already exists and is not empty; choose another folder or pass overwrite=True (--force)" in result.output
     assert sorted(p.name for p in out.iterdir()) == before
@@ -82,7 +81,7 @@ def test_recipe_typo_is_named(tmp_path):
     ],
 )
 def test_impossible_requests_leave_nothing_behind(tmp_path, extra, message):
-    result = _invoke(["run", "fixture-minilm-sentiment", "-o", str(tmp_path / "out"), *FAST, *extra])
+    result = _invoke(["run", "fixture-minilm-sentiment", "-o", str(tmp_path / "out"), *tiny_models.FAST, *extra])
     assert result.exit_code == 2 and message in result.output
     assert list(tmp_path.iterdir()) == []
 
@@ -403,3 +402,21 @@ def test_inspect_lists_the_attention_it_leaves_alone(tmp_path):
     ) in result.output
     unsupported = json.loads(_invoke(["inspect", str(tmp_path / "gemma3"), "--json"]).stdout)["unsupported"]
     assert [u["class"] for u in unsupported] == ["SiglipMultiheadAttentionPoolingHead"]
+
+
+def test_input_errors_are_one_line_and_anything_else_shows_its_traceback(tmp_path, monkeypatch):
+    """A `PruneHeadsError` is input to fix: one line and exit 2, its traceback only under --traceback; any
+    other exception is a bug and is not hidden behind a line."""
+    missing = str(tmp_path / "no-model-here")
+    result = _invoke(["inspect", missing])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1 and "no-model-here" in result.output
+    result = _invoke(["--traceback", "inspect", missing])
+    assert isinstance(result.exception, ph.PruneHeadsError) and result.exit_code == 1
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    tiny_models.build("bert").save_pretrained(tmp_path / "bert")
+    monkeypatch.setattr("prune_heads.cli.scan_required", bug)
+    result = _invoke(["inspect", str(tmp_path / "bert")])
+    assert isinstance(result.exception, RuntimeError) and result.exit_code == 1 and "error:" not in result.output

@@ -11,7 +11,7 @@ import pytest
 
 import prune_heads.runtime.memory
 
-pytestmark = pytest.mark.skipif(prune_heads.runtime.memory._TRIM is None, reason="glibc's malloc_trim")
+pytestmark = pytest.mark.skipif(prune_heads.runtime.memory._glibc("malloc_trim") is None, reason="glibc's malloc_trim")
 
 MIB = 2**20
 BATCHES = 40
@@ -26,11 +26,12 @@ import prune_heads.runtime.memory
 def resident():
     return int(re.search(r"VmRSS:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
-trim, calls = prune_heads.runtime.memory._TRIM, []
+glibc, calls = prune_heads.runtime.memory._glibc, []
+trim = glibc("malloc_trim")
 def traced_trim(pad):  # the release, and the resident memory right after it, named by the loop that asked
     trim(pad)
     calls.append((sys._getframe(2).f_code.co_name, resident()))
-prune_heads.runtime.memory._TRIM = traced_trim
+prune_heads.runtime.memory._glibc = lambda name: traced_trim if name == "malloc_trim" else glibc(name)
 
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -76,9 +77,9 @@ class Info(ctypes.Structure):
 
 mallinfo2 = ctypes.CDLL(None).mallinfo2
 mallinfo2.restype = Info
-if sys.argv[1] == "command":  # the console script's function, as `prune-heads --help` runs it
+if sys.argv[1:]:  # the console script's function, as `prune-heads ARGS` runs it
     from prune_heads.cli import entry
-    sys.argv = ["prune-heads", "--help"]
+    sys.argv = ["prune-heads", *sys.argv[1:]]
     try:
         entry()
     except SystemExit:
@@ -94,14 +95,15 @@ print(json.dumps(mallinfo2().hblks - mapped))
 
 @pytest.mark.skipif(prune_heads.runtime.memory._glibc("mallinfo2") is None, reason="glibc 2.33's mallinfo2")
 def test_the_command_maps_an_activation_s_blocks_on_their_own():
-    """The `prune-heads` script's function sets glibc's mmap threshold (`map_large_blocks`): after a 4 MiB block
-    is freed, 512 KiB blocks are still mapped on their own (freeing one returns it to the system; the first may
-    come from the heap's free top); in a process that did not set it, glibc's adaptive threshold has risen to
-    4 MiB and puts them all on the heap. The library alone leaves the caller's allocator as it is."""
+    """A command of the `prune-heads` script sets glibc's mmap threshold (`map_large_blocks`): after a 4 MiB
+    block is freed, 512 KiB blocks are still mapped on their own (freeing one returns it to the system; the first
+    may come from the heap's free top); in a process that did not set it, glibc's adaptive threshold has risen
+    to 4 MiB and puts them all on the heap. The library alone, and the script's --help, leave the allocator as
+    it is."""
     pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     assert re.search(r'^prune-heads = "prune_heads\.cli:entry"$', pyproject, re.MULTILINE)
     new_mapped = {}
-    for how in ("library", "command"):
-        done = subprocess.run([sys.executable, "-c", BLOCKS, how], capture_output=True, text=True, check=True)
-        new_mapped[how] = json.loads(done.stdout.splitlines()[-1])
-    assert new_mapped["library"] == 0 and new_mapped["command"] >= 63, new_mapped
+    for how in ([], ["--help"], ["recipes"]):
+        done = subprocess.run([sys.executable, "-c", BLOCKS, *how], capture_output=True, text=True, check=True)
+        new_mapped[" ".join(how) or "library"] = json.loads(done.stdout.splitlines()[-1])
+    assert new_mapped["library"] == 0 and new_mapped["--help"] == 0 and new_mapped["recipes"] >= 63, new_mapped

@@ -1,12 +1,10 @@
-"""Tiny random-weight models of every supported family, built from configs (no hub)."""
+"""Tiny random-weight models of every supported family, built from configs (no hub), and the helpers the
+test modules share."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import transformers as T
-
-import prune_heads as ph
 
 COMMON = dict(
     hidden_size=32,
@@ -204,6 +202,21 @@ FAMILIES = {
 }
 
 
+# `prune-heads run fixture-minilm-sentiment` made quick for the tests (the CLI's end-to-end runs)
+FAST = [
+    "--set",
+    "data.eval_examples=300",
+    "--set",
+    "evaluation.speed.repeats=2",
+    "--set",
+    "evaluation.speed.batch_size=8",
+    "--set",
+    "evaluation.speed.seq_len=64",
+    "--set",
+    "recovery.epochs=1",  # tuning's epochs are tested in test_recovery.py; four here were half the run's time
+]
+
+
 def build(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, attn: str = "eager"):
     """Build the tiny model of a family, in eval mode, with seeded random weights."""
     config_class, overrides, model_class, _ = FAMILIES[name]
@@ -270,6 +283,8 @@ def batches(name="bert", n=5, labels=True, batch=4):
 
 def make_scores(rows, group_sizes=None, heads=None, original=None):
     """`HeadScores` of the given per-layer rows (layers named layers.i.attn), for selection without a model."""
+    import prune_heads as ph  # here: the standalone test imports this module where prune_heads is not installed
+
     names = [f"layers.{i}.attn" for i in range(len(rows))]
     return ph.HeadScores(
         method="test",
@@ -314,6 +329,8 @@ def snapshot(result, model) -> dict:
 def assert_close(found, saved, path="report"):
     """`found` equals `saved` (a JSON round trip of a snapshot): the same keys, strings and integers, floats
     within 1e-4 relative (another CPU may sum in another order)."""
+    import pytest
+
     if isinstance(saved, dict):
         assert sorted(found) == sorted(saved), f"{path}: keys {sorted(found)} != {sorted(saved)}"
         for key in saved:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..errors import PruneHeadsError
 from ..runtime.devices import input_device, to_device
 from ..runtime.progress import progress_bar
 from ..scoring.objective import fit_probe, neighbour_changes, pooled
@@ -26,7 +27,7 @@ _SHIPPED = Path(__file__).parent / "metrics"
 SHIPPED_METRICS = sorted(p.name for p in _SHIPPED.iterdir() if (p / f"{p.name}.py").exists())
 
 
-class MetricError(ValueError):
+class MetricError(PruneHeadsError, ValueError):
     """A metric that is neither shipped nor loadable."""
 
 

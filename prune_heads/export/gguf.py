@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from ..errors import PruneHeadsError
 from ..model.layers import AttentionLayer, find_attention
 from ..model.surgery import RECORD_KEY
 from .persistence import GGUF_SOURCE_KEY, ensure_file_free, replace_file
@@ -52,7 +53,7 @@ RECORD_FIELD = "prune_heads.record"
 DIGEST_FIELD = "prune_heads.source_sha256"
 
 
-class GgufError(ValueError):
+class GgufError(PruneHeadsError, ValueError):
     """A model, plan, tokenizer or output that no GGUF file can hold; the message says what to change."""
 
 

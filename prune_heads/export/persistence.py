@@ -26,6 +26,7 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from ..errors import PruneHeadsError
 from ..model.layers import UnsupportedModelError, find_attention, resolve
 from ..model.surgery import RECORD_KEY, RecordError, reapply_record
 from ..runtime.progress import library_bars
@@ -38,11 +39,11 @@ GGUF_SOURCE_KEY = "gguf_source"  # config key of the local GGUF file a model was
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(PruneHeadsError, FileNotFoundError):
     """Raised for a model reference that is neither an existing folder nor a hub id."""
 
 
-class OutputExistsError(FileExistsError):
+class OutputExistsError(PruneHeadsError, FileExistsError):
     """Raised when a save would overwrite an existing folder without `overwrite=True`."""
 
 

@@ -16,8 +16,10 @@ import transformers
 from torch import nn
 from transformers.models.auto import modeling_auto
 
+from ..errors import PruneHeadsError
+
 MODELING_FILE = "modeling_prune_heads.py"
-_RUNTIME = ("families", "layers", "surgery")  # the modules the surgery needs, in import order
+_RUNTIME = ("errors", "model/families", "model/layers", "model/surgery")  # what the surgery needs, in import order
 _MODELING = '''"""Loads this checkpoint, pruned by prune-heads, with plain transformers:
 AutoModel*.from_pretrained(path, trust_remote_code=True). The prune_heads_*.py files beside it are
 prune-heads' own surgery code; the removed heads are listed in config.json under "prune_heads"."""
@@ -59,7 +61,7 @@ def standalone_config(model: nn.Module) -> Any:
     autos = auto_classes(model) if hasattr(transformers, type(model).__name__) else []
     config: Any = copy.deepcopy(model.config)
     if not autos:
-        raise ValueError(
+        raise PruneHeadsError(
             f"no transformers Auto class loads {type(model).__name__} (model_type "
             f"{config.model_type!r}); save without standalone=True and load with ph.load_pruned"
         )
@@ -72,9 +74,9 @@ def write_code(model: nn.Module, folder: Path) -> None:
     base = type(model).__name__
     # the same class name as transformers' own: weight renamings (GPT-NeoX's embed_out) are keyed by it
     (Path(folder) / MODELING_FILE).write_text(_MODELING.format(name=base, base=base))
-    here = Path(__file__).parents[1] / "model"
-    local = "|".join(_RUNTIME)
+    package = Path(__file__).parents[1]
+    local = "|".join(Path(module).name for module in _RUNTIME)
     for module in _RUNTIME:
-        source = (here / f"{module}.py").read_text()
-        source = re.sub(rf"^from \.({local}) import", r"from .prune_heads_\1 import", source, flags=re.M)
-        (Path(folder) / f"prune_heads_{module}.py").write_text(source)
+        source = (package / f"{module}.py").read_text()
+        source = re.sub(rf"^from \.\.?({local}) import", r"from .prune_heads_\1 import", source, flags=re.M)
+        (Path(folder) / f"prune_heads_{Path(module).name}.py").write_text(source)

@@ -14,13 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import PruneHeadsError
 from .families import FAMILIES, NOT_EXACT, AttentionSpec, spec_for_type
 
 logger = logging.getLogger("prune_heads")
 _CROSS_NAME_PARTS = ("encoder_attn", "EncDecAttention", "crossattention", "cross_attn")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(PruneHeadsError, ValueError):
     """Raised when an attention module cannot be mapped onto a registered family."""
 
 

@@ -17,17 +17,18 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache
 
+from ..errors import PruneHeadsError
 from .layers import AttentionLayer, Projection, describe, find_attention, qkv_parts, resolve
 
 Plan = Mapping[int, Iterable[int]] | Mapping[str, Iterable[int]] | Mapping[int | str, Iterable[int]]
 RECORD_KEY = "prune_heads"
 
 
-class PlanError(ValueError):
+class PlanError(PruneHeadsError, ValueError):
     """Raised for a head plan that cannot be applied; the message says what is possible."""
 
 
-class RecordError(ValueError):
+class RecordError(PruneHeadsError, ValueError):
     """Raised when a saved `config.prune_heads` record does not describe the model it is loaded into."""
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from ..model.probe import prune
 from ..runtime.devices import input_device, to_device
 from ..task_data import batch_size
@@ -61,7 +62,7 @@ def prune_iteratively(
     arguments go to `select_heads` (scope, min_heads_per_layer, ignore, gqa). Prunes `model` in place.
     """
     if steps < 1:
-        raise ValueError("steps must be at least 1")
+        raise ConfigError("steps must be at least 1")
     result = IterativeResult(plan={})
 
     def record(step: int, removed: int) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from ..model.gates import head_gates
 from ..model.hooks import hooks
 from ..model.layers import AttentionLayer, Projection, qkv_parts, require_attention, resolve
@@ -259,12 +260,12 @@ def score_heads(
     the scores of all of them (see `prune_heads.parallel`).
     """
     if method not in METHODS:
-        raise ValueError(f"unknown scoring method {method!r}; choose one of {', '.join(sorted(METHODS))}")
+        raise ConfigError(f"unknown scoring method {method!r}; choose one of {', '.join(sorted(METHODS))}")
     state = distributed()
     if device is None and state is not None and state.device.type != "cpu":
         device = state.device  # one GPU per process
     if device is not None and hasattr(model, "hf_device_map"):
-        raise ValueError("the model was loaded with a device_map, which already placed it; leave device unset")
+        raise ConfigError("the model was loaded with a device_map, which already placed it; leave device unset")
     if device is not None:
         model.to(device)
     target = torch.device(device) if device is not None else input_device(model)
