@@ -16,6 +16,7 @@ from prune_heads.evaluation.task import evaluate_task
 from prune_heads.task_data import load_task_data
 
 
+@pytest.mark.slow
 def test_run_writes_a_loadable_model_and_a_true_report(fixture_run, fixture_model_path, fixture_data_path):
     out, proc = fixture_run
     assert "| accuracy |" in proc.stdout and "Saved the model and report to" in proc.stdout
@@ -117,6 +118,7 @@ def test_bad_plan_files_name_the_file(tmp_path, fixture_model_path, content, mes
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_prune_without_flags_is_the_default_path(tmp_path, fixture_model_path, fixture_data_path):
     result = _invoke(
         [
@@ -192,6 +194,7 @@ def test_a_budget_the_structure_cannot_meet_is_refused_before_data(tmp_path):
         assert "drop --no-recovery" in result.output and not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_recipe_end_to_end(tmp_path):
     """The shipped GGUF recipe, shortened: GGUF in, pruned by whole KV groups, GGUF out; then as safetensors."""
     out = tmp_path / "smol"
@@ -314,6 +317,7 @@ def test_an_edited_record_is_exit_two_naming_the_layer(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_quiet_leaves_stderr_empty_and_json_clean(tmp_path, fixture_model_path, fixture_data_path):
     args = [
         sys.executable,

@@ -43,12 +43,14 @@ REFUSED = {
 }  # gated relative bias shared across layers: not described
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", EXACT)
 def test_structural_and_named_architectures_are_exact(model_type):
     outcome, why = coverage.classify(model_type, seconds=120)
     assert (outcome, why) == ("exact", "")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type, reason", REFUSED.items())
 def test_architectures_that_cannot_be_exact_are_refused_with_the_reason(model_type, reason):
     outcome, why = coverage.classify(model_type, seconds=120)
@@ -67,6 +69,7 @@ USER = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type, expected", USER.items())
 def test_models_once_found_wrong_are_refused_or_proven(model_type, expected):
     outcome, why = coverage.classify(model_type, seconds=300)

@@ -99,3 +99,19 @@ def test_the_short_commands_run(tmp_path):
     assert listed.exit_code == 0 and "demo-minilm-embeddings" in listed.output
     shown = runner.invoke(main, ["recipes", "fixture-minilm-sentiment"])
     assert shown.exit_code == 0 and "selection" in shown.output
+
+
+def test_every_install_line_works_as_written_from_a_clone():
+    """`pip install` lines install this clone (`.` or `".[extra]"` with extras pyproject.toml defines) or
+    packages pinned by name; prune-heads itself is not published, so its name never appears as a package."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    extras = set(re.findall(r"^(\w+) = \[", pyproject.split("[project.optional-dependencies]")[1], re.M))
+    lines = [(page.name, line) for page in PAGES for line in re.findall(r"pip install[^`\n]*", page.read_text())]
+    assert lines
+    for page, line in lines:
+        targets = [w for w in shlex.split(line)[2:] if not w.startswith("-")]
+        for target in targets:
+            assert not target.startswith("prune-heads"), f"{page}: {line} names an unpublished package"
+            if target.startswith("."):
+                asked = set(re.findall(r"\w+", target.split("[", 1)[1])) if "[" in target else set()
+                assert asked <= extras, f"{page}: {line} asks for extras pyproject.toml lacks: {asked - extras}"

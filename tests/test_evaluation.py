@@ -18,6 +18,7 @@ from prune_heads.evaluation.task import (
 from prune_heads.task_data import load_task_data
 
 
+@pytest.mark.slow
 def test_fixture_accuracy_equals_a_plain_loop(fixture_model_path, fixture_data_path):
     tokenizer = AutoTokenizer.from_pretrained(fixture_model_path)
     model = AutoModelForSequenceClassification.from_pretrained(fixture_model_path).eval()

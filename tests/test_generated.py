@@ -89,6 +89,7 @@ def run(name: str, **recovery) -> ph.PruneResult:
     return ph.prune_model(tm.build(name), tm.batches(name, batch=8), config, progress=False)
 
 
+@pytest.mark.slow
 def test_generated_text_is_added_only_when_asked_and_its_work_is_counted():
     language_model = run("llama", generated_share=SHARE)
     examples = 5 * (8 + 3)  # 3 written beside each batch of 8 (round(0.375 * 8)), as wide (9 tokens)

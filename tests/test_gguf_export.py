@@ -264,6 +264,7 @@ SMOLLM2_PLANS = {  # KV head g serves query heads 3g..3g+2
 }
 
 
+@pytest.mark.slow
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("plan_name", list(SMOLLM2_PLANS))
 def test_smollm2_gguf_in_gguf_out_copies_bytes_and_is_exact_in_llama_cpp(tmp_path, smollm2, smollm2_model, plan_name):
@@ -303,6 +304,7 @@ def test_smollm2_gguf_in_gguf_out_copies_bytes_and_is_exact_in_llama_cpp(tmp_pat
     assert greedy == reference_greedy
 
 
+@pytest.mark.slow
 @pytest.mark.llama_cpp
 def test_smollm2_recovered_tensors_are_written_anew_and_exact_in_llama_cpp(tmp_path, smollm2, smollm2_loaded):
     """What recovery changes (scales folded into the output projection, new output biases) is found by
@@ -351,6 +353,7 @@ def test_default_type_of_changed_tensors_is_the_sources(tmp_path, smollm2_model)
     assert written.written == {"blk.0.attn_output.weight": "Q4_1"}  # 384 columns: whole blocks of 32
 
 
+@pytest.mark.slow
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("ftype, expected", [("Q8_0", {"Q8_0"}), ("Q4_K_M", {"Q4_K", "Q5_0"})])
 def test_a_pruned_file_is_requantized_whole_by_llama_cpp_in_one_step(tmp_path, smollm2_model, ftype, expected):
@@ -379,6 +382,7 @@ def test_a_file_type_needs_llama_cpp_and_is_named_with_the_choices(smollm2_model
         ph.check_gguf(smollm2_model, tensor_type="Q4_K_M")
 
 
+@pytest.mark.slow
 @pytest.mark.llama_cpp
 def test_smollm2_from_hugging_face_weights_tokenizes_as_llama_cpp_does(tmp_path, smollm2, smollm2_model):
     """Hugging Face in: SmolLM2 written from its (dequantized) weights and transformers' tokenizer gives the
@@ -406,6 +410,7 @@ def _invoke(args: list[str]):
     return CliRunner().invoke(main, args)
 
 
+@pytest.mark.slow
 @pytest.mark.llama_cpp
 def test_prune_to_gguf_from_the_command_line_then_inspect(tmp_path, smollm2):
     """The README's recipe, shortened: prune the shipped GGUF to a GGUF, inspect it, run it in llama.cpp."""
@@ -468,6 +473,7 @@ def test_prune_to_gguf_from_the_command_line_then_inspect(tmp_path, smollm2):
     )  # exists: --force
 
 
+@pytest.mark.slow
 def test_export_a_saved_folder_copies_from_the_recorded_source(tmp_path, smollm2, smollm2_model):
     model = smollm2_model
     ph.prune(model, {2: [3, 4, 5]})
@@ -563,6 +569,7 @@ def test_a_model_without_any_head_is_refused(tmp_path, bpe_tokenizer):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize(
     "plan, architecture", [({i: [2, 3] for i in range(3)}, "llama"), ({0: [0, 1], 2: [1, 3]}, "deci")]
@@ -616,6 +623,7 @@ def _as_phi3_file(llama_file: Path, target: Path, head_dim: int) -> Path:
     return target
 
 
+@pytest.mark.slow
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize(
     "plan, bias, architecture",
@@ -682,6 +690,7 @@ def tiny_qwen3(vocab: int, head_dim: int) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.llama_cpp
 def test_qwen3_even_plans_are_written_as_qwen3_and_equal_transformers(tmp_path, bpe_tokenizer):
     """Qwen3's q/k norms are computed by llama.cpp's qwen3 alone: an even plan keeps that architecture, from
@@ -755,6 +764,7 @@ def gemma3_tokenizer(gemma3):
     return T.AutoTokenizer.from_pretrained(gemma3.parent, gguf_file=gemma3.name)
 
 
+@pytest.mark.slow
 @pytest.mark.llama_cpp
 def test_gemma3_gguf_in_gguf_out_is_exact_in_llama_cpp(tmp_path, gemma3, gemma3_model):
     """A real Gemma 3, GGUF in, GGUF out, with one query head of four removed from every layer: every tensor is
@@ -831,6 +841,7 @@ def test_gemma3_from_hugging_face_weights_equals_transformers_in_llama_cpp(tmp_p
     assert greedy == expected_greedy
 
 
+@pytest.mark.slow
 @pytest.mark.llama_cpp
 def test_a_gemma3_checkpoint_is_pruned_to_gguf_from_the_command_line(tmp_path):
     """`prune-heads prune FOLDER -o out.gguf` on a Gemma 3 saved as safetensors with its sentencepiece-style
@@ -851,6 +862,7 @@ def test_a_gemma3_checkpoint_is_pruned_to_gguf_from_the_command_line(tmp_path):
     assert len(lc.run(tmp_path / "out.gguf", [tokenizer.bos_token_id, *reloaded(PROMPT)["input_ids"]], 8)[1]) == 8
 
 
+@pytest.mark.slow
 @pytest.mark.llama_cpp
 def test_gemma3_270m_from_hugging_face_weights_equals_transformers_in_llama_cpp(
     tmp_path, gemma3_model, gemma3_tokenizer
@@ -871,6 +883,7 @@ def test_gemma3_270m_from_hugging_face_weights_equals_transformers_in_llama_cpp(
     assert greedy == expected_greedy
 
 
+@pytest.mark.slow
 @pytest.mark.llama_cpp
 def test_gemma3s_tokenizer_from_hugging_face_tokenizes_as_its_gguf_does(tmp_path, gemma3, gemma3_tokenizer):
     """Gemma 3's real tokenizer (262,144 tokens; transformers' from the GGUF) written from Hugging Face: llama.cpp
@@ -929,6 +942,7 @@ ph.save_gguf(model, sys.argv[2], tokenizer=transformers.AutoTokenizer.from_pretr
 """
 
 
+@pytest.mark.slow
 def test_a_killed_export_leaves_no_file(tmp_path, bpe_tokenizer):
     model = tiny_llama(len(bpe_tokenizer), 2)
     ph.prune(model, {0: [0, 1]})

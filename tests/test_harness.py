@@ -41,6 +41,7 @@ def test_the_shipped_task_is_built_from_the_shipped_sentences_deterministically(
     assert labels.min() > 180  # the true ending is placed anywhere, not always first
 
 
+@pytest.mark.slow
 def test_review_sentiment_is_the_shipped_sentences_with_their_labels_and_runs_offline(smollm2):
     sys.path.insert(0, str(SHIPPED_TASKS))
     try:
@@ -55,6 +56,7 @@ def test_review_sentiment_is_the_shipped_sentences_with_their_labels_and_runs_of
     assert found.metrics["review_sentiment:acc"] > 0.6  # SmolLM2 reads sentiment zero-shot (0.77 measured)
 
 
+@pytest.mark.slow
 def test_lm_eval_on_the_model_object_gives_metrics_errors_and_examples(smollm2):
     model, tokenizer = smollm2
     found = lm_eval(model, tokenizer, ["sentence_endings"], limit=24)
@@ -67,6 +69,7 @@ def test_lm_eval_on_the_model_object_gives_metrics_errors_and_examples(smollm2):
     assert again.metrics == metrics  # seeded: the same numbers
 
 
+@pytest.mark.slow
 def test_tasks_that_cannot_run_here_are_one_line_errors(smollm2, tmp_path):
     model, tokenizer = smollm2
     with pytest.raises(LmEvalError, match="unknown lm-eval task 'no_such_task'"):
@@ -83,6 +86,7 @@ def test_tasks_that_cannot_run_here_are_one_line_errors(smollm2, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_local_task_folder_in_lm_eval_s_own_format(smollm2, tmp_path):
     """--lm-eval-include: a user's task YAML over a local file (dataset_path: json)."""
     model, tokenizer = smollm2
@@ -108,6 +112,7 @@ def test_a_local_task_folder_in_lm_eval_s_own_format(smollm2, tmp_path):
         lm_eval(model, tokenizer, ["tiny_sums"], include=tmp_path)
 
 
+@pytest.mark.slow
 def test_evaluate_command_prints_task_metrics_with_their_errors():
     result = CliRunner().invoke(
         main,

@@ -233,6 +233,7 @@ def test_attention_that_keeps_its_heads_in_parameter_tensors_is_named_not_missed
         ph.find_attention(xlnet)
 
 
+@pytest.mark.slow
 def test_saving_a_model_with_tied_blocks_keeps_them_tied(tmp_path):
     model = _zamba(num_layers := 12)
     inputs = {"input_ids": torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))}

@@ -46,6 +46,7 @@ print(json.dumps(calls))
 """
 
 
+@pytest.mark.slow
 def test_resident_memory_stays_flat_over_every_loop_of_the_default_path():
     """Every per-batch loop of the default path (scoring, the recording pass, the unpruned held-out pass, tuning,
     held-out checks) releases freed memory after each batch, and the resident memory it leaves does not grow
@@ -93,6 +94,7 @@ print(json.dumps(mallinfo2().hblks - mapped))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(prune_heads.runtime.memory._glibc("mallinfo2") is None, reason="glibc 2.33's mallinfo2")
 def test_the_command_maps_an_activation_s_blocks_on_their_own():
     """A command of the `prune-heads` script sets glibc's mmap threshold (`map_large_blocks`): after a 4 MiB

@@ -45,6 +45,7 @@ class MainOutput(torch.nn.Module):
 SLOW_TO_EXPORT = {"qwen3-next"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in tm.FAMILIES if n not in SLOW_TO_EXPORT])
 def test_every_family_exports_after_uneven_pruning(name, tmp_path):
     model, inputs = tm.build(name), tm.make_inputs(name)
@@ -55,6 +56,7 @@ def test_every_family_exports_after_uneven_pruning(name, tmp_path):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_pruned_gpt2_exports_with_dynamic_batch_and_length(tmp_path):
     model = tm.build("gpt2")
     ph.prune(model, tm.uneven_plan(ph.find_attention(model)))
@@ -66,6 +68,7 @@ def test_pruned_gpt2_exports_with_dynamic_batch_and_length(tmp_path):
     torch.testing.assert_close(_run(session, other), expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_pruned_fixture_bert_exports_with_dynamic_batch_and_length(fixture_model_path, fixture_data_path, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(fixture_model_path)
     model = AutoModelForSequenceClassification.from_pretrained(fixture_model_path).eval()

@@ -17,6 +17,7 @@ def test_a_single_process_is_left_alone():
 
 
 # 72 examples in batches of 16: five batches, shared 3 / 2 between the two processes
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [["--method", "fisher"], ["--method", "gradient", "--label-free"]])
 def test_two_gloo_processes_give_the_single_process_scores_and_plans(
     extra, fixture_model_path, fixture_data_path, tmp_path

@@ -15,6 +15,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 import prune_heads as ph
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(tm.FAMILIES))
 def test_save_then_load_reproduces_outputs_exactly(name, tmp_path):
     model, inputs = tm.build(name), tm.make_inputs(name)
@@ -94,6 +95,7 @@ for version in range(1000):
 """
 
 
+@pytest.mark.slow
 def test_a_killed_save_leaves_the_old_folder_or_the_new_one(tmp_path):
     target, rng = tmp_path / "out", random.Random(0)
     for attempt in range(4):
@@ -133,6 +135,7 @@ def test_interrupted_save_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_fixture_half_heads_round_trip_in_a_fresh_process(fixture_model_path, fixture_data_path, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(fixture_model_path)
     model = AutoModelForSequenceClassification.from_pretrained(fixture_model_path).eval()

@@ -71,6 +71,7 @@ def test_prune_model_result_is_the_gated_state_it_measured():
     assert measured == pytest.approx(result.heldout["final"], rel=1e-4, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_each_candidate_is_measured_as_if_it_were_tried_alone(monkeypatch):
     """A candidate's reconstruction is fitted to the unpruned weights, not to the one tried before it."""
     from prune_heads import pruner
@@ -128,6 +129,7 @@ def test_prune_model_makes_no_copy_of_the_model(monkeypatch):
     ph.prune_model(model, tm.batches("llama"), progress=False)
 
 
+@pytest.mark.slow
 def test_tuning_runs_without_what_only_the_choice_needed(monkeypatch):
     """Scoring's and tuning's backward passes are the flow's memory peaks (benchmarks/README.md, "Time and
     memory"): the Gram matrices are recorded after scoring, and they, the candidates' refits and the output
@@ -340,6 +342,7 @@ def _slow_clock(monkeypatch):
         monkeypatch.setattr(time, name, lambda real=real, jumps=iter(range(10**9)): real() + 3600.0 * next(jumps))  # noqa: B008 (one counter per clock)
 
 
+@pytest.mark.slow
 def test_a_budget_that_binds_gives_the_same_weights_when_the_clock_is_slow(monkeypatch):
     """No limit of the pruning flow reads a clock: the budget is counted work, so a slow or busy machine
     tunes exactly as far as an idle one, and writes the same weights bit for bit."""

@@ -46,6 +46,7 @@ def test_the_flow_on_tiny_models_is_unchanged(name):
     check(name, result, model)
 
 
+@pytest.mark.slow
 def test_the_default_flow_on_the_fixture_is_unchanged(fixture_model_path, fixture_data_path):
     tokenizer = AutoTokenizer.from_pretrained(fixture_model_path)
     model = AutoModelForSequenceClassification.from_pretrained(fixture_model_path).eval()

