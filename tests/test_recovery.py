@@ -1,11 +1,16 @@
 import copy
+import math
 
 import pytest
 import tiny_models as tm
 import torch
 
 import prune_heads as ph
-from prune_heads.recovery.reconstruction import reconstruct
+from prune_heads.model.layers import output_projection
+from prune_heads.recovery.holdout import split_holdout
+from prune_heads.recovery.reconstruction import reconstruct, refit
+from prune_heads.scoring.objective import Objective
+from prune_heads.scoring.recording import record
 from prune_heads.scoring.selection import plan_with_interactions
 
 
@@ -33,52 +38,43 @@ def pruned_pair(name="bert"):
     return reference, model
 
 
-def test_mask_tuning_lowers_the_error_it_minimises():
+def test_reconstruct_lowers_the_layer_s_error_and_is_the_default_path_s_refit():
     reference, model = pruned_pair()
-    batches = calibration()
+    batches = calibration(n=6)
     target = layer_outputs(reference, 0, batches)
     before = (layer_outputs(model, 0, batches) - target).pow(2).sum(-1).mean()
-    report = reconstruct(model, reference, batches, scales=True, bias=False)
+    report = reconstruct(model, reference, batches)
     after = (layer_outputs(model, 0, batches) - target).pow(2).sum(-1).mean()
-    entry = report["bert.encoder.layer.0.attention"]
-    assert after < before
-    assert entry["error_before"] == pytest.approx(float(before), rel=1e-4)
-    assert entry["error_after"] == pytest.approx(float(after), rel=1e-4)
+    assert set(report) == {"bert.encoder.layer.0.attention"} and after < before
+    # the refit prune_model makes: the same Gram matrices (the reference's), the same ridge rule
+    calib, held = split_holdout(batches, 0.2)
+    moments = [record(reference, part, Objective(reference), gram=True).moments[0] for part in (calib, held)]
+    fitted = refit(ph.find_attention(reference)[0], [1, 3], *moments)
+    projection = output_projection(ph.find_attention(model)[0])
+    assert torch.equal(projection.matrix(), fitted.weight)
+    assert report["bert.encoder.layer.0.attention"]["ridge"] == fitted.ridge
 
 
-def test_folded_scales_equal_the_gated_and_scaled_model():
-    reference, model = pruned_pair()
-    gated = copy.deepcopy(model)
-    batches = calibration()
-    scales = reconstruct(model, reference, batches, scales=True, bias=False)["bert.encoder.layer.0.attention"]["scales"]
-    inputs = tm.make_inputs("bert", seed=9)
-    with ph.head_gates(gated) as gates, torch.no_grad():
-        gates[0].copy_(torch.tensor(scales))
-        expected = gated(**inputs).logits
-    with torch.no_grad():
-        folded = model(**inputs).logits
-    torch.testing.assert_close(folded, expected, rtol=0, atol=1e-5)
-
-
-def test_bias_compensation_restores_the_mean_output():
-    reference, model = pruned_pair()
+def test_an_emptied_layer_gets_bias_compensation_which_restores_the_mean_output():
+    reference = tm.build("bert")
+    model = copy.deepcopy(reference)
+    ph.prune(model, {0: [0, 1, 2, 3]})
     batches = calibration()
     target = layer_outputs(reference, 0, batches).mean(0)
-    assert (layer_outputs(model, 0, batches).mean(0) - target).abs().max() > 1e-3
-    reconstruct(model, reference, batches, scales=False, bias=True)
+    report = reconstruct(model, reference, batches, holdout=0.0)
+    assert math.isinf(report["bert.encoder.layer.0.attention"]["ridge"])
     torch.testing.assert_close(layer_outputs(model, 0, batches).mean(0), target, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("sequential", [False, True])
-def test_reconstruct_handles_every_pruned_layer_and_empty_layers(sequential):
+def test_reconstruct_refits_every_pruned_layer_and_leaves_the_others():
     reference = tm.build("gpt2")
     model = copy.deepcopy(reference)
-    ph.prune(model, {0: [0, 1, 2, 3], 1: [2], 2: [0, 3]})
-    batches = calibration("gpt2")
-    report = reconstruct(model, reference, batches, sequential=sequential)
-    assert set(report) == {l.name for l in ph.find_attention(model)}
-    assert all(r["error_after"] <= r["error_before"] + 1e-9 for r in report.values())
-    assert report["transformer.h.0.attn"]["scales"] == []  # no heads left: its bias alone is refitted
+    ph.prune(model, {0: [0, 1, 2, 3], 1: [2]})
+    untouched = copy.deepcopy(model.transformer.h[2].attn.state_dict())
+    report = reconstruct(model, reference, calibration("gpt2", n=5))
+    assert set(report) == {"transformer.h.0.attn", "transformer.h.1.attn"}
+    assert all(math.isfinite(r["relative_error"]) and r["fallback"] is None for r in report.values())
+    assert all(torch.equal(v, model.transformer.h[2].attn.state_dict()[k]) for k, v in untouched.items())
 
 
 def fake_scores(block, group=1):
