@@ -33,7 +33,8 @@ from click.testing import CliRunner
 
 import prune_heads as ph
 from prune_heads.cli import main
-from prune_heads.export.gguf import _copy_fields, _reader, gguf_heads
+from prune_heads.export.gguf import gguf_heads
+from prune_heads.export.gguf.writer import _copy_fields, _reader
 from prune_heads.model.surgery import add_output_bias
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -929,7 +930,7 @@ def test_gemma3_uneven_unlike_llama_cpp_and_27b_are_refused_before_scoring(gemma
 
 
 WRITER = """
-import sys, time, transformers, prune_heads as ph, prune_heads.export.gguf as ge
+import sys, time, transformers, prune_heads as ph, prune_heads.export.gguf.writer as ge
 encode, told = ge._encode, []
 def slow(*args):
     if not told:
