@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -21,8 +22,6 @@ from .export.persistence import load_pruned
 from .model.layers import scan_required
 from .model.surgery import PlanError
 from .recipes import load_recipe, parse_recipe, recipe_path, shipped_recipes
-from .recovery.generated import SHARE
-from .recovery.search import ROUNDS
 from .runtime.memory import map_large_blocks
 from .scoring.methods import METHODS
 
@@ -46,7 +45,6 @@ class _Budget(click.ParamType):
 
 BUDGET = _Budget()
 _COMMAND_PROCESS = False  # set by `entry`: this process is the prune-heads command's own
-METHOD_HELP = f"Scoring method: {', '.join(sorted(METHODS))}."
 
 
 def _fail(message: str, code: int) -> None:
@@ -121,10 +119,16 @@ def main(quiet: bool, traceback: bool) -> None:
         warnings.simplefilter("ignore")
 
 
-def recovery_step(name: str, help: str) -> Callable:
-    """The --NAME/--no-NAME flag of one recovery step, defaulting to RecoveryConfig's."""
-    flag = name.replace("_", "-")
-    return click.option(f"--{flag}/--no-{flag}", default=getattr(RecoveryConfig, name), show_default=True, help=help)
+def config_option(config: type, name: str, *decls: str, **kwargs: Any) -> Callable:
+    """The option of a config field: its flag (`--NAME`, `--NAME/--no-NAME` for a switch, or the field's own
+    `flag`), its default and its documentation, all from the config (`prune_heads.config.option`)."""
+    spec = next(f for f in dataclasses.fields(config) if f.name == name)
+    flag = spec.metadata["flag"] or "--" + name.replace("_", "-")
+    switch = isinstance(spec.default, bool) and not kwargs.get("is_flag")
+    decls = decls or ((f"{flag}/--no-{flag[2:]}",) if switch else (flag,))
+    default = kwargs.pop("default", spec.default if spec.default is not dataclasses.MISSING else None)
+    show = default is not None and default is not False
+    return click.option(*decls, default=default, show_default=show, help=spec.metadata["help"], **kwargs)
 
 
 GGUF_TYPE_HELP = (
@@ -157,7 +161,7 @@ def data_options(command: Callable) -> Callable:
         click.option("--max-length", type=click.IntRange(min=2), default=128, show_default=True),
         click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: where the model loads)."),
         click.option("--dtype", default=None, type=click.Choice(CHOICES["dtype"])),
-        click.option("--seed", type=int, default=0, show_default=True),
+        config_option(ScoringConfig, "seed", type=int),
         click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout; logs go to stderr."),
     ]
     for option in reversed(options):
@@ -307,9 +311,7 @@ def _inspect_gguf(path: str, as_json: bool) -> None:
 @main.command()
 @click.argument("model")
 @data_options
-@click.option(
-    "--method", default=ScoringConfig.method, show_default=True, type=click.Choice(sorted(METHODS)), help=METHOD_HELP
-)
+@config_option(ScoringConfig, "method", type=click.Choice(sorted(METHODS)))
 @click.option("--label-free", is_flag=True, help="Ignore labels: score against the unpruned model's outputs.")
 @click.option(
     "--output", "-o", default="head-scores", show_default=True, help="Folder for scores.json and heatmap.png."
@@ -383,14 +385,9 @@ def _plan_file(path: str) -> dict:
 @main.command(name="prune")
 @click.argument("model")
 @data_options
-@click.option("--sparsity", type=float, default=None, help="Fraction of all heads to remove.")
-@click.option("--num-heads", type=click.IntRange(min=0), default=None, help="Number of heads to remove.")
-@click.option(
-    "--keep-flops",
-    type=float,
-    default=None,
-    help="Remove heads until a forward pass costs at most this fraction of its FLOPs (at --max-length).",
-)
+@config_option(SelectionConfig, "sparsity", type=float)
+@config_option(SelectionConfig, "num_heads", type=click.IntRange(min=0))
+@config_option(SelectionConfig, "flops", "--keep-flops", "keep_flops", type=float)
 @click.option(
     "--plan",
     "plan_file",
@@ -398,100 +395,31 @@ def _plan_file(path: str) -> dict:
     default=None,
     help="JSON {layer: [heads]} to apply instead of scoring (no --data needed).",
 )
-@click.option(
-    "--method", default=ScoringConfig.method, show_default=True, type=click.Choice(sorted(METHODS)), help=METHOD_HELP
-)
-@click.option(
-    "--steps",
-    type=int,
-    default=1,
-    show_default=True,
-    help="More than 1: prune iteratively, re-scoring after each step (needs --no-recovery).",
-)
-@click.option("--scope", type=click.Choice(CHOICES["selection.scope"]), default="global", show_default=True)
-@click.option("--min-heads-per-layer", type=int, default=SelectionConfig.min_heads_per_layer, show_default=True)
-@click.option(
-    "--gqa",
-    type=click.Choice(CHOICES["selection.gqa"]),
-    default="groups",
-    show_default=True,
-    help="Grouped-query layers lose whole KV groups, or the same number of heads from every group.",
-)
-@click.option(
-    "--granularity",
-    type=click.Choice(CHOICES["selection.granularity"]),
-    default="head",
-    show_default=True,
-    help="'layer' removes whole attention blocks (and their KV cache).",
-)
-@click.option(
-    "--round",
-    "rounding",
-    type=click.Choice(CHOICES["selection.round"]),
-    default=None,
-    help="When the structure cannot remove exactly what was asked, take the nearest reachable count "
-    "(down, nearest or up) instead of stopping with an error; the report says what was removed.",
-)
-@click.option("--uniform", is_flag=True, help="Every layer keeps the same number of heads (stock Llama configs).")
+@config_option(ScoringConfig, "method", type=click.Choice(sorted(METHODS)))
+@config_option(ScoringConfig, "steps", type=int)
+@config_option(SelectionConfig, "scope", type=click.Choice(CHOICES["selection.scope"]))
+@config_option(SelectionConfig, "min_heads_per_layer", type=int)
+@config_option(SelectionConfig, "gqa", type=click.Choice(CHOICES["selection.gqa"]))
+@config_option(SelectionConfig, "granularity", type=click.Choice(CHOICES["selection.granularity"]))
+@config_option(SelectionConfig, "round", "--round", "rounding", type=click.Choice(CHOICES["selection.round"]))
+@config_option(SelectionConfig, "uniform", is_flag=True)
 @click.option(
     "--recovery/--no-recovery",
     default=True,
     show_default=True,
     help="Recovery steps, each kept only if it helps on held-out calibration data.",
 )
-@recovery_step(
-    "rearrange",
-    "Also try the Fisher-block (Kwon), fluctuation (FLAP) and, with reconstruction, structured-OBS and searched plans.",
-)
-@recovery_step(
-    "reconstruction",
-    "Try refitting each pruned layer's output projection and bias to its unpruned output (least squares).",
-)
-@recovery_step(
-    "bias_compensation", "Without reconstruction: try adding the removed heads' mean output to the output bias (FLAP)."
-)
-@recovery_step("gate_tuning", "Tune one scale per kept head to the unpruned outputs.")
-@recovery_step("bias_tuning", "Tune the output biases with the gates.")
-@recovery_step("projection_tuning", "Tune a low-rank update of each output projection with them (LoRA's form).")
-@click.option(
-    "--generated-share",
-    type=click.FloatRange(min=0),
-    default=RecoveryConfig.generated_share,
-    help="Text a decoder-only language model writes itself, added beside the calibration batches as this share "
-    "of their examples, so recovery fits and checks the model's own distribution as well as your domain "
-    f"({SHARE} measured: it trades quality in your domain for quality elsewhere; see docs/recovery.md). "
-    "Default: 0, none.",
-)
-@click.option(
-    "--search-rounds",
-    type=click.IntRange(min=0),
-    default=RecoveryConfig.search_rounds,
-    help="Rounds of the searched plan (each measures every KV group's or head's removal, with the reconstruction, "
-    f"on a few calibration examples, and removes the cheapest share); 0: leave it out. Default: {ROUNDS} where "
-    "the outputs are per token (language models), none where each example gives one (classifiers, embeddings).",
-)
-@click.option(
-    "--epochs",
-    type=int,
-    default=RecoveryConfig.epochs,
-    show_default=True,
-    help="At most this many tuning epochs (stops early on held-out data).",
-)
-@click.option(
-    "--tuning-budget",
-    type=BUDGET,
-    default=str(RecoveryConfig.tuning_budget).lower(),
-    show_default=True,
-    help="Cap on the work of recovery (statistics, candidates, tuning), in forward+backward passes over the "
-    "calibration data (counted, never timed); 'none': tune until the held-out divergence stops falling.",
-)
-@click.option(
-    "--holdout",
-    type=float,
-    default=RecoveryConfig.holdout,
-    show_default=True,
-    help="Fraction of the calibration examples held out to decide recovery (0: apply every step).",
-)
+@config_option(RecoveryConfig, "rearrange")
+@config_option(RecoveryConfig, "reconstruction")
+@config_option(RecoveryConfig, "bias_compensation")
+@config_option(RecoveryConfig, "gate_tuning")
+@config_option(RecoveryConfig, "bias_tuning")
+@config_option(RecoveryConfig, "projection_tuning")
+@config_option(RecoveryConfig, "generated_share", type=click.FloatRange(min=0))
+@config_option(RecoveryConfig, "search_rounds", type=click.IntRange(min=0))
+@config_option(RecoveryConfig, "epochs", type=int)
+@config_option(RecoveryConfig, "tuning_budget", type=BUDGET, default="none")
+@config_option(RecoveryConfig, "holdout", type=float)
 @click.option(
     "--standalone",
     is_flag=True,

@@ -1,9 +1,11 @@
 """What a pruning run does, as frozen dataclasses: `PruneConfig` for `ph.prune_model`, the same sections that
-the YAML recipes and the CLI fill in. The defaults are the best path measured in benchmarks/."""
+the YAML recipes and the CLI fill in. Each field carries its one line of documentation (`option`), the text of
+`--help` and docs/cli-reference.md. The defaults are the best path measured in benchmarks/."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from .errors import ConfigError
 from .export.gguf import FILE_TYPES, GGUF_TYPES
@@ -18,36 +20,62 @@ DTYPES = ("float32", "float16", "bfloat16")
 FORMATS = ("safetensors", "gguf")  # a transformers folder, or one GGUF file for llama.cpp
 
 
+def option(default: Any = None, help: str = "", *, flag: str | None = None, cli: bool = True, factory=None) -> Any:
+    """A config field with its documentation: `help`, one line, is what `--help`, docs/cli-reference.md and
+    the recipe docs say of it; `flag` is the `prune` command's option where its name is not the field's, and
+    `cli=False` marks a field set only by recipes (`--set`) and the API."""
+    metadata = {"help": help, "flag": flag, "cli": cli}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def field_help(config: type, name: str) -> str:
+    """The documentation of a config field."""
+    return next(f.metadata["help"] for f in fields(config) if f.name == name)
+
+
 @dataclass(frozen=True)
 class ScoringConfig:
-    """How heads are scored (`ph.score_heads`): `method` one of `ph.METHODS`; `steps` > 1 prunes iteratively
-    (re-scoring after each step, Michel et al.); `objective` "auto" uses labels when the data has them,
-    "label-free" the divergence from the unpruned model."""
+    """How heads are scored (`ph.score_heads`)."""
 
-    method: str = "fisher"
-    steps: int = 1
-    objective: str = "auto"
-    normalize: bool | None = None
-    seed: int = 0
+    method: str = option("fisher", f"Scoring method: {', '.join(sorted(METHODS))}.")
+    steps: int = option(1, "More than 1: prune iteratively, re-scoring after each step (needs --no-recovery).")
+    objective: str = option(
+        "auto",
+        "'auto' scores on the labels where the data has them; 'label-free' on the divergence from the unpruned model.",
+        cli=False,
+    )
+    normalize: bool | None = option(None, "Normalize scores per layer (None: the method's own default).", cli=False)
+    seed: int = option(0, "Seed of every random draw (scoring, written text, tuning's updates).")
 
 
 @dataclass(frozen=True)
 class SelectionConfig:
-    """Which heads go (`ph.select_heads`): one budget (`sparsity`, `num_heads`, `keep_per_layer` or `flops`,
-    the fraction of forward FLOPs to keep), and the constraints. A budget the structure cannot meet exactly
-    is an error naming the nearest reachable values, unless `round` ("down" or "nearest") says to take one."""
+    """Which heads go (`ph.select_heads`): one budget and the constraints. A budget the structure cannot meet
+    exactly is an error naming the nearest reachable values, unless `round` says which to take."""
 
-    sparsity: float | None = None
-    num_heads: int | None = None
-    keep_per_layer: int | None = None
-    flops: float | None = None
-    scope: str = "global"
-    min_heads_per_layer: int = 1
-    gqa: str = "groups"
-    uniform: bool = False
-    granularity: str = "head"
-    round: str | None = None
-    ignore: list[str] = field(default_factory=list)
+    sparsity: float | None = option(None, "Fraction of all heads to remove.")
+    num_heads: int | None = option(None, "Number of heads to remove.")
+    keep_per_layer: int | None = option(None, "Heads every layer keeps.", cli=False)
+    flops: float | None = option(
+        None,
+        "Remove heads until a forward pass costs at most this fraction of its FLOPs (at --max-length).",
+        flag="--keep-flops",
+    )
+    scope: str = option("global", "'global' ranks heads across layers; 'layer' removes the share from each layer.")
+    min_heads_per_layer: int = option(1, "Heads every layer keeps at least (0 lets a layer lose them all).")
+    gqa: str = option(
+        "groups", "Grouped-query layers lose whole KV groups ('groups'), or the same number of heads from every group."
+    )
+    uniform: bool = option(False, "Every layer keeps the same number of heads (stock Llama configs).")
+    granularity: str = option("head", "'layer' removes whole attention blocks (and their KV cache).")
+    round: str | None = option(
+        None,
+        "When the structure cannot remove exactly what was asked, take the nearest reachable count "
+        "(down, nearest or up) instead of stopping with an error; the report says what was removed.",
+    )
+    ignore: list[str] = option(help="Layers (name patterns) that keep every head.", cli=False, factory=list)
 
     def budget(self) -> dict:
         """The keyword arguments of `select_heads` this section sets (flops is resolved by the caller)."""
@@ -56,59 +84,58 @@ class SelectionConfig:
 
 @dataclass(frozen=True)
 class RecoveryConfig:
-    """Retraining-free recovery, each step decided on held-out calibration data (`holdout` of the scoring
-    batches, at least one batch, never the evaluation split): a step is kept only if it lowers the held-out
-    divergence from the unpruned model by more than one standard error of the paired per-example differences
-    (Breiman's rule: not on noise). `generated_share` adds text the unpruned model samples itself beside a decoder-only
-    language model's calibration batches, that share of their examples (self-calibration,
-    `prune_heads.recovery.generated`; `SHARE`, 3/8, is the share measured), so every step is fitted and checked
-    on the model's own distribution as well as the user's domain; 0, the default, leaves it out: it moved the
-    cost of pruning from the other domain to the user's on both models measured, a good trade on SmolLM2 and a
-    poor one on Gemma 3, and nothing on held-out calibration data tells which (benchmarks/README.md). `rearrange`
-    adds Kwon et al.'s Fisher-block selection and FLAP's fluctuation as candidate plans beside the plain one
-    (and, with reconstruction, the structured-OBS plan and the searched plan: `search_rounds` rounds that each
-    measure, on the first `search_examples` calibration examples (whole batches), the divergence when each KV
-    group or head goes on top of the earlier rounds' removals with its reconstruction, and remove the cheapest
-    share, `prune_heads.recovery.search`; None, the default, is 2 rounds where the model's outputs are per
-    position (a language model's tokens) and none where each example gives one output (a class, a value, an
-    embedding: there it never won), 0 rounds leave it out, and with a `tuning_budget` it is tried only when its
-    counted work fits in what the recording and any written text left of it); `reconstruction` refits each
-    pruned layer's output projection (its kept columns and bias) to the unpruned layer's output by ridge least
-    squares, closed form from Gram matrices recorded while scoring, the ridge chosen per layer on the held-out
-    tokens (`prune_heads.recovery.reconstruction`); without it, `bias_compensation` adds the removed heads' mean
-    output to the output bias (FLAP, An et al. 2024; the reconstruction's limit); `gate_tuning` tunes one scale per
-    kept head to the unpruned model's outputs, and `bias_tuning` the output biases with them, and
-    `projection_tuning` a rank-`projection_rank` update of every output projection (LoRA's form, Hu et al. 2022,
-    folded into the weights: it moves what the kept heads write, not only how loud each is), for at most
-    `epochs` epochs, stopping when the held-out divergence stops falling (the default: the held-out data decides
-    how much work depth needs), or, with a `tuning_budget`, before a step would take the recovery (recording
-    statistics, trying candidates, tuning) past that many times the work of one forward and backward pass over
-    the calibration batches (the default fisher scoring's cost); a capped tuning still gets at least
-    `min_tuning_flops`, so small models tune fully, and a cut epoch is checked like a whole one. Work is counted
-    in FLOPs from the model and the data (`prune_heads.runtime.work`), never timed: the same inputs, config and
-    seed give the same model on any machine. Each check tries both the tuned values and their moving average
-    over the steps (`average`, its decay per step; 0: the tuned values alone) and keeps the lower. Everything is
-    tuned on the gated model (no copy of it) and folded into the weights. `holdout: 0` applies every enabled
-    step without checking it (tuning then leaves the moving average)."""
+    """Retraining-free recovery after removal (docs/recovery.md). Each step is tried on held-out calibration
+    data and kept only if it lowers the divergence from the unpruned model by more than one standard error
+    of the paired per-example differences (Breiman's rule: not on noise). Work is counted in FLOPs, never
+    timed: the same inputs, config and seed give the same model on any machine."""
 
-    holdout: float = 0.2
-    generated_share: float = 0.0
-    rearrange: bool = True
-    reconstruction: bool = True
-    search_rounds: int | None = None
-    search_examples: int = 24
-    bias_compensation: bool = True
-    gate_tuning: bool = True
-    bias_tuning: bool = True
-    projection_tuning: bool = True
-    epochs: int = 4
-    tuning_budget: float | None = None
-    min_tuning_flops: float = MIN_TUNING_FLOPS
-    gate_lr: float = 0.05
-    bias_lr: float = 0.01
-    projection_rank: int = 16
-    projection_lr: float = 1e-3
-    average: float = AVERAGE
+    holdout: float = option(
+        0.2, "Fraction of the calibration examples held out to decide recovery (0: apply every step)."
+    )
+    generated_share: float = option(
+        0.0,
+        "Text a decoder-only language model writes itself, added beside the calibration batches as this share of "
+        f"their examples, so recovery also fits its own distribution ({SHARE} measured; 0, the default: none).",
+    )
+    rearrange: bool = option(
+        True,
+        "Also try the Fisher-block (Kwon), fluctuation (FLAP) and, with reconstruction, structured-OBS and "
+        "searched plans.",
+    )
+    reconstruction: bool = option(
+        True, "Try refitting each pruned layer's output projection and bias to its unpruned output (least squares)."
+    )
+    search_rounds: int | None = option(
+        None,
+        "Rounds of the searched plan (each measures every KV group's or head's removal, refitted, on a few "
+        f"calibration examples, and removes the cheapest share); 0: none; default: {ROUNDS} where the outputs "
+        "are per token (language models), none where each example gives one (classifiers, embeddings).",
+    )
+    search_examples: int = option(
+        24, "Calibration examples (whole batches) each search measurement runs on.", cli=False
+    )
+    bias_compensation: bool = option(
+        True, "Without reconstruction: try adding the removed heads' mean output to the output bias (FLAP)."
+    )
+    gate_tuning: bool = option(True, "Tune one scale per kept head to the unpruned outputs.")
+    bias_tuning: bool = option(True, "Tune the output biases with the gates.")
+    projection_tuning: bool = option(True, "Tune a low-rank update of each output projection with them (LoRA's form).")
+    epochs: int = option(4, "At most this many tuning epochs (stops early on held-out data).")
+    tuning_budget: float | None = option(
+        None,
+        "Cap on the work of recovery (statistics, candidates, tuning), in forward+backward passes over the "
+        "calibration data (counted, never timed); 'none': tune until the held-out divergence stops falling.",
+    )
+    min_tuning_flops: float = option(
+        MIN_TUNING_FLOPS, "FLOPs tuning gets at least under a tuning_budget (small models tune fully).", cli=False
+    )
+    gate_lr: float = option(0.05, "Learning rate of the gates' scales.", cli=False)
+    bias_lr: float = option(0.01, "Learning rate of the output biases.", cli=False)
+    projection_rank: int = option(16, "Rank of each output projection's tuned update.", cli=False)
+    projection_lr: float = option(1e-3, "Learning rate of the projection updates.", cli=False)
+    average: float = option(
+        AVERAGE, "Decay per step of the moving average of the tuned values each check also tries (0: none).", cli=False
+    )
 
     def __post_init__(self) -> None:
         if self.tuning_budget is not None and self.tuning_budget < 0 or self.min_tuning_flops < 0:

@@ -1,5 +1,6 @@
 """End-to-end tests of the CLI on the shared fixture (click's runner and a real subprocess)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -424,3 +425,17 @@ def test_input_errors_are_one_line_and_anything_else_shows_its_traceback(tmp_pat
     monkeypatch.setattr("prune_heads.cli.scan_required", bug)
     result = _invoke(["inspect", str(tmp_path / "bert")])
     assert isinstance(result.exception, RuntimeError) and result.exit_code == 1 and "error:" not in result.output
+
+
+@pytest.mark.parametrize("config", [ph.SelectionConfig, ph.ScoringConfig, ph.RecoveryConfig])
+def test_every_config_field_is_a_prune_option_with_its_documentation_or_says_it_is_not(config):
+    """A field's one line of documentation is its option's --help (and docs/cli-reference.md); a field that is
+    not on the command says so (`cli=False`: recipes and the API only)."""
+    options = {name: p for p in main.commands["prune"].params for name in p.opts}
+    for field in dataclasses.fields(config):
+        assert field.metadata["help"], f"{config.__name__}.{field.name} has no documentation"
+        if not field.metadata["cli"]:
+            continue
+        flag = field.metadata["flag"] or "--" + field.name.replace("_", "-")
+        assert flag in options, f"{config.__name__}.{field.name}: no {flag} on prune-heads prune"
+        assert options[flag].help == field.metadata["help"], flag
