@@ -119,13 +119,13 @@ def main(quiet: bool, traceback: bool) -> None:
         warnings.simplefilter("ignore")
 
 
-def config_option(config: type, name: str, *decls: str, **kwargs: Any) -> Callable:
+def config_option(config: type, name: str, **kwargs: Any) -> Callable:
     """The option of a config field: its flag (`--NAME`, `--NAME/--no-NAME` for a switch, or the field's own
     `flag`), its default and its documentation, all from the config (`prune_heads.config.option`)."""
     spec = next(f for f in dataclasses.fields(config) if f.name == name)
     flag = spec.metadata["flag"] or "--" + name.replace("_", "-")
     switch = isinstance(spec.default, bool) and not kwargs.get("is_flag")
-    decls = decls or ((f"{flag}/--no-{flag[2:]}",) if switch else (flag,))
+    decls = (f"{flag}/--no-{flag[2:]}" if switch else flag, name)  # the parameter is named after the field
     default = kwargs.pop("default", spec.default if spec.default is not dataclasses.MISSING else None)
     show = default is not None and default is not False
     return click.option(*decls, default=default, show_default=show, help=spec.metadata["help"], **kwargs)
@@ -387,7 +387,7 @@ def _plan_file(path: str) -> dict:
 @data_options
 @config_option(SelectionConfig, "sparsity", type=float)
 @config_option(SelectionConfig, "num_heads", type=click.IntRange(min=0))
-@config_option(SelectionConfig, "flops", "--keep-flops", "keep_flops", type=float)
+@config_option(SelectionConfig, "flops", type=float)
 @click.option(
     "--plan",
     "plan_file",
@@ -401,7 +401,7 @@ def _plan_file(path: str) -> dict:
 @config_option(SelectionConfig, "min_heads_per_layer", type=int)
 @config_option(SelectionConfig, "gqa", type=click.Choice(CHOICES["selection.gqa"]))
 @config_option(SelectionConfig, "granularity", type=click.Choice(CHOICES["selection.granularity"]))
-@config_option(SelectionConfig, "round", "--round", "rounding", type=click.Choice(CHOICES["selection.round"]))
+@config_option(SelectionConfig, "round", type=click.Choice(CHOICES["selection.round"]))
 @config_option(SelectionConfig, "uniform", is_flag=True)
 @click.option(
     "--recovery/--no-recovery",
@@ -445,39 +445,7 @@ def _plan_file(path: str) -> dict:
 )
 @click.option("--force", is_flag=True, help="Overwrite the output folder.")
 @handle_errors
-def prune_command(
-    model: str,
-    sparsity: float | None,
-    num_heads: int | None,
-    keep_flops: float | None,
-    plan_file: str | None,
-    method: str,
-    steps: int,
-    scope: str,
-    min_heads_per_layer: int,
-    gqa: str,
-    granularity: str,
-    rounding: str | None,
-    uniform: bool,
-    recovery: bool,
-    rearrange: bool,
-    reconstruction: bool,
-    bias_compensation: bool,
-    gate_tuning: bool,
-    bias_tuning: bool,
-    projection_tuning: bool,
-    generated_share: float,
-    search_rounds: int | None,
-    epochs: int,
-    tuning_budget: float | None,
-    holdout: float,
-    standalone: bool,
-    output: str,
-    output_format: str | None,
-    gguf_type: str | None,
-    force: bool,
-    **opts: Any,
-) -> None:
+def prune_command(model: str, plan_file: str | None, recovery: bool, output: str, **opts: Any) -> None:
     """Score, select and remove heads (or apply --plan); saves a model that ph.load_pruned loads (or a GGUF
     file that llama.cpp runs: --output-format gguf -o FILE.gguf).
 
@@ -487,47 +455,27 @@ def prune_command(
     """
     from .pipeline import run
 
-    budgets = {"sparsity": sparsity, "num_heads": num_heads, "flops": keep_flops}
+    selection = _fields(SelectionConfig, opts)
+    budgets = {k: selection.pop(k) for k in ("sparsity", "num_heads", "flops")}
     if sum(v is not None for v in budgets.values()) + (plan_file is not None) != 1:
         raise click.UsageError("give exactly one of --sparsity, --num-heads, --keep-flops or --plan")
     plan = _plan_file(plan_file) if plan_file else None
-    selection: dict[str, Any] = {k: v for k, v in budgets.items() if v is not None} or {"sparsity": 0.0}
-    selection.update(
-        scope=scope,
-        min_heads_per_layer=min_heads_per_layer,
-        gqa=gqa,
-        uniform=uniform,
-        granularity=granularity,
-        round=rounding,
-    )
-    steps_on = dict(
-        rearrange=rearrange,
-        reconstruction=reconstruction,
-        bias_compensation=bias_compensation,
-        gate_tuning=gate_tuning,
-        bias_tuning=bias_tuning,
-        projection_tuning=projection_tuning,
-        generated_share=generated_share,
-        search_rounds=search_rounds,
-        tuning_budget=tuning_budget,
-    )
-    recovery_section = (
-        {**vars(RecoveryConfig.off()), "holdout": holdout, "epochs": epochs, "generated_share": generated_share}
-        if not recovery
-        else {**steps_on, "holdout": holdout, "epochs": epochs}
-    )
-    fmt = output_format or ("gguf" if output.endswith(".gguf") else "safetensors")
+    selection.update({k: v for k, v in budgets.items() if v is not None} or {"sparsity": 0.0})
+    steps = _fields(RecoveryConfig, opts)
+    kept = {k: steps[k] for k in ("holdout", "epochs", "generated_share")}  # checked with recovery off too
+    recovery_section = steps if recovery else {**vars(RecoveryConfig.off()), **kept}
+    fmt = opts["output_format"] or ("gguf" if output.endswith(".gguf") else "safetensors")
     recipe = _recipe(
         model,
         opts,
         selection,
-        {"method": method, "steps": steps},
-        standalone=standalone,
+        {"method": opts["method"], "steps": opts["steps"]},
+        standalone=opts["standalone"],
         recovery=recovery_section,
         needs_data=plan is None,
-        output={"path": output, "format": fmt, "gguf_type": gguf_type},
+        output={"path": output, "format": fmt, "gguf_type": opts["gguf_type"]},
     )
-    report = run(recipe, output=output, force=force, plan=plan, evaluate=False)
+    report = run(recipe, output=output, force=opts["force"], plan=plan, evaluate=False)
     _emit(
         report.to_dict(),
         opts["as_json"],
@@ -536,6 +484,11 @@ def prune_command(
             f"saved the pruned model to {output}" + _asked(selection, report)
         ),
     )
+
+
+def _fields(config: type, opts: dict[str, Any]) -> dict[str, Any]:
+    """The options of `config`'s fields among a command's options (each named after its field)."""
+    return {f.name: opts[f.name] for f in dataclasses.fields(config) if f.name in opts}
 
 
 def _asked(selection: dict, report) -> str:
