@@ -115,3 +115,33 @@ def test_every_install_line_works_as_written_from_a_clone():
             if target.startswith("."):
                 asked = set(re.findall(r"\w+", target.split("[", 1)[1])) if "[" in target else set()
                 assert asked <= extras, f"{page}: {line} asks for extras pyproject.toml lacks: {asked - extras}"
+
+
+FIGURE = re.compile(r"(?<![\w.])[+-]?(\d+\.\d+)(%|x)?(?!\w|\.\d)")  # 0.851, +1.4%, 1.36x (the sign aside)
+
+
+def quoted_figures() -> list[tuple[str, str]]:
+    """The measured figures the front page's results, docs/benchmarks.md and the docs' tables quote."""
+    readme = (ROOT / "README.md").read_text()
+    results = readme.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+    pages = [("README.md", results), ("docs/benchmarks.md", (ROOT / "docs" / "benchmarks.md").read_text())]
+    for page in sorted((ROOT / "docs").glob("*.md")):  # tables of figures; fenced blocks are examples of output
+        prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        rows = "\n".join(l for l in prose.splitlines() if l.startswith("|") and "---" not in l)
+        pages.append((f"docs/{page.name}", rows))
+    return [(name, "".join(m)) for name, text in pages for m in FIGURE.findall(text)]
+
+
+def test_every_figure_the_docs_quote_is_in_the_benchmark_tables():
+    """benchmarks/README.md is the one source of the figures: a figure quoted elsewhere that it does not hold
+    is stale (or was never measured)."""
+    held = {"".join(m) for m in FIGURE.findall((ROOT / "benchmarks" / "README.md").read_text())}
+    missing = sorted({f"{page}: {figure}" for page, figure in quoted_figures() if figure not in held})
+    assert len(quoted_figures()) > 50 and not missing, missing
+
+
+def test_the_benchmark_tables_are_short_and_user_docs_name_no_issues():
+    tables = ROOT / "benchmarks" / "README.md"
+    assert len(tables.read_bytes()) <= 30 * 1024  # the current tables; history goes to research-log.md
+    for page in [ROOT / "README.md", tables, *sorted((ROOT / "docs").glob("*.md"))]:
+        assert not re.search(r"\bissues? \d", page.read_text()), f"{page.name} refers to an issue number"

@@ -131,7 +131,7 @@ def test_prune_model_makes_no_copy_of_the_model(monkeypatch):
 
 @pytest.mark.slow
 def test_tuning_runs_without_what_only_the_choice_needed(monkeypatch):
-    """Scoring's and tuning's backward passes are the flow's memory peaks (benchmarks/README.md, "Time and
+    """Scoring's and tuning's backward passes are the flow's memory peaks (benchmarks/research-log.md, "Time and
     memory"): the Gram matrices are recorded after scoring, and they, the candidates' refits and the output
     projections' originals are gone before tuning starts (the plan is proven exact first, so nothing needs the
     originals back)."""

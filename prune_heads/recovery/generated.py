@@ -2,7 +2,7 @@
 beside a language model's calibration batches when `recovery.generated_share` asks for it: the plan, the
 refits, the tuning and the held-out checks that keep them then see the model's own broad distribution as well
 as the user's domain. It moves the cost of pruning from other text to that domain, at a rate that depends on
-the model (SmolLM2 and Gemma 3: benchmarks/README.md), so it is off by default."""
+the model (SmolLM2 and Gemma 3: benchmarks/README.md, the frontier), so it is off by default."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from .reconstruction import Refit, refit_flops
 Unit = tuple[str, tuple[int, ...]]  # (layer name, original heads that go together)
 # The default rounds where the outputs are per position (a language model's tokens). Where each example gives
 # one output (a class, a value, an embedding) the default runs none: on the classifier fixtures its plan lost
-# on held-out data in every cell measured, even on 256 examples (benchmarks/README.md, the searched plan).
+# on held-out data in every cell measured, even on 256 examples (benchmarks/research-log.md, the searched plan).
 ROUNDS = 2
 
 

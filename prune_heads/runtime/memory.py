@@ -1,6 +1,6 @@
 """The C allocator's freed memory on the CPU: handed back to the system between batches, and (for a process
 that opts in, as the `prune-heads` command does) blocks of an activation's size mapped on their own, so what
-a step frees leaves resident memory. Figures: benchmarks/README.md, "Memory"."""
+a step frees leaves resident memory. Figures: benchmarks/README.md, "Decoder LLMs: work and memory"."""
 
 from __future__ import annotations
 
