@@ -6,6 +6,7 @@ import copy
 import importlib.util
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +230,18 @@ def measure_speed(models: list[nn.Module], recipe: Recipe) -> list[dict[str, Any
     return timed
 
 
+@dataclass
+class _Data:
+    """A run's data: the scoring batches (None where a plan is applied and nothing trains on them), the
+    evaluation batches, an embedding model's training split for its task metrics and its unpruned embeddings
+    of the evaluation batches."""
+
+    score: TaskData | None
+    evaluation: TaskData | None
+    train: TaskData | None
+    reference: Any
+
+
 def run(
     recipe: Recipe,
     output: str | Path | None = None,
@@ -246,60 +259,89 @@ def run(
     written), else model.gguf in the folder. An existing output is an OutputExistsError unless `force`;
     what no GGUF file can hold is refused (GgufError) before any data is read.
     """
-    written = recipe.written
-    target = Path(output or written.path or "pruned-model")
-    gguf, gguf_file = written.format == "gguf", target.suffix == ".gguf"
-    (ensure_file_free if gguf and gguf_file else ensure_free)(target, force)  # before any work
+    target = Path(output or recipe.written.path or "pruned-model")
+    gguf_file = recipe.written.format == "gguf" and target.suffix == ".gguf"
+    (ensure_file_free if gguf_file else ensure_free)(target, force)  # before any work
     model = load_model(recipe)
     config = PruneConfig.from_recipe(recipe)
+    _check_budget(recipe, model, config, plan)
+    processor = load_processor(recipe)
+    if recipe.written.format == "gguf":
+        _check_gguf(recipe, model, config, processor, plan is None, target, force)
+    data = _data(recipe, model, processor, plan, evaluate, progress)
+    before, evaluated = measure(model, data.evaluation, recipe, data.reference, data.train, processor, progress)
+    timed = evaluate and recipe.evaluation.speed is not None
+    original = copy.deepcopy(model) if timed else None  # timed beside the pruned one, in turns
+    found, examples = _prune(model, data.score, config, plan, progress)
+    after, evaluated_after = measure(model, data.evaluation, recipe, data.reference, data.train, processor, progress)
+    if original is not None:
+        before["speed"], after["speed"] = measure_speed([original, model], recipe)
+    del original
+    changed = changes(evaluated, evaluated_after, recipe.scoring.seed)
+    report = _report(recipe, found, examples, before, after, changed)
+    _write(recipe, model, processor, found, report, target, force)
+    return report
+
+
+def _check_budget(recipe: Recipe, model: nn.Module, config: PruneConfig, plan: dict | None) -> None:
+    """The budget (or the plan) against the model's structure, before any data is read."""
     length = recipe.evaluation.speed.seq_len if recipe.evaluation.speed else recipe.data.max_length
     if plan is None:
-        selection_budget(model, config, seq_len=length)  # the structure decides it: before any data is read
+        selection_budget(model, config, seq_len=length)
     else:
         check_minimum(model, plan, recipe.selection.min_heads_per_layer)
-    processor = load_processor(recipe)
-    if gguf:
-        r, scored = config.recovery, plan is None  # with a plan, the pruned model is checked when written
-        check_gguf(
-            model,
-            processor,
-            tensor_type=written.gguf_type,
-            output=target if gguf_file else None,
-            overwrite=force,
-            uniform=config.selection.uniform if scored else None,
-            output_biases=r.enabled and (r.bias_compensation or r.bias_tuning) if scored else None,
-        )
+
+
+def _check_gguf(
+    recipe: Recipe, model: nn.Module, config: PruneConfig, processor: Any, scored: bool, target: Path, force: bool
+) -> None:
+    """Whether a GGUF file can hold the result, before any data is read (a given plan's pruned model is
+    checked when written)."""
+    r = config.recovery
+    check_gguf(
+        model,
+        processor,
+        tensor_type=recipe.written.gguf_type,
+        output=target if target.suffix == ".gguf" else None,
+        overwrite=force,
+        uniform=config.selection.uniform if scored else None,
+        output_biases=r.enabled and (r.bias_compensation or r.bias_tuning) if scored else None,
+    )
+
+
+def _data(recipe: Recipe, model: nn.Module, processor: Any, plan: dict | None, evaluate: bool, progress: bool) -> _Data:
+    """The batches the run reads: scoring's (also an embedding model's training split for its task metrics)
+    and, when it evaluates, the evaluation split's with an embedding model's unpruned embeddings of it."""
     d = recipe.data
     embedding_labels = recipe.task == "feature-extraction" and d.label_column is not None
-    score_data = (
-        task_data(recipe, model, processor, d.score_split, d.score_examples)
-        if plan is None or embedding_labels and evaluate
-        else None
-    )
-    train = score_data if embedding_labels else None  # an embedding model's task metrics train on it
-    eval_data = (
+    wanted = plan is None or embedding_labels and evaluate
+    score = task_data(recipe, model, processor, d.score_split, d.score_examples) if wanted else None
+    train = score if embedding_labels else None
+    evaluation = (
         task_data(recipe, model, processor, d.eval_split, d.eval_examples, like=train)
         if evaluate and d.eval_split
         else None
     )
-    reference = (
-        embed(model, eval_data, progress) if eval_data is not None and recipe.task == "feature-extraction" else None
-    )
-    before, evaluated = measure(model, eval_data, recipe, reference, train, processor, progress)
-    timed = evaluate and recipe.evaluation.speed is not None
-    original = copy.deepcopy(model) if timed else None  # timed beside the pruned one, in turns
+    reference = None
+    if evaluation is not None and recipe.task == "feature-extraction":
+        reference = embed(model, evaluation, progress)
+    return _Data(score, evaluation, train, reference)
+
+
+def _prune(
+    model: nn.Module, score: TaskData | None, config: PruneConfig, plan: dict | None, progress: bool
+) -> tuple[PruneResult, int]:
+    """The default path on the scoring batches, or the given plan applied; and the examples scored."""
     if plan is None:
-        assert score_data is not None  # loaded above whenever no plan is given
-        found = prune_model(model, score_data, config, progress=progress)
-        examples = score_data.num_examples
-    else:
-        tick = time.perf_counter()
-        prune(model, plan)
-        found, examples = PruneResult(plan=plan, seconds=time.perf_counter() - tick), 0
-    after, evaluated_after = measure(model, eval_data, recipe, reference, train, processor, progress)
-    if original is not None:
-        before["speed"], after["speed"] = measure_speed([original, model], recipe)
-    del original
+        assert score is not None  # loaded whenever no plan is given
+        return prune_model(model, score, config, progress=progress), score.num_examples
+    tick = time.perf_counter()
+    prune(model, plan)
+    return PruneResult(plan=plan, seconds=time.perf_counter() - tick), 0
+
+
+def _report(recipe: Recipe, found: PruneResult, examples: int, before: dict, after: dict, changed: Any) -> Report:
+    """The report: before and after, the plan, the scores, the recovery's decisions and what they cost."""
     meta = {
         "model": recipe.model,
         "task": recipe.task,
@@ -312,7 +354,7 @@ def run(
         "asked_heads": found.asked,
         "work": found.work,
     }
-    report = compare(
+    return compare(
         before,
         after,
         plan=found.plan,
@@ -320,15 +362,22 @@ def run(
         history=found.history,
         meta=meta,
         recovery=found.recovery,
-        changes=changes(evaluated, evaluated_after, recipe.scoring.seed),
+        changes=changed,
     )
 
-    if gguf and gguf_file:
+
+def _write(
+    recipe: Recipe, model: nn.Module, processor: Any, found: PruneResult, report: Report, target: Path, force: bool
+) -> None:
+    """The pruned model and what goes with it, into place in one move: a GGUF file alone where the output
+    is one, else a folder with the model (or model.gguf), the report, the plan, the scores and the recipe."""
+    written = recipe.written
+    if written.format == "gguf" and target.suffix == ".gguf":
         save_gguf(model, target, tokenizer=processor, tensor_type=written.gguf_type, overwrite=force)
-        return report
+        return
 
     def write(tmp: Path) -> None:
-        if gguf:
+        if written.format == "gguf":
             save_gguf(model, tmp / "model.gguf", tokenizer=processor, tensor_type=written.gguf_type)
         else:
             write_model(model, tmp, processor, standalone=recipe.standalone)
@@ -339,4 +388,3 @@ def run(
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
 
     replace_folder(target, force, write)
-    return report
