@@ -480,7 +480,7 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
         report.to_dict(),
         opts["as_json"],
         lambda: (
-            f"removed {report.summary()['heads']['removed']} heads; "
+            f"removed {report.summary()['heads']['removed']} heads{_heldout(report)}; "
             f"saved the pruned model to {output}" + _asked(selection, report)
         ),
     )
@@ -489,6 +489,16 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
 def _fields(config: type, opts: dict[str, Any]) -> dict[str, Any]:
     """The options of `config`'s fields among a command's options (each named after its field)."""
     return {f.name: opts[f.name] for f in dataclasses.fields(config) if f.name in opts}
+
+
+def _heldout(report) -> str:
+    """What the held-out calibration data measured: the pruned model's divergence from the unpruned one,
+    beside the plain selection's."""
+    heldout = report.meta.get("heldout") or {}
+    if heldout.get("final") is None:
+        return ""
+    final, plain = heldout["final"], heldout["plain"]
+    return f" (held-out divergence from the unpruned model {final:.4g}; the plain selection's {plain:.4g})"
 
 
 def _asked(selection: dict, report) -> str:

@@ -41,6 +41,7 @@ from .recovery.holdout import one_standard_error, split_holdout
 from .recovery.search import ROUNDS, searched_plan
 from .recovery.tuning import tune
 from .runtime.devices import input_device, to_device
+from .runtime.progress import progress_bar
 from .runtime.work import Budget, Work
 from .scoring.head_scores import HeadScores
 from .scoring.iterative import prune_iteratively
@@ -116,6 +117,7 @@ class Run:
     layers: list
     objective: Objective
     start: float
+    progress: bool
     notes: list[str] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
@@ -157,7 +159,7 @@ def prune_model(
             model, batches, steps=s.steps, method=s.method, seed=s.seed, progress=progress, **budget
         )
         return PruneResult(found.plan, found.scores, found.history, asked=asked, seconds=time.perf_counter() - start)
-    run = _start(model, batches, generated, budget, asked, config, start)
+    run = _start(model, batches, generated, budget, asked, config, (start, progress))
     scores, recorder, recorded = _score(run, progress)
     plans, notes = candidate_plans(
         scores, recorder, run.layers, budget, run.recovery.rearrange, run.recovery.reconstruction
@@ -203,7 +205,7 @@ def _with_written_text(model: nn.Module, batches: list[dict], config: PruneConfi
 
 
 def _start(
-    model: nn.Module, batches: list, generated: list, budget: dict, asked: int, config: PruneConfig, start: float
+    model: nn.Module, batches: list, generated: list, budget: dict, asked: int, config: PruneConfig, clock: tuple
 ) -> Run:
     """The run: the held-out split, the attention layers (each proven to be one, on the first batch), the
     objective, and the recovery as it runs (no bias steps where the model cannot hold output biases)."""
@@ -211,7 +213,7 @@ def _start(
     calib, heldout = split_holdout(batches, r.holdout if r.enabled else 0.0)
     layers = require_attention(model)
     probe_layers(model, layers, to_device(without_labels(calib[0]), input_device(model)))
-    run = Run(model, config, r, budget, asked, calib, heldout, generated, layers, Objective(model), start)
+    run = Run(model, config, r, budget, asked, calib, heldout, generated, layers, Objective(model), *clock)
     if (
         r.enabled
         and (r.bias_compensation or r.bias_tuning)
@@ -237,7 +239,7 @@ def _score(run: Run, progress: bool) -> tuple[HeadScores, Recorder | None, bool]
     run.calib = [to_device(without_labels(b), input_device(run.model)) for b in run.calib]
     recorded = r.enabled and (recorder is None or recorder.calls != len(run.calib))  # no plain pass per batch
     if recorded:
-        recorder = record(run.model, run.calib, run.objective, r.reconstruction)
+        recorder = record(run.model, run.calib, run.objective, r.reconstruction, run.progress)
     run.timings["scoring"] = time.perf_counter() - tick
     return scores, recorder, recorded
 
@@ -259,7 +261,8 @@ def _trial(run: Run, gated: GatedModel, recorder: Recorder | None) -> Trial:
     r = run.recovery
     heldout = [to_device(without_labels(b), input_device(run.model)) for b in run.heldout]
     reference = unpruned_heldout(gated, heldout, run.objective, r.reconstruction) if heldout else None
-    return Trial(gated, run.objective, recorder, reference, heldout, r.bias_tuning or r.bias_compensation)
+    bias = r.bias_tuning or r.bias_compensation
+    return Trial(gated, run.objective, recorder, reference, heldout, bias, run.progress)
 
 
 def _choose(run: Run, trial: Trial, plans: dict, scores: HeadScores, work: Work) -> Decision:
@@ -325,18 +328,17 @@ def _tune(run: Run, trial: Trial, decision: Decision, work: Work) -> None:
     limit = _tuning_limit(run)
     budget = Budget(float("inf") if limit is None else limit, work, check=run.work["heldout_pass"])
     assert trial.calibration is not None
-    history, steps, averaged, spent = tune(
-        gated,
-        groups,
-        run.calib,
-        trial.calibration.targets,
-        run.objective,
-        r.epochs,
-        run.config.scoring.seed,
-        check,
-        budget,
-        r.average,
-    )
+    with progress_bar(None, "tuning", r.epochs * len(run.calib), run.progress) as bar:  # may stop early
+
+        def forward(batch: dict) -> Any:
+            bar.update()
+            return gated(batch)
+
+        targets = trial.calibration.targets
+        seed = run.config.scoring.seed
+        history, steps, averaged, spent = tune(
+            forward, groups, run.calib, targets, run.objective, r.epochs, seed, check, budget, r.average
+        )
     gated.freeze()
     run.work["tuning"] = spent
     if limit is not None:  # no cap, no entry

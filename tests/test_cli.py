@@ -439,3 +439,15 @@ def test_every_config_field_is_a_prune_option_with_its_documentation_or_says_it_
         flag = field.metadata["flag"] or "--" + field.name.replace("_", "-")
         assert flag in options, f"{config.__name__}.{field.name}: no {flag} on prune-heads prune"
         assert options[flag].help == field.metadata["help"], flag
+
+
+def test_the_prune_line_says_what_the_held_out_data_measured():
+    from types import SimpleNamespace
+
+    from prune_heads.cli import _heldout
+
+    measured = SimpleNamespace(meta={"heldout": {"final": 0.01234, "plain": 0.04567}})
+    assert _heldout(measured) == (
+        " (held-out divergence from the unpruned model 0.01234; the plain selection's 0.04567)"
+    )
+    assert _heldout(SimpleNamespace(meta={"heldout": {"final": None, "plain": None}})) == ""  # nothing held out

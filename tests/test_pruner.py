@@ -467,3 +467,16 @@ def test_no_recovery_records_nothing_and_equals_plain_prune(monkeypatch, method)
     inputs = tm.make_inputs("bert")
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, plain(**inputs).logits)
+
+
+def test_every_long_stage_shows_a_bar_on_a_terminal_and_none_without_progress(monkeypatch, capsys):
+    """Scoring, recording, each search round, the candidates and tuning each show a bar (tqdm's time estimate
+    with it) where bars may show; `progress=False` (the CLI's --quiet, a pipe) shows none."""
+    monkeypatch.setattr("prune_heads.runtime.progress.bars_wanted", lambda: True)
+    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(epochs=1))
+    ph.prune_model(tm.build("llama"), tm.batches("llama"), config, progress=True)
+    shown = capsys.readouterr().err
+    for stage in ("scoring heads", "recording", "search round 1/2", "search round 2/2", "candidates", "tuning"):
+        assert stage in shown, stage
+    ph.prune_model(tm.build("llama"), tm.batches("llama"), config, progress=False)
+    assert capsys.readouterr().err == ""

@@ -17,6 +17,7 @@ import torch
 
 from ..model.surgery import PlanError
 from ..runtime.memory import release_freed_memory
+from ..runtime.progress import progress_bar
 from ..scoring.head_scores import HeadScores
 from ..scoring.methods import fluctuation, head_scores
 from ..scoring.objective import Objective
@@ -107,8 +108,9 @@ class State:
 class Trial:
     """What candidates are tried with: the gated model, the objective, the unpruned model's statistics on the
     calibration batches (`calibration`, None without recovery) and on the held-out ones (`reference`, None
-    without held-out data), those held-out batches, and whether a refit fits an output bias (`bias`). Refits
-    made here count their work in `refit_work`; a refit that fell back says so in `notes`."""
+    without held-out data), those held-out batches, whether a refit fits an output bias (`bias`) and whether
+    the search and the choice show progress bars (`progress`). Refits made here count their work in
+    `refit_work`; a refit that fell back says so in `notes`."""
 
     gated: GatedModel
     objective: Objective
@@ -116,6 +118,7 @@ class Trial:
     reference: Recorder | None
     batches: list[dict]
     bias: bool
+    progress: bool = False
     refit_work: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -197,10 +200,11 @@ class Decision:
 def choose(trial: Trial, tried: list[Candidate], otherwise: str) -> Decision:
     """Try each candidate on the held-out batches and keep the first within one standard error of the best
     (`otherwise`, the label to keep, without held-out batches); the gated model is left in its state. A
-    reconstruction tried is made again once kept (each is a share of the weights: not kept meanwhile)."""
+    reconstruction tried is made again once kept (each is a share of the weights: not kept meanwhile).
+    A bar over the candidates where the trial shows progress."""
     tick = time.perf_counter()
     measured: dict[str, tuple[torch.Tensor | None, Candidate, State]] = {}
-    for candidate in tried:
+    for candidate in progress_bar(tried, "candidates", len(tried), trial.progress):
         state = trial.state(candidate)
         measured[candidate.label] = (trial.measure(state), candidate, State(state.plan, biases=state.biases))
     values = {label: v for label, (v, _, _) in measured.items() if v is not None}

@@ -18,6 +18,7 @@ import torch
 
 from ..model.blocks import Resume, block_chain
 from ..model.surgery import PlanError
+from ..runtime.progress import progress_bar
 from ..runtime.work import Work, module_shares
 from ..scoring.head_scores import HeadScores
 from ..scoring.selection import removal_units, requested_heads, select_heads
@@ -37,12 +38,14 @@ def search_order(
     budget: int,
     rounds: int,
     cost: Callable[[dict[str, tuple[int, ...]], str], float],
+    progress: bool = False,
 ) -> tuple[list[Unit], list[int]]:
     """The units in the order the search removes them, then the units it leaves by their last measured cost,
     and per round run the number of units still present at its start (what its work is priced by: the same
     on any device, whichever units the measured values make eligible). `units[layer] = (its units, how many
     heads it may lose)`; `budget` heads go in `rounds` rounds of equal shares; `cost(plan, layer)` measures
-    the plan whose `layer` differs from the state so far."""
+    the plan whose `layer` differs from the state so far; with `progress`, a bar per round counts the units
+    measured of those eligible."""
     removed: dict[str, tuple[int, ...]] = {}
     order: dict[Unit, None] = {}  # the units removed, in order (a dict: membership at thousands of units)
     last: dict[Unit, float] = {}
@@ -54,12 +57,15 @@ def search_order(
             break
         present.append(total - len(order))
         share = math.ceil((budget - gone) / (rounds - r))
+        eligible = [
+            (name, unit)
+            for name, (layer_units, room) in units.items()
+            for unit in layer_units
+            if (name, unit) not in order and len(removed.get(name, ())) + len(unit) <= room
+        ]
         costs: dict[Unit, float] = {}
-        for name, (layer_units, room) in units.items():
-            for unit in layer_units:
-                heads = removed.get(name, ())
-                if (name, unit) not in order and len(heads) + len(unit) <= room:
-                    costs[(name, unit)] = cost({**removed, name: tuple(sorted(heads + unit))}, name)
+        for name, unit in progress_bar(eligible, f"search round {r + 1}/{rounds}", len(eligible), progress):
+            costs[(name, unit)] = cost({**removed, name: tuple(sorted(removed.get(name, ()) + unit))}, name)
         if not costs:
             break
         last = costs
@@ -113,7 +119,7 @@ def searched_plan(
     the selection's `budget`, with its counted work (priced by `work`), or None and why when that work would
     pass `limit`. A unit is measured by a forward pass over those examples that starts at the unit's block
     where the model is one chain of blocks and starting there is proven exact on it
-    (`prune_heads.model.blocks`), else over the whole model."""
+    (`prune_heads.model.blocks`), else over the whole model. A bar per round where the trial shows progress."""
     search = _Search(trial, scores, budget, _first_examples(calib, examples), work, rounds)
     one = work.forward_backward(calib)  # a calibration pass: the unit of the budget a refusal names
     if search.bound() > limit:
@@ -121,7 +127,8 @@ def searched_plan(
     note = search.start()
     if note is not None and search.bound() > limit:
         return search.refused(search.proof, one, limit)
-    order, present = search_order(search.units, requested_heads(trial.gated.model, **budget), rounds, search.cost)
+    asked = requested_heads(trial.gated.model, **budget)
+    order, present = search_order(search.units, asked, rounds, search.cost, trial.progress)
     trial.gated.restore()
     spent = sum(present) * search.unit_price() + search.proof + search.kept_outputs()
     try:

@@ -17,8 +17,8 @@ def bars_wanted() -> bool:
     return os.environ.get("TQDM_DISABLE", "").lower() in ("", "0", "false") and sys.stderr.isatty()
 
 
-def progress_bar(iterable: Iterable, desc: str, total: int | None = None, enabled: bool = True):
-    """A tqdm bar on stderr, shown only when `enabled` and `bars_wanted()`."""
+def progress_bar(iterable: Iterable | None, desc: str, total: int | None = None, enabled: bool = True):
+    """A tqdm bar on stderr, shown only when `enabled` and `bars_wanted()` (without `iterable`, one to update)."""
     return tqdm(iterable, desc=desc, total=total, leave=False, disable=not (enabled and bars_wanted()))
 
 

@@ -13,6 +13,7 @@ from ..model.hooks import Hook, hooks
 from ..model.layers import AttentionLayer, find_attention, resolve
 from ..runtime.memory import release_freed_memory
 from ..runtime.parallel import sum_across
+from ..runtime.progress import progress_bar
 from .objective import Objective, frozen
 
 
@@ -137,10 +138,12 @@ class Recorder:
 
 
 @torch.no_grad()
-def record(model: nn.Module, batches: list[dict], objective: Objective, gram: bool = False) -> Recorder:
-    """A `Recorder` filled by one plain no-grad pass over the batches."""
+def record(
+    model: nn.Module, batches: list[dict], objective: Objective, gram: bool = False, progress: bool = False
+) -> Recorder:
+    """A `Recorder` filled by one plain no-grad pass over the batches (a bar with `progress`)."""
     with frozen(model), Recorder(model, find_attention(model), objective, gram) as recorder:
-        for batch in batches:
+        for batch in progress_bar(batches, "recording", len(batches), progress):
             model(**batch)
             release_freed_memory()
     return recorder
