@@ -159,8 +159,8 @@ def prune_model(
             model, batches, steps=s.steps, method=s.method, seed=s.seed, progress=progress, **budget
         )
         return PruneResult(found.plan, found.scores, found.history, asked=asked, seconds=time.perf_counter() - start)
-    run = _start(model, batches, generated, budget, asked, config, (start, progress))
-    scores, recorder, recorded = _score(run, progress)
+    run = _start(model, batches, generated, budget, asked, config, start, progress)
+    scores, recorder, recorded = _score(run)
     plans, notes = candidate_plans(
         scores, recorder, run.layers, budget, run.recovery.rearrange, run.recovery.reconstruction
     )
@@ -205,7 +205,14 @@ def _with_written_text(model: nn.Module, batches: list[dict], config: PruneConfi
 
 
 def _start(
-    model: nn.Module, batches: list, generated: list, budget: dict, asked: int, config: PruneConfig, clock: tuple
+    model: nn.Module,
+    batches: list,
+    generated: list,
+    budget: dict,
+    asked: int,
+    config: PruneConfig,
+    start: float,
+    progress: bool,
 ) -> Run:
     """The run: the held-out split, the attention layers (each proven to be one, on the first batch), the
     objective, and the recovery as it runs (no bias steps where the model cannot hold output biases)."""
@@ -213,7 +220,7 @@ def _start(
     calib, heldout = split_holdout(batches, r.holdout if r.enabled else 0.0)
     layers = require_attention(model)
     probe_layers(model, layers, to_device(without_labels(calib[0]), input_device(model)))
-    run = Run(model, config, r, budget, asked, calib, heldout, generated, layers, Objective(model), *clock)
+    run = Run(model, config, r, budget, asked, calib, heldout, generated, layers, Objective(model), start, progress)
     if (
         r.enabled
         and (r.bias_compensation or r.bias_tuning)
@@ -225,7 +232,7 @@ def _start(
     return run
 
 
-def _score(run: Run, progress: bool) -> tuple[HeadScores, Recorder | None, bool]:
+def _score(run: Run) -> tuple[HeadScores, Recorder | None, bool]:
     """The heads' scores and, for recovery, the unpruned model's statistics and outputs on the calibration
     batches (moved to the model's device, labels dropped): recorded while scoring, or in a no-grad pass of
     their own where the Gram matrices are needed (a share of the weights, not beside the scoring's
@@ -234,7 +241,7 @@ def _score(run: Run, progress: bool) -> tuple[HeadScores, Recorder | None, bool]
     during = r.enabled and not r.reconstruction
     with Recorder(run.model, run.layers, run.objective) if during else nullcontext() as recorder:
         scores = score_heads(
-            run.model, run.calib, method=s.method, normalize=s.normalize, seed=s.seed, progress=progress
+            run.model, run.calib, method=s.method, normalize=s.normalize, seed=s.seed, progress=run.progress
         )
     run.calib = [to_device(without_labels(b), input_device(run.model)) for b in run.calib]
     recorded = r.enabled and (recorder is None or recorder.calls != len(run.calib))  # no plain pass per batch
