@@ -282,7 +282,7 @@ def _choose(run: Run, trial: Trial, plans: dict, scores: HeadScores, work: Work)
     run.notes += trial.notes
     run.work["reconstruction"] = trial.refit_work
     run.work["selection"] = (len(decision.tried) + 1) * run.work["heldout_pass"] + trial.refit_work
-    run.steps.append({**decision.entry(), "seconds": round(time.perf_counter() - tick, 3)})
+    run.steps.append(decision.entry(round(time.perf_counter() - tick, 3)))
     run.summary = heldout_summary(decision, trial.batches)
     run.timings["selection"] = time.perf_counter() - tick
     return decision

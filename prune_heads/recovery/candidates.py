@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,8 +172,8 @@ class Trial:
 @dataclass
 class Decision:
     """The candidate kept (`label`: the gated model is left in its state, whose `plan` it removes), its
-    held-out values, every candidate's mean held-out value, what its reconstruction chose (None without one)
-    and how long the choice took. It keeps no refit: their fits are in the weights, the originals in the gated
+    held-out values, every candidate's mean held-out value and what its reconstruction chose (None without
+    one). It keeps no refit: their fits are in the weights, the originals in the gated
     model."""
 
     label: str
@@ -182,16 +181,15 @@ class Decision:
     values: torch.Tensor | None
     tried: dict[str, float | None]
     reconstruction: dict[str, Any] | None
-    seconds: float
 
     @property
     def value(self) -> float | None:
         """The kept state's mean held-out divergence."""
         return None if self.values is None else float(self.values.mean())
 
-    def entry(self) -> dict[str, Any]:
-        """The report's "selection" step."""
-        found: dict[str, Any] = {"step": "selection", "kept": self.label, "seconds": self.seconds, "tried": self.tried}
+    def entry(self, seconds: float) -> dict[str, Any]:
+        """The report's "selection" step, which took `seconds`."""
+        found: dict[str, Any] = {"step": "selection", "kept": self.label, "seconds": seconds, "tried": self.tried}
         if self.reconstruction is not None:
             found["reconstruction"] = self.reconstruction
         return found
@@ -202,7 +200,6 @@ def choose(trial: Trial, tried: list[Candidate], otherwise: str) -> Decision:
     (`otherwise`, the label to keep, without held-out batches); the gated model is left in its state. A
     reconstruction tried is made again once kept (each is a share of the weights: not kept meanwhile).
     A bar over the candidates where the trial shows progress."""
-    tick = time.perf_counter()
     measured: dict[str, tuple[torch.Tensor | None, Candidate, State]] = {}
     for candidate in progress_bar(tried, "candidates", len(tried), trial.progress):
         state = trial.state(candidate)
@@ -215,7 +212,7 @@ def choose(trial: Trial, tried: list[Candidate], otherwise: str) -> Decision:
     trial.gated.use(state.plan, state.biases, state.refits)
     means = {k: None if v is None else float(v.mean()) for k, (v, _, _) in measured.items()}
     summary = _summary(state.refits) if state.refits else None
-    return Decision(label, state.plan, kept, means, summary, round(time.perf_counter() - tick, 3))
+    return Decision(label, state.plan, kept, means, summary)
 
 
 def _summary(refits: dict[str, Refit]) -> dict[str, Any]:
