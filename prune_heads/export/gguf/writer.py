@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch import nn
 
 from ...model.layers import find_attention
@@ -35,6 +36,7 @@ from .tensors import (
     _UNEVEN_REFUSED,
     _architecture,
     _attention_free,
+    _Block,
     _blocks,
     _encode,
     _targets,
@@ -234,13 +236,52 @@ def save_gguf(
     under no name and linked into place when complete. Raises GgufError before writing anything for what no
     GGUF file can hold, OutputExistsError for an existing file without `overwrite`.
     """
-    import gguf
-
     arch = _arch_of(model)
     path, source = Path(path), _source(model, source)
     check_gguf(model, tokenizer, source, tensor_type, output=path, overwrite=overwrite)
     quantized = tensor_type if tensor_type in FILE_TYPES else None
     wanted = (None if quantized else tensor_type) or ("source" if source is not None else "f16")
+    layout = _layout(model, arch)
+    heads, kv_heads = [b.heads for b in layout.blocks], [b.kv_heads for b in layout.blocks]
+    result = GgufWrite(path, layout.architecture, heads, kv_heads, file_type=quantized)
+
+    def write(out: Path) -> None:
+        import gguf
+
+        writer = gguf.GGUFWriter(out, layout.architecture)
+        reader = _reader(source) if source is not None else None
+        _metadata(writer, model, arch, layout, source, reader, tokenizer)
+        _tensors(writer, arch, layout, reader, wanted, result)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    def write_quantized(out: Path) -> None:
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".prune-heads-") as folder:
+            write(Path(folder) / "unquantized.gguf")
+            _quantize(Path(folder) / "unquantized.gguf", out, str(quantized))
+
+    replace_file(path, overwrite, write_quantized if quantized else write)
+    return result
+
+
+@dataclass
+class _Layout:
+    """What a model's file holds: its attention blocks, llama.cpp's architecture for them, every tensor by
+    its GGUF name (as the model holds it) and the head size."""
+
+    blocks: list[_Block]
+    architecture: str
+    targets: dict[str, np.ndarray]
+    head_dim: int
+
+
+def _layout(model: nn.Module, arch: GgufArch) -> _Layout:
+    """The model's tensors named and laid out for `arch`; what the chosen architecture cannot hold (no KV
+    cache at all, output biases where it loads none) is refused."""
+    import gguf
+
     config: Any = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.names], config.num_hidden_layers)
     blocks = _blocks(model, names)
@@ -256,64 +297,67 @@ def save_gguf(
     targets = {n: v for n, v in targets.items() if arch.output_bias or not n.endswith("attn_output.bias")}
     if architecture == UNEVEN:
         _attention_free(targets, blocks, bool(getattr(model.config, "tie_word_embeddings", False)))
-    head_dim = max(b.layer.head_dim for b in blocks)
-    result = GgufWrite(path, architecture, [b.heads for b in blocks], [b.kv_heads for b in blocks], file_type=quantized)
-    reader = _reader(source) if source is not None else None
-    by_index = {b.index: b for b in blocks}
-    interleave = arch.interleaved and not arch.source_interleaved  # the source's q/k rows into the written order
+    return _Layout(blocks, architecture, targets, max(b.layer.head_dim for b in blocks))
 
-    def write(out: Path) -> None:
-        writer = gguf.GGUFWriter(out, architecture)
-        even = architecture != UNEVEN
-        counts = {
-            f"{architecture}.attention.head_count": result.heads[0] if even else result.heads,
-            f"{architecture}.attention.head_count_kv": result.kv_heads[0] if even else result.kv_heads,
-            f"{architecture}.attention.key_length": head_dim,
-            f"{architecture}.attention.value_length": head_dim,
-        }
-        record = getattr(model.config, RECORD_KEY, None)
-        ours = {RECORD_FIELD: json.dumps(record or {}, sort_keys=True)}
-        if source is not None:
-            ours[DIGEST_FIELD] = _sha256(source)
-            dropped = {f"{architecture}.{key}" for key in arch.dropped}
-            _copy_fields(writer, reader, arch.source, architecture, set(counts) | set(ours) | dropped)
+
+def _metadata(
+    writer, model: nn.Module, arch: GgufArch, layout: _Layout, source: Path | None, reader, tokenizer: Any
+) -> None:
+    """The file's metadata: the source's (copied) or the config's and the tokenizer's, then the head counts
+    of the pruned layers and prune-heads' own record (and the source's sha256)."""
+    import gguf
+
+    architecture, heads, kv_heads = (
+        layout.architecture,
+        [b.heads for b in layout.blocks],
+        [b.kv_heads for b in layout.blocks],
+    )
+    even = architecture != UNEVEN
+    counts = {
+        f"{architecture}.attention.head_count": heads[0] if even else heads,
+        f"{architecture}.attention.head_count_kv": kv_heads[0] if even else kv_heads,
+        f"{architecture}.attention.key_length": layout.head_dim,
+        f"{architecture}.attention.value_length": layout.head_dim,
+    }
+    record = getattr(model.config, RECORD_KEY, None)
+    ours = {RECORD_FIELD: json.dumps(record or {}, sort_keys=True)}
+    if source is not None:
+        ours[DIGEST_FIELD] = _sha256(source)
+        dropped = {f"{architecture}.{key}" for key in arch.dropped}
+        _copy_fields(writer, reader, arch.source, architecture, set(counts) | set(ours) | dropped)
+    else:
+        _config_fields(writer, model, tokenizer, layout.targets, layout.head_dim, arch)
+    for key, value in {**counts, **ours}.items():
+        if isinstance(value, list):
+            writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT32)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
         else:
-            _config_fields(writer, model, tokenizer, targets, head_dim, arch)
-        for key, value in {**counts, **ours}.items():
-            if isinstance(value, list):
-                writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT32)
-            elif isinstance(value, str):
-                writer.add_string(key, value)
-            else:
-                writer.add_uint32(key, value)
-        source_tensors = {t.name: t for t in reader.tensors} if reader is not None else {}
-        if arch.fused:
-            source_tensors = _unfused(source_tensors, by_index)
-        # a source tensor the model has no weight for (rope_freqs) is copied, unless it is attention
-        order = [n for n in source_tensors if n in targets or not re.match(r"blk\.\d+\.attn_", n)] + [
-            n for n in targets if n not in source_tensors
-        ]
-        for name in order:
-            raw = _unchanged(name, targets.get(name), source_tensors, by_index, interleave)
-            if raw is not None:
-                result.copied.append(name)
-            else:
-                like = source_tensors.get(name) or source_tensors.get(re.sub(r"^blk\.\d+\.", "blk.0.", name))
-                raw = _encode(targets[name], wanted, like.tensor_type if like is not None else None)
-                result.written[name] = raw[1].name
-            writer.add_tensor(name, raw[0], raw_dtype=raw[1])
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+            writer.add_uint32(key, value)
 
-    def write_quantized(out: Path) -> None:
-        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".prune-heads-") as folder:
-            write(Path(folder) / "unquantized.gguf")
-            _quantize(Path(folder) / "unquantized.gguf", out, str(quantized))
 
-    replace_file(path, overwrite, write_quantized if quantized else write)
-    return result
+def _tensors(writer, arch: GgufArch, layout: _Layout, reader, wanted: str, result: GgufWrite) -> None:
+    """Every tensor: copied byte for byte from the source where the model still holds its values (q/k/v with
+    the removed heads' rows dropped), else written anew in `wanted`; `result` says which went which way."""
+    by_index = {b.index: b for b in layout.blocks}
+    interleave = arch.interleaved and not arch.source_interleaved  # the source's q/k rows into the written order
+    targets = layout.targets
+    source_tensors = {t.name: t for t in reader.tensors} if reader is not None else {}
+    if arch.fused:
+        source_tensors = _unfused(source_tensors, by_index)
+    # a source tensor the model has no weight for (rope_freqs) is copied, unless it is attention
+    order = [n for n in source_tensors if n in targets or not re.match(r"blk\.\d+\.attn_", n)] + [
+        n for n in targets if n not in source_tensors
+    ]
+    for name in order:
+        raw = _unchanged(name, targets.get(name), source_tensors, by_index, interleave)
+        if raw is not None:
+            result.copied.append(name)
+        else:
+            like = source_tensors.get(name) or source_tensors.get(re.sub(r"^blk\.\d+\.", "blk.0.", name))
+            raw = _encode(targets[name], wanted, like.tensor_type if like is not None else None)
+            result.written[name] = raw[1].name
+        writer.add_tensor(name, raw[0], raw_dtype=raw[1])
 
 
 def _quantize(source: Path, target: Path, file_type: str) -> None:
