@@ -444,10 +444,10 @@ def test_every_config_field_is_a_prune_option_with_its_documentation_or_says_it_
 def test_the_prune_line_says_what_the_held_out_data_measured():
     from types import SimpleNamespace
 
-    from prune_heads.cli import _heldout
+    from prune_heads.cli import heldout_line
 
     measured = SimpleNamespace(meta={"heldout": {"final": 0.01234, "plain": 0.04567}})
-    assert _heldout(measured) == (
+    assert heldout_line(measured) == (
         " (held-out divergence from the unpruned model 0.01234; the plain selection's 0.04567)"
     )
-    assert _heldout(SimpleNamespace(meta={"heldout": {"final": None, "plain": None}})) == ""  # nothing held out
+    assert heldout_line(SimpleNamespace(meta={"heldout": {"final": None, "plain": None}})) == ""  # nothing held out

@@ -2,100 +2,37 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import json
 import logging
 import os
 import re
 import sys
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
-from .config import CHOICES, RecoveryConfig, ScoringConfig, SelectionConfig
-from .errors import PruneHeadsError
-from .export.persistence import load_pruned
-from .model.layers import scan_required
-from .model.surgery import PlanError
-from .recipes import load_recipe, parse_recipe, recipe_path, shipped_recipes
-from .runtime.memory import map_large_blocks
-from .scoring.methods import METHODS
-
-
-class _Budget(click.ParamType):
-    """A number of passes, 0 or more, or 'none' for no limit."""
-
-    name = "passes"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> float | None:
-        if value is None or str(value).lower() in ("none", "null"):
-            return None
-        try:
-            number = float(value)
-        except ValueError:
-            self.fail(f"{value!r} is not a number of passes or 'none'", param, ctx)
-        if number < 0:
-            self.fail(f"{value} is below 0; give 0 or more passes, or 'none' for no limit", param, ctx)
-        return number
-
-
-BUDGET = _Budget()
-_COMMAND_PROCESS = False  # set by `entry`: this process is the prune-heads command's own
-
-
-def _fail(message: str, code: int) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
-
-
-def handle_errors(command: Callable) -> Callable:
-    """A command's body: input the user must fix (`PruneHeadsError`) is one line and exit 2 (with its
-    traceback under --traceback); anything else is a bug and shows its traceback. In the `prune-heads`
-    process itself (`entry`), the C allocator is set up first (`map_large_blocks`), only once a command runs."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        if _COMMAND_PROCESS:
-            map_large_blocks()
-        try:
-            return command(*args, **kwargs)
-        except PruneHeadsError as error:
-            if click.get_current_context().find_root().params.get("traceback"):
-                raise
-            _fail(str(error).splitlines()[0] if str(error) else type(error).__name__, 2)
-
-    return wrapper
-
-
-def _without_option(args: list[str], name: str) -> list[str]:
-    """`args` without `name VALUE` or `name=VALUE`."""
-    kept, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg == name:
-            skip = True
-        elif not arg.startswith(name + "="):
-            kept.append(arg)
-    return kept
-
-
-def _emit(data: Any, as_json: bool, text: Callable[[], str]) -> None:
-    if as_json:
-        click.echo(json.dumps(data, indent=1, default=float))
-    else:
-        click.echo(text())
-
-
-def _quiet_transformers() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+from ..config import CHOICES, RecoveryConfig, ScoringConfig, SelectionConfig
+from ..export.persistence import load_pruned
+from ..model.layers import scan_required
+from ..recipes import load_recipe, recipe_path, shipped_recipes
+from ..scoring.methods import METHODS
+from .options import (
+    BUDGET,
+    GGUF_TYPE_HELP,
+    asked_line,
+    config_fields,
+    config_option,
+    data_options,
+    emit,
+    handle_errors,
+    heldout_line,
+    in_command_process,
+    make_recipe,
+    quiet_transformers,
+    read_plan,
+    without_option,
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -112,112 +49,11 @@ def main(quiet: bool, traceback: bool) -> None:
 
     Example: prune-heads run fixture-minilm-sentiment --set selection.sparsity=0.5
     """
-    _quiet_transformers()
+    quiet_transformers()
     if quiet:
         os.environ["TQDM_DISABLE"] = "1"
         logging.getLogger("prune_heads").setLevel(logging.ERROR)
         warnings.simplefilter("ignore")
-
-
-def config_option(config: type, name: str, **kwargs: Any) -> Callable:
-    """The option of a config field: its flag (`--NAME`, `--NAME/--no-NAME` for a switch, or the field's own
-    `flag`), its default and its documentation, all from the config (`prune_heads.config.option`)."""
-    spec = next(f for f in dataclasses.fields(config) if f.name == name)
-    flag = spec.metadata["flag"] or "--" + name.replace("_", "-")
-    switch = isinstance(spec.default, bool) and not kwargs.get("is_flag")
-    decls = (f"{flag}/--no-{flag[2:]}" if switch else flag, name)  # the parameter is named after the field
-    default = kwargs.pop("default", spec.default if spec.default is not dataclasses.MISSING else None)
-    show = default is not None and default is not False
-    return click.option(*decls, default=default, show_default=show, help=spec.metadata["help"], **kwargs)
-
-
-GGUF_TYPE_HELP = (
-    "Lower case: the GGUF type of the tensors written anew (default: the source's; f16 from Hugging Face "
-    "weights). Upper case (Q8_0, Q4_K_M, Q5_K_M, ...): the whole file quantized by llama.cpp's own quantizer."
-)
-
-
-def data_options(command: Callable) -> Callable:
-    """Options that describe the model's task data (see ph.load_task_data)."""
-    options = [
-        click.option(
-            "--data",
-            "source",
-            default=None,
-            help="Dataset: hub name, file (csv/json/jsonl/parquet/txt) or folder of split files.",
-        ),
-        click.option(
-            "--gguf-file",
-            default=None,
-            help="GGUF file inside MODEL's folder (or hub repo) to load (dequantized; saved as safetensors).",
-        ),
-        click.option("--task", default="classification", show_default=True, type=click.Choice(CHOICES["task"])),
-        click.option("--split", default="validation", show_default=True, help="Split to use, e.g. 'train[:2048]'."),
-        click.option("--text-column", default="sentence", show_default=True),
-        click.option("--text-pair-column", default=None),
-        click.option("--label-column", default="label", show_default=True),
-        click.option("--examples", type=click.IntRange(min=1), default=None, help="Use at most this many examples."),
-        click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True),
-        click.option("--max-length", type=click.IntRange(min=2), default=128, show_default=True),
-        click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: where the model loads)."),
-        click.option("--dtype", default=None, type=click.Choice(CHOICES["dtype"])),
-        config_option(ScoringConfig, "seed", type=int),
-        click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout; logs go to stderr."),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
-
-
-def _recipe(
-    model: str,
-    opts: dict[str, Any],
-    selection: dict[str, Any],
-    scoring: dict[str, Any] | None = None,
-    speed: bool = False,
-    metrics: tuple[str, ...] = ("accuracy",),
-    eval_split: str | None = None,
-    standalone: bool = False,
-    recovery: dict[str, Any] | None = None,
-    needs_data: bool = True,
-    output: dict[str, Any] | None = None,
-    labels: bool = False,
-    lm_eval: dict[str, Any] | None = None,
-):
-    task = opts["task"]
-    if needs_data and not opts["source"]:
-        raise click.UsageError("--data is required (a dataset: hub name, file or folder of split files)")
-    return parse_recipe(
-        {
-            "model": model,
-            "task": task,
-            "device": opts["device"],
-            "dtype": opts["dtype"],
-            "standalone": standalone,
-            "model_kwargs": {"gguf_file": opts["gguf_file"]} if opts["gguf_file"] else {},
-            "data": {
-                "source": opts["source"] or "",
-                "score_split": opts["split"],
-                "eval_split": eval_split,
-                "text_column": opts["text_column"],
-                "text_pair_column": opts["text_pair_column"],
-                "label_column": None if task == "feature-extraction" and not labels else opts["label_column"],
-                "max_length": opts["max_length"],
-                "batch_size": opts["batch_size"],
-                "score_examples": opts["examples"],
-                "eval_examples": opts["examples"],
-            },
-            "scoring": {"seed": opts["seed"], **(scoring or {})},
-            "selection": selection,
-            "recovery": recovery if recovery is not None else {},
-            "evaluation": {
-                "metrics": [] if task in ("causal-lm", "feature-extraction") else list(metrics),
-                "speed": {} if speed else None,
-                "lm_eval": lm_eval,
-            },
-            "output": output,
-        }
-    )
 
 
 @main.command()
@@ -275,12 +111,12 @@ def inspect(model_path: str, gguf_file: str | None, as_json: bool) -> None:
         lines += [f"  -  {u['name'][-48:]:48} left as it is ({u['class']}): {u['why']}" for u in unsupported]
         return "\n".join(lines)
 
-    _emit(summary, as_json, text)
+    emit(summary, as_json, text)
 
 
 def _inspect_gguf(path: str, as_json: bool) -> None:
     """`inspect` of a GGUF file: its architecture, per-layer heads and what prune-heads recorded in it."""
-    from .export.gguf import gguf_heads
+    from ..export.gguf import gguf_heads
 
     found = gguf_heads(path)
 
@@ -305,7 +141,7 @@ def _inspect_gguf(path: str, as_json: bool) -> None:
             lines.append(f"{i:>5}  {heads:>5} {kv:>4}  {gone}")
         return "\n".join(lines)
 
-    _emit(found, as_json, text)
+    emit(found, as_json, text)
 
 
 @main.command()
@@ -330,19 +166,19 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
 
     Example: prune-heads score ./model --data glue --split validation --method fisher -o scores --processes 2
     """
-    from .evaluation.report import heatmap
-    from .export.persistence import ensure_free, replace_folder
-    from .pipeline import load_model, load_processor, task_data
-    from .runtime.parallel import distributed, relaunch
-    from .scoring.methods import score_heads
+    from ..evaluation.report import heatmap
+    from ..export.persistence import ensure_free, replace_folder
+    from ..pipeline import load_model, load_processor, task_data
+    from ..runtime.parallel import distributed, relaunch
+    from ..scoring.methods import score_heads
 
-    recipe = _recipe(
+    recipe = make_recipe(
         model, opts, {"sparsity": 0.0}, {"method": method, "objective": "label-free" if label_free else "auto"}
     )
     ensure_free(Path(output), force)  # before any work
     state = distributed()
     if processes > 1 and state is None:
-        sys.exit(relaunch(processes, _without_option(sys.argv[1:], "--processes")))
+        sys.exit(relaunch(processes, without_option(sys.argv[1:], "--processes")))
     loaded = load_model(recipe)
     processor = load_processor(recipe)
     data = task_data(recipe, loaded, processor, opts["split"], opts["examples"])
@@ -356,7 +192,7 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
         heatmap(scores, tmp / "heatmap.png", {})
 
     replace_folder(Path(output), force, write)
-    _emit(
+    emit(
         scores.to_dict(),
         opts["as_json"],
         lambda: (
@@ -364,22 +200,6 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
             f"on {scores.num_examples} examples ({method}); wrote {output}/scores.json and {output}/heatmap.png"
         ),
     )
-
-
-def _plan_file(path: str) -> dict:
-    """A plan JSON file: an object {layer: [heads]}; anything else is a PlanError naming the file."""
-    try:
-        plan = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as error:
-        raise PlanError(
-            f"{path} is not valid JSON ({error.msg} at line {error.lineno}); a plan is "
-            f'{{"layer name or index": [heads to remove]}}'
-        ) from None
-    if not isinstance(plan, dict) or not all(isinstance(v, list) for v in plan.values()):
-        raise PlanError(
-            f'{path} must hold a JSON object {{"layer name or index": [heads to remove]}}, not {type(plan).__name__}'
-        )
-    return plan
 
 
 @main.command(name="prune")
@@ -453,19 +273,19 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
     decided on held-out calibration data. Example:
     prune-heads prune ./model --data reviews.jsonl --sparsity 0.5 -o ./pruned
     """
-    from .pipeline import run
+    from ..pipeline import run
 
-    selection = _fields(SelectionConfig, opts)
+    selection = config_fields(SelectionConfig, opts)
     budgets = {k: selection.pop(k) for k in ("sparsity", "num_heads", "flops")}
     if sum(v is not None for v in budgets.values()) + (plan_file is not None) != 1:
         raise click.UsageError("give exactly one of --sparsity, --num-heads, --keep-flops or --plan")
-    plan = _plan_file(plan_file) if plan_file else None
+    plan = read_plan(plan_file) if plan_file else None
     selection.update({k: v for k, v in budgets.items() if v is not None} or {"sparsity": 0.0})
-    steps = _fields(RecoveryConfig, opts)
+    steps = config_fields(RecoveryConfig, opts)
     kept = {k: steps[k] for k in ("holdout", "epochs", "generated_share")}  # checked with recovery off too
     recovery_section = steps if recovery else {**vars(RecoveryConfig.off()), **kept}
     fmt = opts["output_format"] or ("gguf" if output.endswith(".gguf") else "safetensors")
-    recipe = _recipe(
+    recipe = make_recipe(
         model,
         opts,
         selection,
@@ -476,37 +296,14 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
         output={"path": output, "format": fmt, "gguf_type": opts["gguf_type"]},
     )
     report = run(recipe, output=output, force=opts["force"], plan=plan, evaluate=False)
-    _emit(
+    emit(
         report.to_dict(),
         opts["as_json"],
         lambda: (
-            f"removed {report.summary()['heads']['removed']} heads{_heldout(report)}; "
-            f"saved the pruned model to {output}" + _asked(selection, report)
+            f"removed {report.summary()['heads']['removed']} heads{heldout_line(report)}; "
+            f"saved the pruned model to {output}" + asked_line(selection, report)
         ),
     )
-
-
-def _fields(config: type, opts: dict[str, Any]) -> dict[str, Any]:
-    """The options of `config`'s fields among a command's options (each named after its field)."""
-    return {f.name: opts[f.name] for f in dataclasses.fields(config) if f.name in opts}
-
-
-def _heldout(report) -> str:
-    """What the held-out calibration data measured: the pruned model's divergence from the unpruned one,
-    beside the plain selection's."""
-    heldout = report.meta.get("heldout") or {}
-    if heldout.get("final") is None:
-        return ""
-    final, plain = heldout["final"], heldout["plain"]
-    return f" (held-out divergence from the unpruned model {final:.4g}; the plain selection's {plain:.4g})"
-
-
-def _asked(selection: dict, report) -> str:
-    """A note when --round took another count than the one asked for."""
-    if not selection.get("round") or report.meta.get("asked_heads") is None:
-        return ""
-    asked, removed = report.meta["asked_heads"], report.summary()["heads"]["removed"]
-    return "" if asked == removed else f" (asked for {asked}; --round {selection['round']} took {removed})"
 
 
 @main.command()
@@ -521,7 +318,7 @@ def push(folder: str, repo_id: str, base_model: str | None, private: bool, token
 
     Example: prune-heads push ./pruned-bert-sst2 me/bert-base-sst2-pruned-50
     """
-    from .export.hub import push_pruned
+    from ..export.hub import push_pruned
 
     info = push_pruned(folder, repo_id, base_model=base_model, private=private or None, token=token)
     click.echo(f"pushed {folder} to {repo_id}: {getattr(info, 'commit_url', info)}")
@@ -575,7 +372,7 @@ def evaluate_command(
 
     Example: prune-heads evaluate ./pruned --data reviews.jsonl --split test --metric accuracy --metric f1
     """
-    from .pipeline import load_model, load_processor, measure, measure_speed, task_data
+    from ..pipeline import load_model, load_processor, measure, measure_speed, task_data
 
     if lm_eval_tasks:
         if ctx.get_parameter_source("task") == click.core.ParameterSource.DEFAULT:
@@ -592,7 +389,7 @@ def evaluate_command(
         if lm_eval_tasks
         else None
     )
-    recipe = _recipe(
+    recipe = make_recipe(
         model,
         opts,
         {"sparsity": 0.0},
@@ -631,7 +428,7 @@ def evaluate_command(
             ]
         return "\n".join(lines)
 
-    _emit(result, opts["as_json"], text)
+    emit(result, opts["as_json"], text)
 
 
 @main.command(name="run")
@@ -652,12 +449,12 @@ def run_command(
     RECIPE is a YAML file or the name of a shipped recipe (see `prune-heads recipes`).
     Example: prune-heads run fixture-minilm-sentiment --set selection.sparsity=0.25 -o pruned-25
     """
-    from .pipeline import run
+    from ..pipeline import run
 
     parsed = load_recipe(recipe, [*overrides, *([f"model_kwargs.gguf_file={gguf_file}"] if gguf_file else [])])
     report = run(parsed, output=output, force=force)
     target = output or parsed.written.path or "pruned-model"
-    _emit(report.to_dict(), as_json, lambda: report.markdown() + f"\nSaved the model and report to {target}/")
+    emit(report.to_dict(), as_json, lambda: report.markdown() + f"\nSaved the model and report to {target}/")
 
 
 @main.command()
@@ -687,7 +484,7 @@ def export(
     """
     from transformers import AutoTokenizer
 
-    from .export.gguf import save_gguf
+    from ..export.gguf import save_gguf
 
     model = load_pruned(folder).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder) if (Path(folder) / "tokenizer_config.json").exists() else None
@@ -700,7 +497,7 @@ def export(
         "copied": len(result.copied),
         "written": result.written,
     }
-    _emit(
+    emit(
         summary,
         as_json,
         lambda: (
@@ -737,11 +534,11 @@ def demo(output: str, sparsity: float, force: bool, as_json: bool) -> None:
 
     Example: prune-heads demo --sparsity 0.5 -o pruned-demo
     """
-    from .pipeline import run
+    from ..pipeline import run
 
     recipe = load_recipe("demo-minilm-embeddings", [f"selection.sparsity={sparsity}"])
     report = run(recipe, output=output, force=force)
-    _emit(
+    emit(
         report.to_dict(),
         as_json,
         lambda: report.markdown() + f"\nSaved the pruned model, report.md, report.json and the plots to {output}/",
@@ -752,10 +549,5 @@ def entry() -> None:
     """The `prune-heads` command: `main` in a process of its own, whose C allocator its commands may set up
     (`map_large_blocks`: the scoring pass and the default path peak lower on the CPU); the library leaves that
     to its caller."""
-    global _COMMAND_PROCESS
-    _COMMAND_PROCESS = True
+    in_command_process()
     main()
-
-
-if __name__ == "__main__":
-    entry()

@@ -1,0 +1,238 @@
+"""The command line's building blocks: option types, the options made from config fields, the recipe a
+command's flags make, and how a command's errors and output reach the terminal."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..config import CHOICES, ScoringConfig
+from ..errors import PruneHeadsError
+from ..model.surgery import PlanError
+from ..recipes import parse_recipe
+from ..runtime.memory import map_large_blocks
+
+
+class _Budget(click.ParamType):
+    """A number of passes, 0 or more, or 'none' for no limit."""
+
+    name = "passes"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float | None:
+        if value is None or str(value).lower() in ("none", "null"):
+            return None
+        try:
+            number = float(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a number of passes or 'none'", param, ctx)
+        if number < 0:
+            self.fail(f"{value} is below 0; give 0 or more passes, or 'none' for no limit", param, ctx)
+        return number
+
+
+BUDGET = _Budget()
+_COMMAND_PROCESS = False  # this process is the prune-heads command's own (`in_command_process`)
+
+
+def in_command_process() -> None:
+    """Mark this process as the `prune-heads` command's own: its commands may then set up the C allocator."""
+    global _COMMAND_PROCESS
+    _COMMAND_PROCESS = True
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def handle_errors(command: Callable) -> Callable:
+    """A command's body: input the user must fix (`PruneHeadsError`) is one line and exit 2 (with its
+    traceback under --traceback); anything else is a bug and shows its traceback. In the `prune-heads`
+    process itself (`entry`), the C allocator is set up first (`map_large_blocks`), only once a command runs."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        if _COMMAND_PROCESS:
+            map_large_blocks()
+        try:
+            return command(*args, **kwargs)
+        except PruneHeadsError as error:
+            if click.get_current_context().find_root().params.get("traceback"):
+                raise
+            _fail(str(error).splitlines()[0] if str(error) else type(error).__name__, 2)
+
+    return wrapper
+
+
+def without_option(args: list[str], name: str) -> list[str]:
+    """`args` without `name VALUE` or `name=VALUE`."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            kept.append(arg)
+    return kept
+
+
+def emit(data: Any, as_json: bool, text: Callable[[], str]) -> None:
+    if as_json:
+        click.echo(json.dumps(data, indent=1, default=float))
+    else:
+        click.echo(text())
+
+
+def quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def config_option(config: type, name: str, **kwargs: Any) -> Callable:
+    """The option of a config field: its flag (`--NAME`, `--NAME/--no-NAME` for a switch, or the field's own
+    `flag`), its default and its documentation, all from the config (`prune_heads.config.option`)."""
+    spec = next(f for f in dataclasses.fields(config) if f.name == name)
+    flag = spec.metadata["flag"] or "--" + name.replace("_", "-")
+    switch = isinstance(spec.default, bool) and not kwargs.get("is_flag")
+    decls = (f"{flag}/--no-{flag[2:]}" if switch else flag, name)  # the parameter is named after the field
+    default = kwargs.pop("default", spec.default if spec.default is not dataclasses.MISSING else None)
+    show = default is not None and default is not False
+    return click.option(*decls, default=default, show_default=show, help=spec.metadata["help"], **kwargs)
+
+
+GGUF_TYPE_HELP = (
+    "Lower case: the GGUF type of the tensors written anew (default: the source's; f16 from Hugging Face "
+    "weights). Upper case (Q8_0, Q4_K_M, Q5_K_M, ...): the whole file quantized by llama.cpp's own quantizer."
+)
+
+
+def data_options(command: Callable) -> Callable:
+    """Options that describe the model's task data (see ph.load_task_data)."""
+    options = [
+        click.option(
+            "--data",
+            "source",
+            default=None,
+            help="Dataset: hub name, file (csv/json/jsonl/parquet/txt) or folder of split files.",
+        ),
+        click.option(
+            "--gguf-file",
+            default=None,
+            help="GGUF file inside MODEL's folder (or hub repo) to load (dequantized; saved as safetensors).",
+        ),
+        click.option("--task", default="classification", show_default=True, type=click.Choice(CHOICES["task"])),
+        click.option("--split", default="validation", show_default=True, help="Split to use, e.g. 'train[:2048]'."),
+        click.option("--text-column", default="sentence", show_default=True),
+        click.option("--text-pair-column", default=None),
+        click.option("--label-column", default="label", show_default=True),
+        click.option("--examples", type=click.IntRange(min=1), default=None, help="Use at most this many examples."),
+        click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True),
+        click.option("--max-length", type=click.IntRange(min=2), default=128, show_default=True),
+        click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: where the model loads)."),
+        click.option("--dtype", default=None, type=click.Choice(CHOICES["dtype"])),
+        config_option(ScoringConfig, "seed", type=int),
+        click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout; logs go to stderr."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def make_recipe(
+    model: str,
+    opts: dict[str, Any],
+    selection: dict[str, Any],
+    scoring: dict[str, Any] | None = None,
+    speed: bool = False,
+    metrics: tuple[str, ...] = ("accuracy",),
+    eval_split: str | None = None,
+    standalone: bool = False,
+    recovery: dict[str, Any] | None = None,
+    needs_data: bool = True,
+    output: dict[str, Any] | None = None,
+    labels: bool = False,
+    lm_eval: dict[str, Any] | None = None,
+):
+    task = opts["task"]
+    if needs_data and not opts["source"]:
+        raise click.UsageError("--data is required (a dataset: hub name, file or folder of split files)")
+    return parse_recipe(
+        {
+            "model": model,
+            "task": task,
+            "device": opts["device"],
+            "dtype": opts["dtype"],
+            "standalone": standalone,
+            "model_kwargs": {"gguf_file": opts["gguf_file"]} if opts["gguf_file"] else {},
+            "data": {
+                "source": opts["source"] or "",
+                "score_split": opts["split"],
+                "eval_split": eval_split,
+                "text_column": opts["text_column"],
+                "text_pair_column": opts["text_pair_column"],
+                "label_column": None if task == "feature-extraction" and not labels else opts["label_column"],
+                "max_length": opts["max_length"],
+                "batch_size": opts["batch_size"],
+                "score_examples": opts["examples"],
+                "eval_examples": opts["examples"],
+            },
+            "scoring": {"seed": opts["seed"], **(scoring or {})},
+            "selection": selection,
+            "recovery": recovery if recovery is not None else {},
+            "evaluation": {
+                "metrics": [] if task in ("causal-lm", "feature-extraction") else list(metrics),
+                "speed": {} if speed else None,
+                "lm_eval": lm_eval,
+            },
+            "output": output,
+        }
+    )
+
+
+def read_plan(path: str) -> dict:
+    """A plan JSON file: an object {layer: [heads]}; anything else is a PlanError naming the file."""
+    try:
+        plan = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise PlanError(
+            f"{path} is not valid JSON ({error.msg} at line {error.lineno}); a plan is "
+            f'{{"layer name or index": [heads to remove]}}'
+        ) from None
+    if not isinstance(plan, dict) or not all(isinstance(v, list) for v in plan.values()):
+        raise PlanError(
+            f'{path} must hold a JSON object {{"layer name or index": [heads to remove]}}, not {type(plan).__name__}'
+        )
+    return plan
+
+
+def config_fields(config: type, opts: dict[str, Any]) -> dict[str, Any]:
+    """The options of `config`'s fields among a command's options (each named after its field)."""
+    return {f.name: opts[f.name] for f in dataclasses.fields(config) if f.name in opts}
+
+
+def heldout_line(report) -> str:
+    """What the held-out calibration data measured: the pruned model's divergence from the unpruned one,
+    beside the plain selection's."""
+    heldout = report.meta.get("heldout") or {}
+    if heldout.get("final") is None:
+        return ""
+    final, plain = heldout["final"], heldout["plain"]
+    return f" (held-out divergence from the unpruned model {final:.4g}; the plain selection's {plain:.4g})"
+
+
+def asked_line(selection: dict, report) -> str:
+    """A note when --round took another count than the one asked for."""
+    if not selection.get("round") or report.meta.get("asked_heads") is None:
+        return ""
+    asked, removed = report.meta["asked_heads"], report.summary()["heads"]["removed"]
+    return "" if asked == removed else f" (asked for {asked}; --round {selection['round']} took {removed})"
