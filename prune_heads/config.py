@@ -4,7 +4,7 @@ the YAML recipes and the CLI fill in. Each field carries its one line of documen
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
@@ -28,11 +28,6 @@ def option(default: Any = None, help: str = "", *, flag: str | None = None, cli:
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
-
-
-def field_help(config: type, name: str) -> str:
-    """The documentation of a config field."""
-    return next(f.metadata["help"] for f in fields(config) if f.name == name)
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,16 @@ class Run:
         steps = [{"step": "notes", "notes": self.notes}, *self.steps] if self.notes else self.steps
         timings = {k: round(v, 3) for k, v in self.timings.items()}
         seconds = time.perf_counter() - self.start
-        return PruneResult(plan, scores, [], steps, self.summary, self.asked, seconds, timings, self.work)
+        return PruneResult(
+            plan,
+            scores,
+            recovery=steps,
+            heldout=self.summary,
+            asked=self.asked,
+            seconds=seconds,
+            timings=timings,
+            work=self.work,
+        )
 
 
 def prune_model(

@@ -130,7 +130,7 @@ class Trial:
         """Layer `name`'s reconstruction without `heads`, fitted against the unpruned weights."""
         assert self.calibration is not None
         self.gated.restore()  # not to a candidate's refit written into the weights
-        i = [layer.name for layer in self.gated.layers].index(name)
+        i = self.gated.index[name]
         held = self.reference.moments[i] if self.reference is not None else None
         return refit(self.gated.layers[i], heads, self.calibration.moments[i], held, self.bias)
 

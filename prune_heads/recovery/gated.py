@@ -55,6 +55,7 @@ class GatedModel:
 
     def __init__(self, model: nn.Module, layers: list[AttentionLayer]) -> None:
         self.model, self.layers = model, layers
+        self.index = {layer.name: i for i, layer in enumerate(layers)}  # layer name -> its place in `layers`
         projections = [output_projection(l) for l in layers]
         self.devices = [p.module.weight.device for p in projections]
         self.widths = [p.features("out") for p in projections]
@@ -116,10 +117,14 @@ class GatedModel:
         "projection"."""
         self.scales = [s.requires_grad_(gates) for s in self.scales]
         self.biases = [b.requires_grad_(biases) for b in self.biases]
-        updates = self.add_updates(rank, seed) if rank is not None else []
-        found = {"gate": self.scales if gates else None, "bias": self.biases if biases else None}
-        found["projection"] = updates if rank is not None else None
-        return {name: params for name, params in found.items() if params is not None}
+        found = {}
+        if gates:
+            found["gate"] = self.scales
+        if biases:
+            found["bias"] = self.biases
+        if rank is not None:
+            found["projection"] = self.add_updates(rank, seed)
+        return found
 
     def freeze(self) -> None:
         """Stop tuning: the scales, added biases and updates keep their values, detached."""

@@ -163,8 +163,7 @@ class _Search:
         self.units = removal_units(scores, **budget)
         self.every = [(name, unit) for name, (layer_units, _) in self.units.items() for unit in layer_units]
         self.whole = work.forward(batches)
-        index = {layer.name: i for i, layer in enumerate(gated.layers)}
-        self.refits = sum(refit_flops([gated.layers[index[n]]], {n: list(u)}) for n, u in self.every)
+        self.refits = sum(refit_flops([gated.layers[gated.index[n]]], {n: list(u)}) for n, u in self.every)
         self.chain = chain = block_chain(gated.model, gated.layers)
         self.shares = None if chain is None else module_shares(gated.model, batches[0], list(chain[0]))
         self.block = {} if chain is None or self.shares is None else dict(zip([l.name for l in gated.layers], chain[1]))
