@@ -76,7 +76,7 @@ def main() -> None:
                 ph.prune_iteratively(
                     model,
                     validation,
-                    sparsity=sparsity,
+                    sparsity,
                     steps=max(2, round(sparsity / 0.125)),
                     method=method,
                     progress=False,

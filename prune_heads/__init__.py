@@ -39,6 +39,7 @@ from .recovery import reconstruct, tune_gates
 from .runtime.memory import map_large_blocks
 from .scoring import (
     METHODS,
+    HeadBudget,
     HeadScores,
     IterativeResult,
     check_budget,
@@ -58,6 +59,7 @@ __all__ = [
     "FAMILIES",
     "GgufError",
     "HeadGates",
+    "HeadBudget",
     "HeadScores",
     "IterativeResult",
     "LmEvalConfig",

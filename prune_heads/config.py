@@ -13,7 +13,7 @@ from .recovery.generated import SHARE
 from .recovery.search import ROUNDS
 from .recovery.tuning import AVERAGE, MIN_TUNING_FLOPS
 from .scoring.methods import METHODS
-from .scoring.selection import GQA_MODES, GRANULARITIES, ROUNDING
+from .scoring.selection import GQA_MODES, GRANULARITIES, ROUNDING, HeadBudget
 from .task_data import TASKS
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -72,9 +72,13 @@ class SelectionConfig:
     )
     ignore: list[str] = option(help="Layers (name patterns) that keep every head.", cli=False, factory=list)
 
-    def budget(self) -> dict:
-        """The keyword arguments of `select_heads` this section sets (flops is resolved by the caller)."""
-        return {k: v for k, v in vars(self).items() if k != "flops" and v is not None and v != []}
+    def budget(self, flops_heads: int | None = None) -> HeadBudget:
+        """The `select_heads` budget this section sets; a FLOPs budget needs the model, so the caller gives the
+        heads it comes to (`flops_heads`), taken rounded up to what the structure reaches unless `round` says."""
+        fields = {k: v for k, v in vars(self).items() if k != "flops" and v is not None and v != []}
+        if flops_heads is not None:
+            fields.update(num_heads=flops_heads, round=self.round or "up")
+        return HeadBudget(**fields)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from .scoring.iterative import prune_iteratively
 from .scoring.methods import score_heads
 from .scoring.objective import Objective, frozen
 from .scoring.recording import Recorder, record
-from .scoring.selection import check_budget, heads_for_flops, requested_heads
+from .scoring.selection import HeadBudget, check_budget, heads_for_flops, requested_heads
 from .task_data import DataError, TaskData, with_targets, without_labels
 
 BEFORE_TUNING = ("generation", "recording", "search", "selection")  # recovery's counted work before tuning
@@ -79,25 +79,23 @@ class PruneResult:
         return sum(len(h) for h in self.plan.values())
 
 
-def selection_budget(model: nn.Module, config: PruneConfig, seq_len: int = 128) -> dict[str, Any]:
-    """The `select_heads` keyword arguments of `config.selection`, checked against the model's structure
+def selection_budget(model: nn.Module, config: PruneConfig, seq_len: int = 128) -> HeadBudget:
+    """The `select_heads` budget of `config.selection`, checked against the model's structure
     before any data is read (a FLOPs budget becomes the smallest reachable number of heads that meets it).
     Raises PlanError naming the nearest reachable budgets when the structure cannot meet the request."""
     selection = config.selection
-    kwargs = selection.budget()
-    if selection.flops is not None:
-        kwargs["num_heads"] = heads_for_flops(model, selection.flops, seq_len=seq_len)
-        kwargs["round"] = kwargs.get("round") or "up"
+    heads = None if selection.flops is None else heads_for_flops(model, selection.flops, seq_len=seq_len)
+    budget = selection.budget(heads)
     if config.scoring.steps > 1:
         if config.recovery.enabled:
             raise ConfigError(
                 "iterative pruning (scoring.steps > 1) re-scores the pruned model, which recovery "
                 "cannot follow; turn recovery off (--no-recovery, or recovery: off in a recipe)"
             )
-        if kwargs.get("sparsity") is None:
+        if budget.sparsity is None:
             raise ConfigError("iterative pruning (scoring.steps > 1) needs selection.sparsity")
-    check_budget(model, **kwargs)
-    return kwargs
+    check_budget(model, budget)
+    return budget
 
 
 @dataclass
@@ -109,7 +107,7 @@ class Run:
     model: nn.Module
     config: PruneConfig
     recovery: RecoveryConfig
-    budget: dict[str, Any]
+    budget: HeadBudget
     asked: int
     calib: list[dict]
     heldout: list[dict]
@@ -160,13 +158,11 @@ def prune_model(
     start = time.perf_counter()
     batches = _batches(data, config)
     budget = selection_budget(model, config, _seq_len(batches))
-    asked = requested_heads(model, **budget)
+    asked = requested_heads(model, budget)
     batches, generated = _with_written_text(model, batches, config)
     if config.scoring.steps > 1:
         s = config.scoring
-        found = prune_iteratively(
-            model, batches, steps=s.steps, method=s.method, seed=s.seed, progress=progress, **budget
-        )
+        found = prune_iteratively(model, batches, budget, s.steps, s.method, seed=s.seed, progress=progress)
         return PruneResult(found.plan, found.scores, found.history, asked=asked, seconds=time.perf_counter() - start)
     run = _start(model, batches, generated, budget, asked, config, start, progress)
     scores, recorder, recorded = _score(run)
@@ -217,7 +213,7 @@ def _start(
     model: nn.Module,
     batches: list,
     generated: list,
-    budget: dict,
+    budget: HeadBudget,
     asked: int,
     config: PruneConfig,
     start: float,

@@ -53,7 +53,7 @@ def test_hub_recipes_build_their_pipeline_on_a_stand_in(recipe_name):
     # the tiny stand-in has other head counts than the hub model: take the nearest budget its structure allows
     selection = SelectionConfig(**{**vars(recipe.selection), "round": "nearest"})
     config = PruneConfig(selection=selection, scoring=recipe.scoring, recovery=recipe.recovery)
-    expected = check_budget(model, **selection.budget())
+    expected = check_budget(model, selection.budget())
     found = prune_model(model, _synthetic(family, recipe), config, progress=False)
     assert found.heads_removed == expected > 0
     assert sum(layer.num_heads for layer in find_attention(model)) == total - expected

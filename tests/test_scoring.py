@@ -144,7 +144,7 @@ def test_prune_iteratively_records_a_curve():
     result = ph.prune_iteratively(
         model,
         batches,
-        sparsity=0.5,
+        0.5,
         steps=3,
         progress=False,
         evaluate=lambda m: {"params": sum(p.numel() for p in m.parameters())},

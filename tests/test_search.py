@@ -8,7 +8,7 @@ import prune_heads as ph
 from prune_heads.recovery import search
 from prune_heads.recovery.generated import SHARE
 from prune_heads.recovery.search import search_order, searched_scores
-from prune_heads.scoring.selection import removal_units
+from prune_heads.scoring.selection import HeadBudget, removal_units
 
 # two layers of 6 query heads, 2 per KV head: groups (0, 1), (2, 3), (4, 5)
 SCORES = tm.make_scores([[1.0] * 6, [1.0] * 6], group_sizes=[2, 2])
@@ -23,14 +23,14 @@ def measured(plan: dict, changed: str) -> float:
 
 
 def test_units_are_what_selection_removes_together():
-    units = removal_units(SCORES, gqa="groups", min_heads_per_layer=1)
+    units = removal_units(SCORES, HeadBudget(num_heads=0, gqa="groups", min_heads_per_layer=1))
     assert units == {n: ([(0, 1), (2, 3), (4, 5)], 5) for n in ("layers.0.attn", "layers.1.attn")}
-    assert removal_units(SCORES, gqa="even")["layers.0.attn"][0] == [(0, 2, 4), (1, 3, 5)]
-    assert list(removal_units(SCORES, ignore="layers.1")) == ["layers.0.attn"]
+    assert removal_units(SCORES, HeadBudget(num_heads=0, gqa="even"))["layers.0.attn"][0] == [(0, 2, 4), (1, 3, 5)]
+    assert list(removal_units(SCORES, HeadBudget(num_heads=0, ignore="layers.1"))) == ["layers.0.attn"]
 
 
 def test_one_round_takes_the_cheapest_alone_and_more_rounds_measure_what_went_before():
-    units = removal_units(SCORES)
+    units = removal_units(SCORES, HeadBudget(num_heads=0))
     once, present = search_order(units, budget=4, rounds=1, cost=measured)
     assert once[:2] == [A, B] and present == [6]  # each cheap alone
     twice, present = search_order(units, budget=4, rounds=2, cost=measured)
@@ -48,7 +48,7 @@ def test_a_layer_never_loses_more_than_its_room():
 
 
 def test_searched_scores_make_select_heads_take_the_searched_units():
-    order, _ = search_order(removal_units(SCORES), budget=4, rounds=2, cost=measured)
+    order, _ = search_order(removal_units(SCORES, HeadBudget(num_heads=0)), budget=4, rounds=2, cost=measured)
     plan = ph.select_heads(searched_scores(SCORES, order), num_heads=4)
     assert plan == {"layers.0.attn": [0, 1], "layers.1.attn": [0, 1]}
 

@@ -7,6 +7,7 @@ one standard error of the best is kept (`holdout.one_standard_error`)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from ..scoring.head_scores import HeadScores
 from ..scoring.methods import fluctuation, head_scores
 from ..scoring.objective import Objective
 from ..scoring.recording import Recorder
-from ..scoring.selection import select_heads
+from ..scoring.selection import HeadBudget, select_heads
 from ..task_data import batch_size
 from .gated import GatedModel
 from .holdout import one_standard_error
@@ -32,12 +33,17 @@ logger = logging.getLogger("prune_heads")
 
 
 def candidate_plans(
-    scores: HeadScores, recorder: Recorder | None, layers: list, budget: dict, rearrange: bool, reconstruction: bool
+    scores: HeadScores,
+    recorder: Recorder | None,
+    layers: list,
+    budget: HeadBudget,
+    rearrange: bool,
+    reconstruction: bool,
 ) -> tuple[dict[str, Plan], list[str]]:
     """The plans to try, by name, and a note for each that could not be made: the plain ranking and, with
     `rearrange` and the unpruned model's statistics (`recorder`), the Fisher-block and FLAP plans and, with
     `reconstruction`, the structured-OBS plan (what the kept heads can stand in for, refitted)."""
-    plans = {"ranked": select_heads(scores, **budget)}
+    plans = {"ranked": select_heads(scores, budget)}
     if recorder is None or not rearrange:
         return plans, []
     notes = []
@@ -46,12 +52,12 @@ def candidate_plans(
         strategies["OBS"] = removal_cost(layers, recorder.moments)
     for name, strategy in strategies.items():
         try:
-            plans[name] = select_heads(scores, strategy=strategy, **budget)
+            plans[name] = select_heads(scores, dataclasses.replace(budget, strategy=strategy))
         except PlanError as error:
             notes.append(f"{name} not tried: {error}")
-    groups = budget.get("gqa", "groups") == "groups"
+    groups = budget.gqa == "groups"
     fluct = head_scores("fluctuation", layers, fluctuation(layers, recorder.variances(), groups), scores.num_examples)
-    plans["fluctuation"] = select_heads(fluct, **budget)
+    plans["fluctuation"] = select_heads(fluct, budget)
     return plans, notes
 
 

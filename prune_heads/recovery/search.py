@@ -21,7 +21,7 @@ from ..model.surgery import PlanError
 from ..runtime.progress import progress_bar
 from ..runtime.work import Work, module_shares
 from ..scoring.head_scores import HeadScores
-from ..scoring.selection import removal_units, requested_heads, select_heads
+from ..scoring.selection import HeadBudget, removal_units, requested_heads, select_heads
 from ..task_data import batch_size
 from .candidates import Plan, Trial
 from .reconstruction import Refit, refit_flops
@@ -108,7 +108,7 @@ class Searched:
 def searched_plan(
     trial: Trial,
     scores: HeadScores,
-    budget: dict,
+    budget: HeadBudget,
     calib: list[dict],
     rounds: int,
     examples: int,
@@ -127,12 +127,12 @@ def searched_plan(
     note = search.start()
     if note is not None and search.bound() > limit:
         return search.refused(search.proof, one, limit)
-    asked = requested_heads(trial.gated.model, **budget)
+    asked = requested_heads(trial.gated.model, budget)
     order, present = search_order(search.units, asked, rounds, search.cost, trial.progress)
     trial.gated.restore()
     spent = sum(present) * search.unit_price() + search.proof + search.kept_outputs()
     try:
-        return Searched(select_heads(searched_scores(scores, order), **budget), spent, note)
+        return Searched(select_heads(searched_scores(scores, order), budget), spent, note)
     except PlanError as error:
         return Searched(None, spent, f"search not tried: {error}")
 
@@ -155,12 +155,12 @@ class _Search:
     and two passes from the block that starts latest (`proof`)."""
 
     def __init__(
-        self, trial: Trial, scores: HeadScores, budget: dict, batches: list[dict], work: Work, rounds: int
+        self, trial: Trial, scores: HeadScores, budget: HeadBudget, batches: list[dict], work: Work, rounds: int
     ) -> None:
         gated = trial.gated
         self.trial, self.batches, self.rounds = trial, batches, rounds
         self.targets = trial.calibration.targets[: len(batches)] if trial.calibration is not None else []
-        self.units = removal_units(scores, **budget)
+        self.units = removal_units(scores, budget)
         self.every = [(name, unit) for name, (layer_units, _) in self.units.items() for unit in layer_units]
         self.whole = work.forward(batches)
         self.refits = sum(refit_flops([gated.layers[gated.index[n]]], {n: list(u)}) for n, u in self.every)

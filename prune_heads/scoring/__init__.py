@@ -9,10 +9,11 @@ methods and `score_heads`), `recording` (the unpruned model's statistics, taken 
 from .head_scores import HeadScores
 from .iterative import IterativeResult, prune_iteratively
 from .methods import METHODS, score_heads
-from .selection import check_budget, heads_for_flops, plan_with_interactions, select_heads
+from .selection import HeadBudget, check_budget, heads_for_flops, plan_with_interactions, select_heads
 
 __all__ = [
     "check_budget",
+    "HeadBudget",
     "heads_for_flops",
     "HeadScores",
     "IterativeResult",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ from ..task_data import batch_size
 from .head_scores import HeadScores
 from .methods import score_heads
 from .objective import Loss, Objective, frozen
-from .selection import select_heads
+from .selection import HeadBudget, select_heads
 
 
 @dataclass
@@ -46,23 +47,25 @@ def mean_loss(model: nn.Module, dataloader: Iterable[dict], loss: Loss | None = 
 def prune_iteratively(
     model: nn.Module,
     dataloader: Iterable[dict],
-    sparsity: float,
+    budget: HeadBudget | float,
     steps: int = 5,
     method: str = "gradient",
     loss: Loss | None = None,
     evaluate: Callable[[nn.Module], dict] | None = None,
     seed: int = 0,
     progress: bool = True,
-    **select_kwargs,
 ) -> IterativeResult:
-    """Reach `sparsity` in `steps` equal steps, re-scoring the remaining heads before each one.
+    """Reach the budget's sparsity (a float: that sparsity under the default constraints) in `steps` equal
+    steps, re-scoring the remaining heads before each one.
 
     After every step the mean loss on `dataloader` and `evaluate(model)` (any dict of metrics, optional)
-    are recorded in `history`, so the metric-versus-heads-removed curve can be drawn. Other keyword
-    arguments go to `select_heads` (scope, min_heads_per_layer, ignore, gqa). Prunes `model` in place.
+    are recorded in `history`, so the metric-versus-heads-removed curve can be drawn. Prunes `model` in place.
     """
     if steps < 1:
         raise ConfigError("steps must be at least 1")
+    budget = budget if isinstance(budget, HeadBudget) else HeadBudget(sparsity=budget)
+    if budget.sparsity is None:
+        raise ConfigError("iterative pruning reaches a sparsity: give the budget as one")
     result = IterativeResult(plan={})
 
     def record(step: int, removed: int) -> None:
@@ -74,8 +77,7 @@ def prune_iteratively(
     record(0, 0)
     for step in range(1, steps + 1):
         scores = score_heads(model, dataloader, method=method, loss=loss, seed=seed + step, progress=progress)
-        target = sparsity * step / steps
-        plan = select_heads(scores, sparsity=target, **select_kwargs)
+        plan = select_heads(scores, dataclasses.replace(budget, sparsity=budget.sparsity * step / steps))
         prune(model, plan)
         for name, heads in plan.items():
             result.plan[name] = sorted(result.plan.get(name, []) + heads)

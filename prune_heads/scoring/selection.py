@@ -17,6 +17,7 @@ import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,6 +36,92 @@ ROUNDING = ("down", "nearest", "up")
 STRATEGIES = ("ranked", "interactions")
 _MAX_ENUMERATED = 20_000  # subsets of one layer's units, beyond which the set is grown greedily
 _MAX_COSTED = 64  # the same for a cost function (each call solves a linear system)
+
+Cost = Callable[[str, tuple[int, ...]], float]  # (layer name, removed original heads) -> cost
+
+
+@dataclass(frozen=True)
+class HeadBudget:
+    """What `select_heads` removes: exactly one of `sparsity` (the fraction of all ORIGINAL heads gone
+    afterwards, heads already removed counting), `num_heads` (how many more go) or `keep_per_layer` (heads
+    each layer keeps: a number, or a dict by layer name), and the constraints it is met under. Checked when
+    made, so a bad budget fails before any scores or data are touched."""
+
+    sparsity: float | None = None
+    num_heads: int | None = None
+    keep_per_layer: int | dict[str, int] | None = None
+    scope: str = "global"  # "layer": the same fraction from every layer
+    min_heads_per_layer: int = 1  # 0 lets a layer lose every head
+    ignore: str | list[str] | None = None  # regexes on layer names that keep every head
+    gqa: str = "groups"  # whole KV groups, or "even": the same number of query heads from every group
+    uniform: bool = False  # every layer keeps the same heads (a stock Llama config)
+    granularity: str = "head"  # "layer": whole attention blocks
+    strategy: str | Cost = "ranked"  # "interactions" (Fisher blocks) or a cost function
+    round: str | None = None  # take the nearest reachable count ("down", "nearest", "up") instead of refusing
+
+    def __post_init__(self) -> None:
+        if self.gqa == "uniform":
+            warnings.warn(
+                "gqa='uniform' is now gqa='even' (the same number of query heads from every KV group)",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            object.__setattr__(self, "gqa", "even")
+        self._check_choices()
+        self._check_amount()
+        self._check_strategy()
+
+    def _check_choices(self) -> None:
+        if sum(x is not None for x in (self.sparsity, self.num_heads, self.keep_per_layer)) != 1:
+            raise PlanError("give exactly one of sparsity, num_heads or keep_per_layer")
+        for value, name, choices in (
+            (self.scope, "scope", ("global", "layer")),
+            (self.gqa, "gqa", GQA_MODES),
+            (self.granularity, "granularity", GRANULARITIES),
+            (self.round, "round", (None, *ROUNDING)),
+        ):
+            if value not in choices:
+                raise PlanError(f"{name} must be one of {', '.join(map(repr, choices))}, not {value!r}")
+
+    def _check_amount(self) -> None:
+        s, n = self.sparsity, self.num_heads
+        if s is not None and not (isinstance(s, (int, float)) and 0 <= s <= 1):
+            raise PlanError(f"sparsity must be between 0 and 1, not {s}")
+        if n is not None and (not isinstance(n, int) or n < 0):
+            raise PlanError(f"num_heads must be a whole number of heads to remove (0 or more), not {n}")
+        if n is not None and self.scope == "layer":
+            raise PlanError("num_heads needs scope='global'; with scope='layer' give sparsity or keep_per_layer")
+
+    def _check_strategy(self) -> None:
+        if not callable(self.strategy) and self.strategy not in STRATEGIES:
+            raise PlanError(
+                f"strategy must be one of {', '.join(map(repr, STRATEGIES))} or a cost function, not {self.strategy!r}"
+            )
+        shared = self.gqa == "groups" and not self.uniform and self.keep_per_layer is None and self.scope == "global"
+        if self.strategy != "ranked" and not shared:
+            named = "a cost function" if callable(self.strategy) else repr(self.strategy)
+            raise PlanError(
+                f"strategy={named} shares a global budget between layers: it needs scope='global', "
+                "gqa='groups', uniform=False and sparsity or num_heads"
+            )
+
+    def sparse_count(self, heads: int) -> int:
+        """How many of `heads` the sparsity wants gone, halves rounded up."""
+        if self.sparsity is None:
+            raise PlanError("this budget gives no sparsity")
+        return round_half_up(self.sparsity * heads)
+
+    @property
+    def minimum(self) -> int:
+        """Heads every selectable layer keeps (none when whole blocks go)."""
+        return 0 if self.granularity == "layer" else self.min_heads_per_layer
+
+
+def head_budget(budget: HeadBudget | None = None, **options: Any) -> HeadBudget:
+    """`budget`, or one made from its fields given as keywords (`sparsity=0.3`), not both."""
+    if budget is not None and options:
+        raise PlanError(f"give a HeadBudget or its fields ({', '.join(options)}), not both")
+    return budget if budget is not None else HeadBudget(**options)
 
 
 @dataclass(frozen=True)
@@ -59,6 +146,11 @@ class _Layer:
             return list(groups.values())
         return [list(round_) for round_ in zip(*groups.values())]  # "even": round k = k-th head of each group
 
+    @property
+    def gone(self) -> int:
+        """Heads removed before."""
+        return self.original - len(self.heads)
+
 
 def _layers_of_scores(scores: HeadScores) -> list[_Layer]:
     return [_Layer(n, scores.heads[n], scores.group_sizes[n], scores.original_heads[n]) for n in scores.layers]
@@ -68,48 +160,54 @@ def _layers_of_model(model: nn.Module) -> list[_Layer]:
     return [_Layer(l.name, l.heads, l.group_size, l.original_num_heads) for l in require_attention(model)]
 
 
-def _validate(sparsity, num_heads, keep_per_layer, scope, gqa, granularity, strategy, round, uniform) -> str:
-    if sum(x is not None for x in (sparsity, num_heads, keep_per_layer)) != 1:
-        raise PlanError("give exactly one of sparsity, num_heads or keep_per_layer")
-    if scope not in ("global", "layer"):
-        raise PlanError(f"scope must be 'global' or 'layer', not {scope!r}")
-    if gqa == "uniform":
-        warnings.warn(
-            "gqa='uniform' is now gqa='even' (the same number of query heads from every KV group)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        gqa = "even"
-    for value, name, choices in (
-        (gqa, "gqa", GQA_MODES),
-        (granularity, "granularity", GRANULARITIES),
-        (round, "round", (None, *ROUNDING)),
-    ):
-        if value not in choices:
-            raise PlanError(f"{name} must be one of {', '.join(map(repr, choices))}, not {value!r}")
-    if sparsity is not None and not (isinstance(sparsity, (int, float)) and 0 <= sparsity <= 1):
-        raise PlanError(f"sparsity must be between 0 and 1, not {sparsity}")
-    if num_heads is not None and (not isinstance(num_heads, int) or num_heads < 0):
-        raise PlanError(f"num_heads must be a whole number of heads to remove (0 or more), not {num_heads}")
-    if num_heads is not None and scope == "layer":
-        raise PlanError("num_heads needs scope='global'; with scope='layer' give sparsity or keep_per_layer")
-    if not callable(strategy) and strategy not in STRATEGIES:
-        raise PlanError(
-            f"strategy must be one of {', '.join(map(repr, STRATEGIES))} or a cost function, not {strategy!r}"
-        )
-    named = "a cost function" if callable(strategy) else repr(strategy)
-    if strategy != "ranked" and (gqa == "even" or uniform or keep_per_layer is not None or scope == "layer"):
-        raise PlanError(
-            f"strategy={named} shares a global budget between layers: it needs scope='global', "
-            "gqa='groups', uniform=False and sparsity or num_heads"
-        )
-    return gqa
+@dataclass(frozen=True)
+class _Structure:
+    """The layers a budget is met in: all of them, the selectable ones (`ignore` left out) and the head
+    counts each selectable one may lose (whole units, its minimum kept)."""
+
+    layers: list[_Layer]
+    selectable: list[_Layer]
+    counts: dict[str, list[int]]
+    why: str  # what limits the reachable counts, for a refusal
+
+    @property
+    def total(self) -> int:
+        return sum(l.original for l in self.layers)
+
+    @property
+    def already(self) -> int:
+        return sum(l.gone for l in self.layers)
 
 
-def _counts(layer: _Layer, units: list[list[int]], room: int) -> list[int]:
-    """Numbers of heads this layer may lose: whole units, at most `room`."""
+def _structure(layers: list[_Layer], budget: HeadBudget) -> _Structure:
+    patterns = [budget.ignore] if isinstance(budget.ignore, str) else list(budget.ignore or [])
+    selectable = [l for l in layers if not any(re.search(p, l.name) for p in patterns)]
+    counts = {
+        l.name: _counts(l.units(budget.gqa, budget.granularity), len(l.heads) - budget.minimum) for l in selectable
+    }
+    return _Structure(layers, selectable, counts, _why(selectable, budget))
+
+
+def _counts(units: list[list[int]], room: int) -> list[int]:
+    """Numbers of heads a layer may lose: whole units, at most `room`."""
     sizes = [len(u) for u in units]
-    return [sum(sizes[:k]) for k in range(len(units) + 1) if sum(sizes[:k]) <= room]
+    return [sum(sizes[:k]) for k in range(len(units) + 1) if sum(sizes[:k]) <= max(room, 0)]
+
+
+def _why(layers: list[_Layer], budget: HeadBudget) -> str:
+    grouped = any(l.group > 1 for l in layers)
+    unit = (
+        "whole attention layers"
+        if budget.granularity == "layer"
+        else "one head from every KV group"
+        if budget.gqa == "even" and grouped
+        else "whole KV groups"
+        if grouped
+        else "single heads"
+    )
+    return f"heads go as {unit}, at least {budget.minimum} kept per layer (min_heads_per_layer)" + (
+        ", every layer alike (uniform)" if budget.uniform else ""
+    )
 
 
 def _nearest(target: int, reachable: list[int]) -> tuple[int | None, int | None]:
@@ -138,100 +236,69 @@ def _resolve(
     )
 
 
-def _why(layers: list[_Layer], gqa: str, granularity: str, minimum: int, uniform: bool) -> str:
-    unit = (
-        "whole attention layers"
-        if granularity == "layer"
-        else "one head from every KV group"
-        if gqa == "even" and any(l.group > 1 for l in layers)
-        else "whole KV groups"
-        if any(l.group > 1 for l in layers)
-        else "single heads"
-    )
-    return f"heads go as {unit}, at least {minimum} kept per layer (min_heads_per_layer)" + (
-        ", every layer alike (uniform)" if uniform else ""
-    )
+def _target(budget: HeadBudget, s: _Structure) -> tuple[int, str]:
+    """More heads a global budget asks for, and how to name it in a refusal."""
+    if budget.num_heads is not None:
+        return budget.num_heads, f"{budget.num_heads} heads"
+    target = budget.sparse_count(s.total) - s.already
+    return target, f"sparsity {budget.sparsity} ({target} more heads)"
 
 
-def _budgets(
-    layers: list[_Layer],
-    names: list[str],
-    sparsity,
-    num_heads,
-    keep_per_layer,
-    scope,
-    minimum,
-    gqa,
-    granularity,
-    uniform,
-    round,
-) -> tuple[dict[str, list[int]], int | dict[str, int]]:
-    """Per layer, the head counts it may lose; and the exact total (global) or per-layer counts to remove."""
-    minimum = 0 if granularity == "layer" else minimum
-    by_name = {l.name: l for l in layers}
-    total = sum(l.original for l in layers)
-    already = total - sum(len(l.heads) for l in layers)
-    counts = {
-        n: _counts(by_name[n], by_name[n].units(gqa, granularity), max(len(by_name[n].heads) - minimum, 0))
-        for n in names
-    }
-    why = _why([by_name[n] for n in names], gqa, granularity, minimum, uniform)
-    if uniform:
-        if names != [l.name for l in layers]:
-            raise PlanError("uniform=True prunes every layer alike; drop ignore, or pass uniform=False")
-        shapes = {(len(l.heads), len({h // l.group for h in l.heads})) for l in layers}
-        if len(shapes) != 1:
-            raise PlanError(
-                f"uniform=True needs layers that have the same heads now; they have {sorted(shapes)} "
-                f"(present heads, KV groups)"
-            )
-        common = sorted(set.intersection(*(set(c) for c in counts.values())))
-        present = len(layers[0].heads)
-        if keep_per_layer is not None:
-            if isinstance(keep_per_layer, dict):
-                if len(set(keep_per_layer.values())) != 1 or set(keep_per_layer) != set(names):
-                    raise PlanError("uniform=True takes keep_per_layer as one number for every layer")
-                keep_per_layer = next(iter(keep_per_layer.values()))
-            per_layer = _resolve(
-                present - keep_per_layer,
-                common,
-                round,
-                f"{present - keep_per_layer} heads per layer",
-                total,
-                already,
-                why,
-            )
-        else:
-            target = num_heads if num_heads is not None else round_half_up(sparsity * total) - already
-            asked = f"{num_heads} heads" if num_heads is not None else f"sparsity {sparsity} ({target} more heads)"
-            per_layer = _resolve(target, [c * len(layers) for c in common], round, asked, total, already, why) // len(
-                layers
-            )
-        return counts, {n: per_layer for n in names}
-    if keep_per_layer is not None or scope == "layer":
-        wanted = {}
-        for n in names:
-            layer = by_name[n]
-            if keep_per_layer is not None:
-                keep = keep_per_layer.get(n, len(layer.heads)) if isinstance(keep_per_layer, dict) else keep_per_layer
-                target, asked = len(layer.heads) - keep, f"{len(layer.heads) - keep} heads from {n} (keep {keep})"
-            else:
-                target = round_half_up(sparsity * layer.original) - (layer.original - len(layer.heads))
-                asked = f"sparsity {sparsity} of {n} ({target} more heads)"
-            if target < 0:
-                raise PlanError(f"{n} has {len(layer.heads)} heads now; cannot keep more ({asked})")
-            wanted[n] = _resolve(
-                target, counts[n], round, asked, layer.original, layer.original - len(layer.heads), why
-            )
-        return counts, wanted
-    target = num_heads if num_heads is not None else round_half_up(sparsity * total) - already
-    asked = f"{num_heads} heads" if num_heads is not None else f"sparsity {sparsity} ({target} more heads)"
+def _wanted(budget: HeadBudget, s: _Structure) -> int | dict[str, int]:
+    """The exact number of heads to remove across layers (a global budget), or per layer."""
+    if budget.uniform:
+        return _uniform_counts(budget, s)
+    if budget.keep_per_layer is not None or budget.scope == "layer":
+        return {l.name: _layer_count(budget, s, l) for l in s.selectable}
+    target, asked = _target(budget, s)
     if target < 0:
-        raise PlanError(f"the model already misses {already} of {total} heads, more than sparsity {sparsity} asks for")
+        raise PlanError(
+            f"the model already misses {s.already} of {s.total} heads, more than sparsity {budget.sparsity} asks for"
+        )
     reachable = [0]
-    for n in names:
-        reachable = sorted({r + c for r in reachable for c in counts[n]})
-    return counts, _resolve(target, reachable, round, asked, total, already, why)
+    for counts in s.counts.values():
+        reachable = sorted({r + c for r in reachable for c in counts})
+    return _resolve(target, reachable, budget.round, asked, s.total, s.already, s.why)
+
+
+def _layer_count(budget: HeadBudget, s: _Structure, layer: _Layer) -> int:
+    """Heads one layer loses under a per-layer budget (`keep_per_layer`, or `sparsity` with scope 'layer')."""
+    keep_per_layer = budget.keep_per_layer
+    if keep_per_layer is not None:
+        keep = keep_per_layer.get(layer.name, len(layer.heads)) if isinstance(keep_per_layer, dict) else keep_per_layer
+        target, asked = len(layer.heads) - keep, f"{len(layer.heads) - keep} heads from {layer.name} (keep {keep})"
+    else:
+        target = budget.sparse_count(layer.original) - layer.gone
+        asked = f"sparsity {budget.sparsity} of {layer.name} ({target} more heads)"
+    if target < 0:
+        raise PlanError(f"{layer.name} has {len(layer.heads)} heads now; cannot keep more ({asked})")
+    return _resolve(target, s.counts[layer.name], budget.round, asked, layer.original, layer.gone, s.why)
+
+
+def _uniform_counts(budget: HeadBudget, s: _Structure) -> dict[str, int]:
+    """The same count from every layer, which must all be selectable and alike now."""
+    if len(s.selectable) != len(s.layers):
+        raise PlanError("uniform=True prunes every layer alike; drop ignore, or pass uniform=False")
+    shapes = {(len(l.heads), len({h // l.group for h in l.heads})) for l in s.layers}
+    if len(shapes) != 1:
+        raise PlanError(
+            f"uniform=True needs layers that have the same heads now; they have {sorted(shapes)} "
+            "(present heads, KV groups)"
+        )
+    common = sorted(set.intersection(*(set(c) for c in s.counts.values())))
+    present, n = len(s.layers[0].heads), len(s.layers)
+    keep = budget.keep_per_layer
+    if isinstance(keep, dict):
+        if len(set(keep.values())) != 1 or set(keep) != set(s.counts):
+            raise PlanError("uniform=True takes keep_per_layer as one number for every layer")
+        keep = next(iter(keep.values()))
+    if keep is not None:
+        asked = f"{present - keep} heads per layer"
+        each = _resolve(present - keep, common, budget.round, asked, s.total, s.already, s.why)
+    else:
+        target, asked = _target(budget, s)
+        each = _resolve(target, [c * n for c in common], budget.round, asked, s.total, s.already, s.why) // n
+    return {name: each for name in s.counts}
 
 
 def round_half_up(x: float) -> int:
@@ -239,75 +306,38 @@ def round_half_up(x: float) -> int:
     return math.floor(x + 0.5 + 1e-9)
 
 
-def check_budget(
-    model: nn.Module,
-    sparsity: float | None = None,
-    num_heads: int | None = None,
-    keep_per_layer: int | dict[str, int] | None = None,
-    scope: str = "global",
-    min_heads_per_layer: int = 1,
-    ignore: str | list[str] | None = None,
-    gqa: str = "groups",
-    uniform: bool = False,
-    granularity: str = "head",
-    strategy: str | Callable[[str, tuple[int, ...]], float] = "ranked",
-    round: str | None = None,
-) -> int:
-    """Check a `select_heads` budget against the model's structure alone (no scores, no data): returns the
-    number of heads the plan will remove, or raises PlanError naming the nearest reachable counts."""
-    layers = _layers_of_model(model)
-    gqa = _validate(sparsity, num_heads, keep_per_layer, scope, gqa, granularity, strategy, round, uniform)
-    names = _kept_names(layers, ignore)
-    _, wanted = _budgets(
-        layers, names, sparsity, num_heads, keep_per_layer, scope, min_heads_per_layer, gqa, granularity, uniform, round
-    )
+def check_budget(model: nn.Module, budget: HeadBudget | None = None, **options: Any) -> int:
+    """Check a `select_heads` budget (a HeadBudget, or its fields as keywords) against the model's structure
+    alone (no scores, no data): returns the number of heads the plan will remove, or raises PlanError naming
+    the nearest reachable counts."""
+    budget = head_budget(budget, **options)
+    wanted = _wanted(budget, _structure(_layers_of_model(model), budget))
     return wanted if isinstance(wanted, int) else sum(wanted.values())
 
 
-def requested_heads(
-    model: nn.Module,
-    sparsity: float | None = None,
-    num_heads: int | None = None,
-    keep_per_layer: int | dict[str, int] | None = None,
-    **_: object,
-) -> int:
+def requested_heads(model: nn.Module, budget: HeadBudget) -> int:
     """How many more heads a budget asks for, before any rounding to what the structure allows."""
     layers = _layers_of_model(model)
-    if num_heads is not None:
-        return num_heads
-    if keep_per_layer is not None:
-        keep = keep_per_layer if isinstance(keep_per_layer, dict) else {l.name: keep_per_layer for l in layers}
-        return sum(len(l.heads) - keep.get(l.name, len(l.heads)) for l in layers)
-    if sparsity is None:
-        raise PlanError("give exactly one of sparsity, num_heads or keep_per_layer")
+    if budget.num_heads is not None:
+        return budget.num_heads
+    if budget.keep_per_layer is not None:
+        keep = budget.keep_per_layer
+        kept = keep if isinstance(keep, dict) else {l.name: keep for l in layers}
+        return sum(len(l.heads) - kept.get(l.name, len(l.heads)) for l in layers)
     total = sum(l.original for l in layers)
-    return round_half_up(sparsity * total) - (total - sum(len(l.heads) for l in layers))
+    return budget.sparse_count(total) - sum(l.gone for l in layers)
 
 
-def _kept_names(layers: list[_Layer], ignore) -> list[str]:
-    patterns = [ignore] if isinstance(ignore, str) else list(ignore or [])
-    return [l.name for l in layers if not any(re.search(p, l.name) for p in patterns)]
-
-
-def removal_units(
-    scores: HeadScores,
-    gqa: str = "groups",
-    granularity: str = "head",
-    min_heads_per_layer: int = 1,
-    ignore: str | list[str] | None = None,
-    **_: object,
-) -> dict[str, tuple[list[tuple[int, ...]], int]]:
+def removal_units(scores: HeadScores, budget: HeadBudget) -> dict[str, tuple[list[tuple[int, ...]], int]]:
     """Per layer that selection may prune (`ignore` left out): the units it removes together, as original head
     indices (a head, a KV group, one head of every group, the whole block), and how many heads it may lose."""
-    layers = _layers_of_scores(scores)
-    names = _kept_names(layers, ignore)
+    s = _structure(_layers_of_scores(scores), budget)
     return {
         l.name: (
-            [tuple(l.heads[p] for p in unit) for unit in l.units(gqa, granularity)],
-            max(len(l.heads) - min_heads_per_layer, 0),
+            [tuple(l.heads[p] for p in unit) for unit in l.units(budget.gqa, budget.granularity)],
+            max(len(l.heads) - budget.min_heads_per_layer, 0),
         )
-        for l in layers
-        if l.name in names
+        for l in s.selectable
     }
 
 
@@ -390,64 +420,46 @@ def _share_out(options: dict[str, dict[int, tuple[float, tuple[int, ...]]]], bud
     return dict(zip(options, best[budget][1]))
 
 
-def select_heads(
-    scores: HeadScores,
-    sparsity: float | None = None,
-    num_heads: int | None = None,
-    keep_per_layer: int | dict[str, int] | None = None,
-    scope: str = "global",
-    min_heads_per_layer: int = 1,
-    ignore: str | list[str] | None = None,
-    gqa: str = "groups",
-    uniform: bool = False,
-    granularity: str = "head",
-    strategy: str | Callable[[str, tuple[int, ...]], float] = "ranked",
-    round: str | None = None,
-) -> dict[str, list[int]]:
+def select_heads(scores: HeadScores, budget: HeadBudget | None = None, **options: Any) -> dict[str, list[int]]:
     """Choose the least important heads to remove; returns `{layer name: [original heads]}` for `prune`.
 
-    Give exactly one of: `sparsity`, the fraction of all ORIGINAL heads that should be gone afterwards
-    (heads already removed count); `num_heads`, how many more heads to remove; `keep_per_layer`, how many
-    heads each layer keeps (an int, or a dict by layer name). `scope` "global" shares the budget across
-    layers, "layer" removes the same fraction from every layer. `min_heads_per_layer` (0 allows removing
-    whole attention layers) and `ignore` (regexes on layer names) protect layers. Grouped-query layers lose
-    whole KV groups (`gqa="groups"`) or the same number of query heads from every group (`gqa="even"`).
-    `uniform=True` makes every layer keep the same heads and KV heads (so Llama-style models save a stock
-    config); `granularity="layer"` removes whole attention blocks, ranked by their summed scores.
-    `strategy="interactions"` (scores from method "fisher") picks each layer's set with its Fisher block, so
-    interactions between heads count (Kwon et al. 2022's mask rearrangement, solved exactly per layer); a
-    function `strategy(layer name, removed heads) -> cost` picks each layer's cheapest sets by that cost
-    (structured OBS, `prune_heads.recovery.reconstruction.removal_cost`). The plan removes exactly what was
-    asked; when the structure cannot, PlanError names the nearest counts that it can, unless `round` ("down" or
-    "nearest") says to take one of them.
+    The budget is a `HeadBudget`, or its fields as keywords: `select_heads(scores, sparsity=0.3)`. Global
+    budgets are shared across layers by one dynamic programme; grouped-query layers lose whole KV groups
+    (`gqa="groups"`) or the same number of query heads from every group (`gqa="even"`); `uniform=True` makes
+    every layer keep the same heads (so Llama-style models save a stock config); `granularity="layer"` removes
+    whole attention blocks, ranked by their summed scores. `strategy="interactions"` (scores from method
+    "fisher") picks each layer's set with its Fisher block, so interactions between heads count (Kwon et al.
+    2022's mask rearrangement, solved exactly per layer); a function `strategy(layer name, removed heads) ->
+    cost` picks each layer's cheapest sets by that cost (structured OBS,
+    `prune_heads.recovery.reconstruction.removal_cost`). The plan removes exactly what was asked; when the
+    structure cannot, PlanError names the nearest counts that it can, unless `round` says to take one of them.
     """
-    gqa = _validate(sparsity, num_heads, keep_per_layer, scope, gqa, granularity, strategy, round, uniform)
-    blocks = scores.meta.get("fisher_blocks")
-    if strategy == "interactions" and blocks is None:
+    budget = head_budget(budget, **options)
+    if budget.strategy == "interactions" and "fisher_blocks" not in scores.meta:
         raise PlanError("strategy='interactions' needs scores from method='fisher' (they carry the Fisher blocks)")
-    layers = _layers_of_scores(scores)
-    names = _kept_names(layers, ignore)
-    counts, wanted = _budgets(
-        layers, names, sparsity, num_heads, keep_per_layer, scope, min_heads_per_layer, gqa, granularity, uniform, round
-    )
-    options = {}
-    for layer in (l for l in layers if l.name in names):
-        units = layer.units(gqa, granularity)
-        allowed = counts[layer.name] if isinstance(wanted, int) else [0, wanted[layer.name]]
-        if callable(strategy):
-            options[layer.name] = _cheapest_subsets(
-                layer, units, functools.partial(strategy, layer.name), allowed, _MAX_COSTED
-            )
-        elif strategy == "interactions" and blocks is not None:
-            block = torch.as_tensor(blocks[layer.name], dtype=torch.float64)
-            options[layer.name] = _interaction_options(layer, units, block, allowed)
-        else:
-            options[layer.name] = _ranked_options(layer, units, scores.scores[layer.name], gqa, allowed)
-        if not isinstance(wanted, int):
-            options[layer.name] = {wanted[layer.name]: options[layer.name][wanted[layer.name]]}
-    total = wanted if isinstance(wanted, int) else sum(wanted.values())
-    chosen = _share_out(options, total)
+    s = _structure(_layers_of_scores(scores), budget)
+    wanted = _wanted(budget, s)
+    per_layer = {}
+    for layer in s.selectable:
+        exact = None if isinstance(wanted, int) else wanted[layer.name]  # per-layer budgets fix each count
+        found = _layer_options(layer, scores, budget, s.counts[layer.name] if exact is None else [0, exact])
+        per_layer[layer.name] = found if exact is None else {exact: found[exact]}
+    chosen = _share_out(per_layer, wanted if isinstance(wanted, int) else sum(wanted.values()))
     return {n: list(chosen[n]) for n in scores.layers if chosen.get(n)}
+
+
+def _layer_options(
+    layer: _Layer, scores: HeadScores, budget: HeadBudget, counts: list[int]
+) -> dict[int, tuple[float, tuple[int, ...]]]:
+    """Per count it reaches, the cheapest heads of this layer to remove under the budget's strategy."""
+    units = layer.units(budget.gqa, budget.granularity)
+    if callable(budget.strategy):
+        cost = functools.partial(budget.strategy, layer.name)
+        return _cheapest_subsets(layer, units, cost, counts, _MAX_COSTED)
+    if budget.strategy == "interactions":
+        block = torch.as_tensor(scores.meta["fisher_blocks"][layer.name], dtype=torch.float64)
+        return _interaction_options(layer, units, block, counts)
+    return _ranked_options(layer, units, scores.scores[layer.name], budget.gqa, counts)
 
 
 def plan_with_interactions(
