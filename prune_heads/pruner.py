@@ -39,7 +39,7 @@ from .recovery.gated import GatedModel
 from .recovery.generated import token_batches, with_generated, writes_text
 from .recovery.holdout import one_standard_error, split_holdout
 from .recovery.search import ROUNDS, searched_plan
-from .recovery.tuning import tune
+from .recovery.tuning import Schedule, tune
 from .runtime.devices import input_device, to_device
 from .runtime.progress import progress_bar
 from .runtime.work import Budget, Work
@@ -346,10 +346,10 @@ def _tune(run: Run, trial: Trial, decision: Decision, work: Work) -> None:
             bar.update()
             return gated(batch)
 
+        schedule = Schedule(r.epochs, run.config.scoring.seed, r.average)
         targets = trial.calibration.targets
-        seed = run.config.scoring.seed
         history, steps, averaged, spent = tune(
-            forward, groups, run.calib, targets, run.objective, r.epochs, seed, check, budget, r.average
+            forward, groups, run.calib, targets, run.objective, schedule, check, budget
         )
     gated.freeze()
     run.work["tuning"] = spent

@@ -164,48 +164,64 @@ def load_task_data(
     (images through `image_processor`, labels). String labels map through `label2id` (the model config's). Batches are
     padded to their own longest example; with `by_length` (default) text examples are batched in order of
     their token count, so a batch holds examples of similar length and padding costs little. Missing splits and
-    columns are DataError with what exists.
+    columns are DataError with what exists. The keywords are the recipe's `data` section, one for one.
     """
     if task not in TASKS:
         raise DataError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-    dataset = load_split(source, split, name)
-    if len(dataset) == 0:
-        raise DataError(f"split {split!r} of {source} has no examples; give a file or split with data")
-    if max_examples is not None:
-        dataset = dataset.select(range(min(max_examples, len(dataset))))
+    dataset = _examples(source, split, name, max_examples)
     if task == "image-classification":
         _column(dataset, image_column, "image")
         classes, class_names = _labels(dataset, _column(dataset, label_column, "label"), label2id)
-        batches = []
-        for start in range(0, len(dataset), batch_size):
-            images = [im.convert("RGB") for im in dataset[start : start + batch_size][image_column]]
-            pixels = image_processor(images=images, return_tensors="pt")["pixel_values"]
-            batches.append({"pixel_values": pixels, "labels": torch.tensor(classes[start : start + batch_size])})
-        return TaskData(task, batches, len(dataset), class_names)
-    _column(dataset, text_column, "text")
-    texts = list(dataset[text_column])
+        return _image_data(dataset[image_column], classes, class_names, image_processor, batch_size)
+    texts = list(dataset[_column(dataset, text_column, "text")])
     if task == "causal-lm":
         return _lm_windows(texts, tokenizer, max_length, stride, batch_size)
-    pairs = None
-    if text_pair_column:
-        _column(dataset, text_pair_column, "text pair")
-        pairs = list(dataset[text_pair_column])
+    pairs = list(dataset[_column(dataset, text_pair_column, "text pair")]) if text_pair_column else None
     labels, names = None, None
     if task == "classification" or task == "feature-extraction" and label_column:
         labels, names = _labels(dataset, _column(dataset, label_column, "label"), label2id)
     encoded = tokenizer(texts, pairs, truncation=True, max_length=max_length)
     # batches of similar lengths (stable order by token count): padding no longer doubles the work
     order = sorted(range(len(texts)), key=lambda i: len(encoded["input_ids"][i])) if by_length else range(len(texts))
-    order = list(order)
+    batches = _text_batches(encoded, tokenizer, list(order), batch_size)
+    if labels is None:
+        return TaskData(task, batches, len(texts), names)
+    ordered = [labels[i] for i in order]
+    if task == "feature-extraction":  # the model takes no labels: they travel beside, for task metrics
+        return TaskData(task, batches, len(texts), names, targets=ordered)
+    for batch, start in zip(batches, range(0, len(ordered), batch_size)):
+        batch["labels"] = torch.tensor(ordered[start : start + batch_size])
+    return TaskData(task, batches, len(texts), names)
+
+
+def _examples(source: str, split: str, name: str | None, max_examples: int | None) -> datasets.Dataset:
+    """The split, at most `max_examples` of it; DataError when it is empty."""
+    dataset = load_split(source, split, name)
+    if len(dataset) == 0:
+        raise DataError(f"split {split!r} of {source} has no examples; give a file or split with data")
+    return dataset if max_examples is None else dataset.select(range(min(max_examples, len(dataset))))
+
+
+def _image_data(images: list, labels: list, names: list | None, processor: Any, batch_size: int) -> TaskData:
+    """Images through the model's image processor, with their labels, `batch_size` at a time."""
     batches = []
-    for start in range(0, len(order), batch_size):
-        rows = order[start : start + batch_size]
-        batch = dict(tokenizer.pad({k: [v[i] for i in rows] for k, v in encoded.items()}, return_tensors="pt"))
-        if labels is not None and task == "classification":
-            batch["labels"] = torch.tensor([labels[i] for i in rows])
-        batches.append(batch)
-    targets = [labels[i] for i in order] if labels is not None and task == "feature-extraction" else None
-    return TaskData(task, batches, len(texts), names, targets=targets)
+    for start in range(0, len(images), batch_size):
+        rgb = [im.convert("RGB") for im in images[start : start + batch_size]]
+        pixels = processor(images=rgb, return_tensors="pt")["pixel_values"]
+        batches.append({"pixel_values": pixels, "labels": torch.tensor(labels[start : start + batch_size])})
+    return TaskData("image-classification", batches, len(images), names)
+
+
+def _text_batches(encoded: Any, tokenizer: Any, order: list[int], batch_size: int) -> list[dict]:
+    """The encoded examples in `order`, `batch_size` at a time, each batch padded to its longest."""
+    return [
+        dict(
+            tokenizer.pad(
+                {k: [v[i] for i in order[start : start + batch_size]] for k, v in encoded.items()}, return_tensors="pt"
+            )
+        )
+        for start in range(0, len(order), batch_size)
+    ]
 
 
 def _leading_bos(tokenizer: Any) -> torch.Tensor | None:

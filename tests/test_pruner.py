@@ -8,7 +8,7 @@ import torch
 import prune_heads as ph
 from prune_heads.recovery.gated import GatedModel
 from prune_heads.recovery.holdout import split_holdout
-from prune_heads.recovery.tuning import tune
+from prune_heads.recovery.tuning import Schedule, tune
 from prune_heads.runtime.work import Budget, Work
 from prune_heads.scoring.methods import score_heads
 from prune_heads.scoring.objective import Objective, neighbour_divergence
@@ -256,9 +256,7 @@ def test_tuning_the_gated_model_equals_tuning_a_pruned_copy():
             data,
             targets,
             objective,
-            epochs=3,
-            seed=1,
-            average=0.9,
+            Schedule(3, seed=1, average=0.9),
         )
     gated.fold(plan)
     inputs = tm.make_inputs("bert", seed=9)
@@ -303,13 +301,13 @@ def test_tuning_stops_when_the_held_out_check_stops_improving():
     scale, forward, objective, data, target = _scalar_problem()
     checks = iter([1.0, 0.5, 0.7, 0.8, 0.1])  # improves once, then twice not: stop before the last value
     history, steps, *_ = tune(
-        forward, [{"params": [scale], "lr": 0.1}], data, target, objective, epochs=10, check=lambda: next(checks)
+        forward, [{"params": [scale], "lr": 0.1}], data, target, objective, Schedule(10), check=lambda: next(checks)
     )
     assert history == [1.0, 0.5, 0.7, 0.8] and steps == 3
     # out of budget: the first step always runs, none after it
     budget = Budget(0.0, Work(1.0), check=0.0)
     assert (
-        tune(forward, [{"params": [scale], "lr": 0.1}], data * 4, target * 4, objective, epochs=10, budget=budget)[1]
+        tune(forward, [{"params": [scale], "lr": 0.1}], data * 4, target * 4, objective, Schedule(10), budget=budget)[1]
         == 1
     )
     assert budget.spent == Work(1.0).forward_backward(data) == 4  # one step on 2 positions, forward and backward
@@ -325,10 +323,9 @@ def test_tuning_budget_counts_work_and_spends_no_more_than_its_limit():
         data * 3,
         target * 3,
         objective,
-        epochs=10,
+        Schedule(10, average=0.5),
         check=lambda: next(checks),
         budget=budget,
-        average=0.5,
     )
     # 2 (first check) + 3 steps of 4 + 2 checks of 2 = 18; then 3 more steps would pass 30 with the check
     assert (steps, spent, len(history)) == (5, 2 + 5 * 4 + 2 * 4, 3) and spent <= 30.0
@@ -380,7 +377,7 @@ def test_tuning_keeps_the_moving_average_or_the_last_step_whichever_checks_lower
 
     monkeypatch.setattr(torch.optim.Adam, "step", recording_step)
     group = [{"params": [scale], "lr": 0.1}]
-    tune(forward, group, data * 3, target * 3, objective, epochs=1, average=0.8)  # no check: the average is left
+    tune(forward, group, data * 3, target * 3, objective, Schedule(1, average=0.8))  # no check: the average is left
     weights = [0.2 * 0.8 ** (len(iterates) - 1 - k) for k in range(len(iterates))]
     mean = sum(w * x for w, x in zip(weights, iterates)) / sum(weights)  # the bias-corrected moving average
     last = iterates[-1]
@@ -394,9 +391,8 @@ def test_tuning_keeps_the_moving_average_or_the_last_step_whichever_checks_lower
             data * 3,
             target * 3,
             objective,
-            epochs=1,
+            Schedule(1, average=0.8),
             check=lambda: abs(scale.detach().item() - wanted),  # noqa: B023 (called within this iteration)
-            average=0.8,
         )
         assert steps == 3 and averaged is is_average and history[-1] == pytest.approx(0.0, abs=1e-6)
         assert scale.detach().item() == pytest.approx(wanted, rel=1e-6)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -91,83 +92,132 @@ def _readouts(check: Callable[[], float], params: list[torch.Tensor], averaged: 
     return min(options, key=lambda option: option[0])
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """How tuning steps: `epochs` passes over the batches in an order seeded by `seed`, and `average`, the
+    decay per step of the parameters' moving average kept beside them (0: none)."""
+
+    epochs: int
+    seed: int = 0
+    average: float = 0.0
+
+
 def tune(
     forward: Callable[[dict], object],
     groups: list[dict],
     batches: list[dict],
     targets: list,
     objective: Objective,
-    epochs: int,
-    seed: int = 0,
+    schedule: Schedule,
     check: Callable[[], float] | None = None,
     budget: Budget | None = None,
-    average: float = 0.0,
 ) -> Tuning:
     """Adam over the parameter `groups` so `forward`'s outputs match the targets (the objective's divergence),
-    for `epochs` passes in a seeded order. With `average` in (0, 1), an exponential moving average of the
-    parameters over the steps (that decay per step) is kept beside them: it smooths out Adam's step-to-step
+    as the schedule says. The moving average (`schedule.average` in (0, 1)) smooths out Adam's step-to-step
     jitter. With `check` (a held-out divergence), it runs after every epoch, on the parameters and on their
     average, and the lower of the two counts: an epoch that does not improve on the best so far goes back
     to the best parameters and halves the learning rates, tuning stops after PATIENCE such epochs, and the
     best parameters are kept. Without `check`, the average (when kept) is what tuning leaves. With `budget`
     (counted FLOPs, never a clock), no step starts whose work and the final check's would pass its limit
     (the first step always runs); a cut epoch is checked like a whole one."""
-    params = [p for group in groups for p in group["params"]]
-    optimizer = torch.optim.Adam(groups)
-    averaged = _Average(params, average) if average else None
-    generator = torch.Generator().manual_seed(seed)
-    history = [check()] if check else []
-    checks = (2 if averaged else 1) if check else 0  # held-out passes per check after a step
-    if budget is not None and check:
-        budget.spent += budget.check
-    best, best_averaged = _copy(params), False
-    misses, steps, out_of_budget = 0, 0, False
-    for _ in range(epochs):
-        begun = steps
-        for i in torch.randperm(len(batches), generator=generator).tolist():
-            cost = budget.step(batches[i]) if budget is not None else 0.0
-            if budget is not None and steps and not budget.allows(cost + checks * budget.check):
-                out_of_budget = True
+    run = _Tuner(forward, groups, objective, schedule, check, budget)
+    generator = torch.Generator().manual_seed(schedule.seed)
+    for _ in range(schedule.epochs):
+        order = torch.randperm(len(batches), generator=generator).tolist()
+        taken = run.epoch([batches[i] for i in order], [targets[i] for i in order])
+        if run.out_of_budget and not taken:  # nothing new to check
+            break
+        improved = run.checked()
+        if run.out_of_budget or (check and not improved and not run.slow_down()):
+            break
+    return run.finish()
+
+
+class _Tuner:
+    """One `tune` run: the optimizer, the moving average, the best parameters checked so far and the work."""
+
+    def __init__(
+        self,
+        forward: Callable[[dict], object],
+        groups: list[dict],
+        objective: Objective,
+        schedule: Schedule,
+        check: Callable[[], float] | None,
+        budget: Budget | None,
+    ) -> None:
+        self.forward, self.objective, self.check, self.budget = forward, objective, check, budget
+        self.params = [p for group in groups for p in group["params"]]
+        self.optimizer = torch.optim.Adam(groups)
+        self.averaged = _Average(self.params, schedule.average) if schedule.average else None
+        self.history = [check()] if check else []
+        self.checks = (2 if self.averaged else 1) if check else 0  # held-out passes per check after a step
+        if budget is not None and check:
+            budget.spent += budget.check
+        self.best, self.best_averaged = _copy(self.params), False
+        self.misses, self.steps, self.out_of_budget = 0, 0, False
+
+    def epoch(self, batches: list[dict], targets: list) -> int:
+        """Steps over the batches in this order until the budget stops them; the number taken."""
+        begun = self.steps
+        for batch, target in zip(batches, targets):
+            cost = self.budget.step(batch) if self.budget is not None else 0.0
+            if (
+                self.budget is not None
+                and self.steps
+                and not self.budget.allows(cost + self.checks * self.budget.check)
+            ):
+                self.out_of_budget = True
                 break
-            loss = objective.divergence(forward(batches[i]), batches[i], on_device_of(targets[i], batches[i])).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            release_freed_memory()
-            if averaged:
-                averaged.update()
-            steps += 1
-            if budget is not None:
-                budget.spent += cost
-        if out_of_budget and steps == begun:  # nothing new to check
-            break
-        improved = False
-        if check:
-            value, values, from_average = _readouts(check, params, averaged)
-            if budget is not None:
-                budget.spent += checks * budget.check
-            history.append(value)
-            improved = value < min(history[:-1])
-            if improved:
-                best, best_averaged = values, from_average
-        if out_of_budget:
-            break
-        if not check or improved:
-            continue
-        misses += 1
-        if misses >= PATIENCE:
-            break
-        _load(params, best)  # back to the best point, with smaller steps
-        if averaged:
-            averaged.reset()
-        for group in optimizer.param_groups:
+            self._step(batch, target)
+            if self.budget is not None:
+                self.budget.spent += cost
+        return self.steps - begun
+
+    def _step(self, batch: dict, target: object) -> None:
+        loss = self.objective.divergence(self.forward(batch), batch, on_device_of(target, batch)).mean()
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        release_freed_memory()
+        if self.averaged:
+            self.averaged.update()
+        self.steps += 1
+
+    def checked(self) -> bool:
+        """Whether the held-out check (when there is one) improved on the best; the best is kept."""
+        if not self.check:
+            return False
+        value, values, from_average = _readouts(self.check, self.params, self.averaged)
+        if self.budget is not None:
+            self.budget.spent += self.checks * self.budget.check
+        self.history.append(value)
+        improved = value < min(self.history[:-1])
+        if improved:
+            self.best, self.best_averaged = values, from_average
+        return improved
+
+    def slow_down(self) -> bool:
+        """After an epoch that did not improve: back to the best parameters with halved learning rates, or
+        False when PATIENCE such epochs have passed."""
+        self.misses += 1
+        if self.misses >= PATIENCE:
+            return False
+        _load(self.params, self.best)
+        if self.averaged:
+            self.averaged.reset()
+        for group in self.optimizer.param_groups:
             group["lr"] /= 2
-    if not check and averaged and averaged.weight:
-        best, best_averaged = averaged.values(), True
-    if check or best_averaged:
-        _load(params, best)
-    optimizer.zero_grad(set_to_none=True)
-    return Tuning(history, steps, best_averaged, budget.spent if budget is not None else 0.0)
+        return True
+
+    def finish(self) -> Tuning:
+        """The best parameters (or, unchecked, the average) in place, and what the run did."""
+        if not self.check and self.averaged and self.averaged.weight:
+            self.best, self.best_averaged = self.averaged.values(), True
+        if self.check or self.best_averaged:
+            _load(self.params, self.best)
+        self.optimizer.zero_grad(set_to_none=True)
+        spent = self.budget.spent if self.budget is not None else 0.0
+        return Tuning(self.history, self.steps, self.best_averaged, spent)
 
 
 def tune_gates(
@@ -202,7 +252,7 @@ def tune_gates(
         for b in biases:
             b.requires_grad_(True)
         groups = [{"params": list(gates), "lr": lr}] + ([{"params": biases, "lr": bias_lr}] if biases else [])
-        tune(lambda b: model(**b), groups, batches, targets, objective, epochs, seed, average=average)
+        tune(lambda b: model(**b), groups, batches, targets, objective, Schedule(epochs, seed, average))
         scales = _copy(gates)
     with torch.no_grad():
         for layer, scale in zip(layers, scales):
