@@ -101,11 +101,27 @@ def check_gguf(
     family's llama.cpp architecture takes one head count for all layers (Qwen3, Gemma 3), the selection must
     be `uniform`, and where it loads no output bias, recovery must add none (`output_biases` False); None: not
     known yet (the written model is checked again). Raises GgufError (or OutputExistsError)."""
+    _check_packages(tensor_type)
+    arch = _arch_of(model)
+    _check_function(model, arch, uniform, output_biases)
+    if output is not None:
+        ensure_file_free(Path(output), overwrite)
+    layers = find_attention(model)
+    _check_source(model, arch, _source(model, source), tokenizer, layers)
+    for layer in layers:
+        if tensor_type in _BLOCKED and layer.head_dim % 32:
+            raise GgufError(
+                f"{tensor_type} packs rows in blocks of 32 values; head_dim {layer.head_dim} does not "
+                f"split into them: use f16 or f32"
+            )
+
+
+def _check_packages(tensor_type: str | None) -> None:
+    """The gguf package, a known tensor type, and llama.cpp's quantizer for a whole-file type."""
     try:
         import gguf  # noqa: F401
     except ImportError:
         raise GgufError("GGUF output needs the gguf package: pip install 'prune-heads[gguf]'") from None
-    arch = _arch_of(model)
     if tensor_type is not None and tensor_type not in GGUF_TYPES + FILE_TYPES:
         raise GgufError(
             f"tensor type {tensor_type!r} is not one of {', '.join(GGUF_TYPES)} (tensors written anew) or "
@@ -119,6 +135,11 @@ def check_gguf(
                 f"{tensor_type} quantizes the whole file with llama.cpp's own quantizer: pip install "
                 f"'prune-heads[llamacpp]', or give a type of tensors written anew ({', '.join(GGUF_TYPES)})"
             ) from None
+
+
+def _check_function(model: nn.Module, arch: GgufArch, uniform: bool | None, output_biases: bool | None) -> None:
+    """That llama.cpp's architecture computes what the pruned model computes: its attention scale, rope,
+    one head count for all layers where it takes only one, and output biases only where it loads them."""
     if getattr(model.config, "num_hidden_layers", None) in arch.scale_from_heads:
         raise GgufError(
             f"llama.cpp takes this {_model_type(model)} model's attention scale from its width over its head count, "
@@ -134,9 +155,10 @@ def check_gguf(
         raise GgufError(_UNEVEN_REFUSED.format(model_type=_model_type(model), arch=arch.even))
     if not arch.output_bias and output_biases:
         raise GgufError(_BIAS_REFUSED.format(model_type=_model_type(model), arch=arch.even))
-    if output is not None:
-        ensure_file_free(Path(output), overwrite)
-    path, layers = _source(model, source), find_attention(model)
+
+
+def _check_source(model: nn.Module, arch: GgufArch, path: Path | None, tokenizer: Any, layers: list) -> None:
+    """A source file of the model's architecture, or else a config and a tokenizer llama.cpp takes."""
     if path is not None:
         found = str(_reader(path).fields["general.architecture"].contents())
         if found != arch.source:
@@ -148,12 +170,6 @@ def check_gguf(
     else:
         arch.from_config(model.config, max(l.head_dim for l in layers))
         tokenizer_model(tokenizer)
-    for layer in layers:
-        if tensor_type in _BLOCKED and layer.head_dim % 32:
-            raise GgufError(
-                f"{tensor_type} packs rows in blocks of 32 values; head_dim {layer.head_dim} does not "
-                f"split into them: use f16 or f32"
-            )
 
 
 def _sha256(path: Path) -> str:
