@@ -10,7 +10,7 @@ import contextlib
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -203,15 +203,8 @@ def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
     q_pos = [layer.heads.index(h) for h in kept]
     kv_pos = [layer.kv_heads.index(g) for g in kept_kv]
     o_proj = Projection(resolve(module, spec.o))
-    device = o_proj.module.weight.device
-    q_index = head_features(q_pos, dim, device)
-    parts, _ = qkv_parts(module, spec, layer.num_heads, dim)
-    slices: dict[int, tuple[Projection, list[torch.Tensor]]] = {}  # one index per projection (fused: q, k, v)
-    for name, slot in parts.items():
-        index = slot.features(q_pos if name == "q" else kv_pos, dim)
-        slices.setdefault(id(slot.projection.module), (slot.projection, []))[1].append(index)
-    for projection, indices in slices.values():
-        projection.keep(torch.cat(indices).sort().values, "out")  # in the projection's own order
+    _slice_projections(layer, q_pos, kv_pos)
+    q_index = head_features(q_pos, dim, o_proj.module.weight.device)
     for path in spec.per_head_out:
         with contextlib.suppress(AttributeError):  # a family's optional projection this module has not
             Projection(resolve(module, path)).keep(q_index, "out")
@@ -232,19 +225,8 @@ def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
     }
     for path, attribute, quantity in spec.updates:
         _set_attribute(module, path, attribute, quantities[quantity])
-    if not kept and spec.no_heads is not None:
-        owner = resolve(module, spec.no_heads)
-        projects = spec.no_heads == "" or spec.o.startswith(spec.no_heads + ".")
-        owner.forward = NoHeads(
-            o_proj.module if projects else None,
-            spec.no_heads_outputs,
-            dim,
-            getattr(module, "layer_idx", None),
-            layer.kind == "cross",
-        )
-    elif not kept and layer.kind == "self" and not getattr(module, "_ph_headless_hook", False):
-        module.register_forward_hook(_headless_after_forward, with_kwargs=True)
-        module._ph_headless_hook = True
+    if not kept:
+        _without_heads(layer, o_proj)
     module._ph_record = {
         **getattr(module, "_ph_record", {}),
         "num_heads": layer.original_num_heads,
@@ -253,6 +235,37 @@ def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
     }
     module._ph_present = kept
     return describe(module, spec, layer.name, layer.index)
+
+
+def _slice_projections(layer: AttentionLayer, q_pos: list[int], kv_pos: list[int]) -> None:
+    """Keep the query rows of the kept heads and the key / value rows of the kept KV heads, in one index per
+    projection (a fused one holds q, k and v) and in the projection's own order."""
+    parts, _ = qkv_parts(layer.module, layer.spec, layer.num_heads, layer.head_dim)
+    slices: dict[int, tuple[Projection, list[torch.Tensor]]] = {}
+    for name, slot in parts.items():
+        index = slot.features(q_pos if name == "q" else kv_pos, layer.head_dim)
+        slices.setdefault(id(slot.projection.module), (slot.projection, []))[1].append(index)
+    for projection, indices in slices.values():
+        projection.keep(torch.cat(indices).sort().values, "out")
+
+
+def _without_heads(layer: AttentionLayer, o_proj: Projection) -> None:
+    """A layer with no head left: its family's stand-in forward (`NoHeads`) where the spec names one, else a
+    hook after the attention's own forward (`_headless_after_forward`)."""
+    spec, module = layer.spec, cast(Any, layer.module)
+    if spec.no_heads is not None:
+        owner = resolve(module, spec.no_heads)
+        projects = spec.no_heads == "" or spec.o.startswith(spec.no_heads + ".")
+        owner.forward = NoHeads(
+            o_proj.module if projects else None,
+            spec.no_heads_outputs,
+            layer.head_dim,
+            getattr(module, "layer_idx", None),
+            layer.kind == "cross",
+        )
+    elif layer.kind == "self" and not getattr(module, "_ph_headless_hook", False):
+        module.register_forward_hook(_headless_after_forward, with_kwargs=True)
+        module._ph_headless_hook = True
 
 
 def prepare(model: nn.Module, layers: list[AttentionLayer], plan: dict[str, list[int]]) -> None:
