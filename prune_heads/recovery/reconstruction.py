@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,60 +95,80 @@ def refit(
     tokens than unknowns per output, features without energy, values that are not finite or overflow the
     weights' dtype) falls back to bias compensation (to the kept columns as they are without a bias) and says
     why."""
-    full = _unpruned(layer)  # [out, in + 1]
-    inner = full.shape[1] - 1
-    kept, gone = kept_and_removed(layer, removed)
-    gram = calibration.matrix()
-    tokens = calibration.tokens
-    mean = gram[:inner, inner] / max(tokens, 1)
-    if bias:  # the kept features and the constant 1
-        columns = torch.cat([kept, torch.tensor([inner])])
-        prior = torch.cat([full[:, kept], (full[:, inner] + full[:, gone] @ mean[gone])[:, None]], 1)
-    else:  # the bias on both sides of the fit: it cancels
-        old_bias, full = full[:, inner], torch.cat([full[:, :inner], full.new_zeros(full.shape[0], 1)], 1)
-        columns, prior = kept, full[:, kept]
-    held = heldout.matrix() if heldout is not None and heldout.tokens else None
-    judge = held if held is not None else gram
-    energy = _energy(full, judge)
-
-    dtype = output_projection(layer).module.weight.dtype
-
-    def done(theta: torch.Tensor, ridge: float, fallback: str | None = None) -> Refit:
-        error = _squared_error(theta, full, columns, judge) / energy
-        weight = (theta[:, :-1] if bias else theta).to(dtype)  # as it is written into the weights: half the bytes
-        return Refit(weight, theta[:, -1] if bias else old_bias, ridge, error, fallback)
-
-    if not len(kept):  # a layer that lost every head: the least-squares bias is the mean output, the prior
-        return done(prior, math.inf)
-    scale = float(gram.diagonal()[kept].mean())
-    if tokens < len(columns):
-        return done(
-            prior,
-            math.inf,
-            f"the fit has {len(columns)} unknowns per output and the calibration data gave "
-            f"{tokens} tokens; give at least {len(columns)} tokens",
-        )
+    fit = _Fit.of(layer, removed, calibration, heldout, bias)
+    if not len(fit.kept):  # a layer that lost every head: the least-squares bias is the mean output, the prior
+        return fit.result(fit.prior, math.inf)
+    gram, tokens = calibration.matrix(), calibration.tokens
+    scale = float(gram.diagonal()[fit.kept].mean())
+    if tokens < len(fit.columns):
+        unknowns = len(fit.columns)
+        why = f"the fit has {unknowns} unknowns per output and the calibration data gave {tokens} tokens"
+        return fit.result(fit.prior, math.inf, f"{why}; give at least {unknowns} tokens")
     if not scale > 0:
-        return done(prior, math.inf, "the kept heads' outputs carry no energy on the calibration tokens")
-    values, vectors = torch.linalg.eigh(gram[columns][:, columns])  # G_kk = V diag(values) V^T, shared by ridges
-    target = (full @ gram[:, columns]) @ vectors  # [W, b] G[:, k] V
-    start = prior @ vectors
-    ridges = RIDGES if held is not None else (RIDGE_WITHOUT_HOLDOUT,)
-    best: Refit | None = None
-    for ridge in ridges:
-        if math.isinf(ridge):
-            theta = prior
-        else:
-            damping = ridge * scale
-            theta = ((target + damping * start) / (values + damping)) @ vectors.T
-        if not torch.isfinite(theta).all() or not torch.isfinite(theta.to(dtype)).all():
-            continue
-        candidate = done(theta, ridge)
-        if best is None or candidate.error < best.error:
-            best = candidate
+        return fit.result(fit.prior, math.inf, "the kept heads' outputs carry no energy on the calibration tokens")
+    ridges = RIDGES if fit.heldout else (RIDGE_WITHOUT_HOLDOUT,)
+    best = min(_ridge_fits(fit, gram, scale, ridges), key=lambda r: r.error, default=None)
     if best is None or not math.isfinite(best.error):
-        return done(prior, math.inf, "the least-squares system gave values that are not finite in the weights' dtype")
+        why = "the least-squares system gave values that are not finite in the weights' dtype"
+        return fit.result(fit.prior, math.inf, why)
     return best
+
+
+@dataclass(frozen=True)
+class _Fit:
+    """One layer's refit problem: the unpruned [W, b] (`full`), the fitted columns of [W, 1] (`columns`: the
+    kept features, and the bias with `bias`), the ridge's prior for them, the Gram matrix that judges a fit
+    (the held-out one when there is one) and its energy, the bias left as it is without `bias`, the weights'
+    dtype."""
+
+    full: torch.Tensor
+    kept: torch.Tensor
+    columns: torch.Tensor
+    prior: torch.Tensor
+    judge: torch.Tensor
+    energy: float
+    heldout: bool
+    bias: bool
+    old_bias: torch.Tensor
+    dtype: torch.dtype
+
+    @classmethod
+    def of(
+        cls, layer: AttentionLayer, removed: Iterable[int], calibration: Moments, heldout: Moments | None, bias: bool
+    ) -> _Fit:
+        full = _unpruned(layer)  # [out, in + 1]
+        inner = full.shape[1] - 1
+        kept, gone = kept_and_removed(layer, removed)
+        old_bias = full[:, inner]
+        if bias:  # the kept features and the constant 1
+            mean = calibration.matrix()[:inner, inner] / max(calibration.tokens, 1)
+            columns = torch.cat([kept, torch.tensor([inner])])
+            prior = torch.cat([full[:, kept], (old_bias + full[:, gone] @ mean[gone])[:, None]], 1)
+        else:  # the bias on both sides of the fit: it cancels
+            full = torch.cat([full[:, :inner], full.new_zeros(full.shape[0], 1)], 1)
+            columns, prior = kept, full[:, kept]
+        held = heldout is not None and heldout.tokens > 0
+        judge = heldout.matrix() if heldout is not None and held else calibration.matrix()
+        dtype = output_projection(layer).module.weight.dtype
+        return cls(full, kept, columns, prior, judge, _energy(full, judge), held, bias, old_bias, dtype)
+
+    def result(self, theta: torch.Tensor, ridge: float, fallback: str | None = None) -> Refit:
+        """The fit `theta` as written into the weights (their dtype: half the bytes), with its relative error."""
+        error = _squared_error(theta, self.full, self.columns, self.judge) / self.energy
+        weight = (theta[:, :-1] if self.bias else theta).to(self.dtype)
+        return Refit(weight, theta[:, -1] if self.bias else self.old_bias, ridge, error, fallback)
+
+
+def _ridge_fits(fit: _Fit, gram: torch.Tensor, scale: float, ridges: Iterable[float]) -> Iterator[Refit]:
+    """The fit at each ridge (infinite: the prior) whose values are finite in the weights' dtype."""
+    values, vectors = torch.linalg.eigh(gram[fit.columns][:, fit.columns])  # G_kk = V diag(values) V^T
+    target = (fit.full @ gram[:, fit.columns]) @ vectors  # [W, b] G[:, k] V
+    start = fit.prior @ vectors
+    for ridge in ridges:
+        damping = ridge * scale
+        theta = fit.prior if math.isinf(ridge) else ((target + damping * start) / (values + damping)) @ vectors.T
+        if torch.isfinite(theta).all() and torch.isfinite(theta.to(fit.dtype)).all():
+            yield fit.result(theta, ridge)
 
 
 def refit_flops(layers: list[AttentionLayer], plan: dict[str, list[int]]) -> float:
