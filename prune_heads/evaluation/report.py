@@ -141,12 +141,8 @@ class Report:
         s = self.summary()
         lines = [f"# Pruning report: {self.meta.get('model', '')}", ""]
         if self.meta:
-            lines += [
-                ", ".join(
-                    f"{k}: {v}" for k, v in self.meta.items() if k not in ("model", "heldout", "timings", "work")
-                ),
-                "",
-            ]
+            hidden = ("model", "heldout", "timings", "work")
+            lines += [", ".join(f"{k}: {v}" for k, v in self.meta.items() if k not in hidden), ""]
         lines += ["| | before | after | change |", "|---|---|---|---|"]
         for key, m in s["metrics"].items():
             change = describe(self.changes[key]) if key in self.changes else f"{m['delta']:+.4f}"
@@ -156,54 +152,56 @@ class Report:
             ]
             lines.append(f"| {key} | {cells[0]} | {cells[1]} | {change} |")
         lines.append(f"| attention heads | {s['heads']['before']} | {s['heads']['after']} | -{s['heads']['removed']} |")
-        sb, sa = self.before.get("speed", {}), self.after.get("speed", {})
-        if sb and sa:
-            sp = s["speed"]
-            lines += [
-                f"| parameters | {sb['parameters']:,} | {sa['parameters']:,} | x{sp['parameters_ratio']:.3f} |",
-                f"| GFLOPs per forward | {sb['flops'] / 1e9:.2f} | {sa['flops'] / 1e9:.2f} | "
-                f"x{sp['flops_ratio']:.3f} |",
-                f"| latency median (ms) | {sb['latency_ms']:.1f} | {sa['latency_ms']:.1f} | "
-                f"{sp['speedup']:.2f}x faster |",
-                f"| latency p90 (ms) | {sb['latency_p90_ms']:.1f} | {sa['latency_p90_ms']:.1f} | |",
-                f"| examples/s | {sb['examples_per_s']:.1f} | {sa['examples_per_s']:.1f} | |",
-                f"| peak memory (MB) | {sb['peak_memory_bytes'] / 2**20:.1f} | "
-                f"{sa['peak_memory_bytes'] / 2**20:.1f} | |",
-            ]
-            for gb, ga in zip(sb.get("generation", []), sa.get("generation", [])):
-                where = f"batch {gb['batch_size']}, {gb['new_tokens']} new tokens"
-                tokens_before, tokens_after = gb["generate_tokens_per_s"], ga["generate_tokens_per_s"]
-                cache_before, cache_after = gb["kv_cache_bytes"], ga["kv_cache_bytes"]
-                lines += [
-                    f"| generated tokens/s ({where}) | {tokens_before:.1f} | {tokens_after:.1f} | "
-                    f"x{tokens_after / tokens_before:.2f} |",
-                    f"| KV cache KB ({where}) | {cache_before / 1024:.1f} | {cache_after / 1024:.1f} | "
-                    f"x{cache_after / max(cache_before, 1):.3f} |",
-                ]
-            ceiling = sp["flops_ceiling"]
-            lines += [
-                "",
-                f"FLOPs ceiling: removing these heads can make the forward pass at most {ceiling:.2f}x "
-                f"faster; measured {sp['speedup']:.2f}x "
-                f"({self._ceiling_note(sp)}). Settings: {sb['settings']}.",
-            ]
-        if self.changes:
-            level = next(iter(self.changes.values()))["level"]
-            lines += [
-                "",
-                f"Changes are after - before on the same examples, with a paired bootstrap interval "
-                f"({RESAMPLES} resamples, seeded) and, for accuracies, McNemar's exact p-value; 'within "
-                f"noise' when the interval holds 0 (and p >= {1 - level:.2g}). ± is lm-eval's standard error."
-                if any(k.endswith("_stderr") for k in self.before.get("metrics", {}))
-                else f"Changes are after - before on the same examples, with a paired bootstrap interval "
-                f"({RESAMPLES} resamples, seeded) and, for accuracies, McNemar's exact p-value; 'within "
-                f"noise' when the interval holds 0 (and p >= {1 - level:.2g}).",
-            ]
+        lines += self._speed_lines(s.get("speed"))
+        lines += self._changes_lines()
         lines += self._recovery_lines()
         lines += ["", "| layer | heads kept |", "|---|---|"]
         for name, kept in self.after.get("heads", {}).items():
             lines.append(f"| {name} | {kept} / {self.before['heads'].get(name, kept)} |")
         return "\n".join(lines) + "\n"
+
+    def _speed_lines(self, sp: dict | None) -> list[str]:
+        """Rows of the table for size and speed before and after, and the FLOPs ceiling below it."""
+        sb, sa = self.before.get("speed", {}), self.after.get("speed", {})
+        if not (sb and sa and sp):
+            return []
+        lines = [
+            f"| parameters | {sb['parameters']:,} | {sa['parameters']:,} | x{sp['parameters_ratio']:.3f} |",
+            f"| GFLOPs per forward | {sb['flops'] / 1e9:.2f} | {sa['flops'] / 1e9:.2f} | x{sp['flops_ratio']:.3f} |",
+            f"| latency median (ms) | {sb['latency_ms']:.1f} | {sa['latency_ms']:.1f} | {sp['speedup']:.2f}x faster |",
+            f"| latency p90 (ms) | {sb['latency_p90_ms']:.1f} | {sa['latency_p90_ms']:.1f} | |",
+            f"| examples/s | {sb['examples_per_s']:.1f} | {sa['examples_per_s']:.1f} | |",
+            f"| peak memory (MB) | {sb['peak_memory_bytes'] / 2**20:.1f} | {sa['peak_memory_bytes'] / 2**20:.1f} | |",
+        ]
+        for gb, ga in zip(sb.get("generation", []), sa.get("generation", [])):
+            where = f"batch {gb['batch_size']}, {gb['new_tokens']} new tokens"
+            tokens_before, tokens_after = gb["generate_tokens_per_s"], ga["generate_tokens_per_s"]
+            cache_before, cache_after = gb["kv_cache_bytes"], ga["kv_cache_bytes"]
+            lines += [
+                f"| generated tokens/s ({where}) | {tokens_before:.1f} | {tokens_after:.1f} | "
+                f"x{tokens_after / tokens_before:.2f} |",
+                f"| KV cache KB ({where}) | {cache_before / 1024:.1f} | {cache_after / 1024:.1f} | "
+                f"x{cache_after / max(cache_before, 1):.3f} |",
+            ]
+        return lines + [
+            "",
+            f"FLOPs ceiling: removing these heads can make the forward pass at most {sp['flops_ceiling']:.2f}x "
+            f"faster; measured {sp['speedup']:.2f}x ({self._ceiling_note(sp)}). Settings: {sb['settings']}.",
+        ]
+
+    def _changes_lines(self) -> list[str]:
+        """How the changes' intervals were made."""
+        if not self.changes:
+            return []
+        level = next(iter(self.changes.values()))["level"]
+        how = (
+            f"Changes are after - before on the same examples, with a paired bootstrap interval ({RESAMPLES} "
+            f"resamples, seeded) and, for accuracies, McNemar's exact p-value; 'within noise' when the interval "
+            f"holds 0 (and p >= {1 - level:.2g})."
+        )
+        if any(k.endswith("_stderr") for k in self.before.get("metrics", {})):
+            how += " ± is lm-eval's standard error."
+        return ["", how]
 
     def _recovery_lines(self) -> list[str]:
         """What recovery tried and kept, with the held-out divergence from the unpruned model."""
