@@ -261,14 +261,7 @@ def score_heads(
     """
     if method not in METHODS:
         raise ConfigError(f"unknown scoring method {method!r}; choose one of {', '.join(sorted(METHODS))}")
-    state = distributed()
-    if device is None and state is not None and state.device.type != "cpu":
-        device = state.device  # one GPU per process
-    if device is not None and hasattr(model, "hf_device_map"):
-        raise ConfigError("the model was loaded with a device_map, which already placed it; leave device unset")
-    if device is not None:
-        model.to(device)
-    target = torch.device(device) if device is not None else input_device(model)
+    target = _placed(model, device)
     layers = require_attention(model)
     generator = torch.Generator().manual_seed(seed)
     if isinstance(dataloader, TaskData):
@@ -288,12 +281,32 @@ def score_heads(
             seed=seed,
         )
         scores, variances = METHODS[method](run)
-    if normalize if normalize is not None else method == "gradient":
-        norms = [s.norm() for s in scores]
-        scores = [s / n if n > 0 else s for s, n in zip(scores, norms)]
-        variances = None if variances is None else [v / n**2 if n > 0 else v for v, n in zip(variances, norms)]
-    meta = {"normalized": bool(normalize if normalize is not None else method == "gradient"), "seed": seed, **run.meta}
+    normalized = bool(normalize if normalize is not None else method == "gradient")
+    if normalized:
+        scores, variances = _per_layer_unit_norm(scores, variances)
+    meta = {"normalized": normalized, "seed": seed, **run.meta}
     return head_scores(method, layers, scores, run.examples, variances, meta)
+
+
+def _placed(model: nn.Module, device: str | torch.device | None) -> torch.device:
+    """The device scoring feeds: `device` (the model moved there; a process's own GPU under accelerate
+    launch), else where the model takes its inputs."""
+    state = distributed()
+    if device is None and state is not None and state.device.type != "cpu":
+        device = state.device  # one GPU per process
+    if device is None:
+        return input_device(model)
+    if hasattr(model, "hf_device_map"):
+        raise ConfigError("the model was loaded with a device_map, which already placed it; leave device unset")
+    model.to(device)
+    return torch.device(device)
+
+
+def _per_layer_unit_norm(scores: list[torch.Tensor], variances: list[torch.Tensor] | None):
+    """Each layer's scores over their L2 norm (Michel et al.), their variances over its square."""
+    norms = [s.norm() for s in scores]
+    scaled = [s / n if n > 0 else s for s, n in zip(scores, norms)]
+    return scaled, None if variances is None else [v / n**2 if n > 0 else v for v, n in zip(variances, norms)]
 
 
 def head_scores(
