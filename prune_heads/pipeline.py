@@ -216,16 +216,7 @@ def measure_speed(models: list[nn.Module], recipe: Recipe) -> list[dict[str, Any
     speed = recipe.evaluation.speed
     if speed is None:
         raise ConfigError("the recipe has no evaluation.speed section to time the models with")
-    timed = benchmark(
-        models,
-        batch_size=speed.batch_size,
-        seq_len=speed.seq_len,
-        repeats=speed.repeats,
-        warmup=speed.warmup,
-        threads=speed.threads,
-        generate_tokens=speed.generate_tokens,
-        generate_batch_sizes=speed.generate_batch_sizes or None,
-    )
+    timed = benchmark(models, speed)
     assert isinstance(timed, list)  # a list in, a list out
     return timed
 

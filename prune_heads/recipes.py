@@ -20,6 +20,7 @@ import yaml
 from .config import CHOICES, RecoveryConfig, ScoringConfig, SelectionConfig
 from .errors import ConfigError
 from .evaluation.lm_eval import LmEvalConfig
+from .evaluation.speed import SpeedConfig
 
 SHIPPED = Path(__file__).parent / "shipped_recipes"
 
@@ -45,19 +46,6 @@ class DataConfig:
     score_examples: int | None = None
     eval_examples: int | None = None
     stride: int | None = None
-
-
-@dataclass(frozen=True)
-class SpeedConfig:
-    """How speed is measured (`ph.benchmark`)."""
-
-    batch_size: int = 8
-    seq_len: int = 128
-    repeats: int = 10
-    warmup: int = 2
-    threads: int | None = None
-    generate_tokens: int = 0
-    generate_batch_sizes: list[int] = field(default_factory=list)  # default: batch_size
 
 
 @dataclass(frozen=True)

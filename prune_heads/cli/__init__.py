@@ -31,6 +31,7 @@ from .options import (
     make_recipe,
     quiet_transformers,
     read_plan,
+    task_metrics,
     without_option,
 )
 
@@ -172,9 +173,7 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
     from ..runtime.parallel import distributed, relaunch
     from ..scoring.methods import score_heads
 
-    recipe = make_recipe(
-        model, opts, {"sparsity": 0.0}, {"method": method, "objective": "label-free" if label_free else "auto"}
-    )
+    recipe = make_recipe(model, opts, scoring={"method": method, "objective": "label-free" if label_free else "auto"})
     ensure_free(Path(output), force)  # before any work
     state = distributed()
     if processes > 1 and state is None:
@@ -288,11 +287,11 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
     recipe = make_recipe(
         model,
         opts,
-        selection,
-        {"method": opts["method"], "steps": opts["steps"]},
+        needs_data=plan is None,
+        selection=selection,
+        scoring={"method": opts["method"], "steps": opts["steps"]},
         standalone=opts["standalone"],
         recovery=recovery_section,
-        needs_data=plan is None,
         output={"path": output, "format": fmt, "gguf_type": opts["gguf_type"]},
     )
     report = run(recipe, output=output, force=opts["force"], plan=plan, evaluate=False)
@@ -392,13 +391,10 @@ def evaluate_command(
     recipe = make_recipe(
         model,
         opts,
-        {"sparsity": 0.0},
-        speed=speed,
-        metrics=metrics,
-        eval_split=opts["split"],
-        labels=train_split is not None,
         needs_data=harness is None,
-        lm_eval=harness,
+        labels=train_split is not None,
+        data={"eval_split": opts["split"]},
+        evaluation={"metrics": task_metrics(opts["task"], metrics), "speed": {} if speed else None, "lm_eval": harness},
     )
     loaded = load_model(recipe)
     processor = load_processor(recipe)
@@ -408,27 +404,29 @@ def evaluate_command(
     if speed:
         result["speed"] = measure_speed([loaded], recipe)[0]
 
-    def text() -> str:
-        found = result["metrics"]
-        lines = [
-            f"{k}: {v:.4f}" + (f" ± {found[k + '_stderr']:.4f}" if isinstance(found.get(k + "_stderr"), float) else "")
-            if isinstance(v, float)
-            else f"{k}: {v}"
-            for k, v in found.items()
-            if not k.endswith("_stderr")
-        ]
-        lines.append(f"heads: {sum(result['heads'].values())}")
-        if speed:
-            s = result["speed"]
-            lines += [
-                f"parameters: {s['parameters']:,}",
-                f"GFLOPs per forward: {s['flops'] / 1e9:.2f}",
-                f"latency: {s['latency_ms']:.1f} ms median, {s['latency_p90_ms']:.1f} ms p90 "
-                f"(batch {s['settings']['batch_size']}, seq {s['settings']['seq_len']}, {s['settings']['device']})",
-            ]
-        return "\n".join(lines)
+    emit(result, opts["as_json"], lambda: _evaluation_text(result))
 
-    emit(result, opts["as_json"], text)
+
+def _evaluation_text(result: dict) -> str:
+    """`evaluate`'s result as lines a person reads: metrics with their standard errors, heads, speed."""
+    found = result["metrics"]
+    lines = [
+        f"{k}: {v:.4f}" + (f" ± {found[k + '_stderr']:.4f}" if isinstance(found.get(k + "_stderr"), float) else "")
+        if isinstance(v, float)
+        else f"{k}: {v}"
+        for k, v in found.items()
+        if not k.endswith("_stderr")
+    ]
+    lines.append(f"heads: {sum(result['heads'].values())}")
+    if "speed" in result:
+        s = result["speed"]
+        lines += [
+            f"parameters: {s['parameters']:,}",
+            f"GFLOPs per forward: {s['flops'] / 1e9:.2f}",
+            f"latency: {s['latency_ms']:.1f} ms median, {s['latency_p90_ms']:.1f} ms p90 "
+            f"(batch {s['settings']['batch_size']}, seq {s['settings']['seq_len']}, {s['settings']['device']})",
+        ]
+    return "\n".join(lines)
 
 
 @main.command(name="run")

@@ -148,55 +148,49 @@ def data_options(command: Callable) -> Callable:
     return command
 
 
-def make_recipe(
-    model: str,
-    opts: dict[str, Any],
-    selection: dict[str, Any],
-    scoring: dict[str, Any] | None = None,
-    speed: bool = False,
-    metrics: tuple[str, ...] = ("accuracy",),
-    eval_split: str | None = None,
-    standalone: bool = False,
-    recovery: dict[str, Any] | None = None,
-    needs_data: bool = True,
-    output: dict[str, Any] | None = None,
-    labels: bool = False,
-    lm_eval: dict[str, Any] | None = None,
-):
-    task = opts["task"]
+def make_recipe(model: str, opts: dict[str, Any], needs_data: bool = True, labels: bool = False, **sections: Any):
+    """The recipe a command's flags make: the model, task, device and data flags in `opts`, then each section
+    the command sets (`selection=`, `scoring=`, `recovery=`, `evaluation=`, `output=`, `data=`, `standalone=`)
+    over the flags' own, key by key (a selection replaces the default, which removes nothing). `labels` keeps
+    the label column of an embedding model's data; `needs_data` refuses a command without --data."""
     if needs_data and not opts["source"]:
         raise click.UsageError("--data is required (a dataset: hub name, file or folder of split files)")
-    return parse_recipe(
-        {
-            "model": model,
-            "task": task,
-            "device": opts["device"],
-            "dtype": opts["dtype"],
-            "standalone": standalone,
-            "model_kwargs": {"gguf_file": opts["gguf_file"]} if opts["gguf_file"] else {},
-            "data": {
-                "source": opts["source"] or "",
-                "score_split": opts["split"],
-                "eval_split": eval_split,
-                "text_column": opts["text_column"],
-                "text_pair_column": opts["text_pair_column"],
-                "label_column": None if task == "feature-extraction" and not labels else opts["label_column"],
-                "max_length": opts["max_length"],
-                "batch_size": opts["batch_size"],
-                "score_examples": opts["examples"],
-                "eval_examples": opts["examples"],
-            },
-            "scoring": {"seed": opts["seed"], **(scoring or {})},
-            "selection": selection,
-            "recovery": recovery if recovery is not None else {},
-            "evaluation": {
-                "metrics": [] if task in ("causal-lm", "feature-extraction") else list(metrics),
-                "speed": {} if speed else None,
-                "lm_eval": lm_eval,
-            },
-            "output": output,
-        }
-    )
+    raw = _flag_sections(model, opts, labels)
+    for name, value in sections.items():
+        raw[name] = {**raw[name], **value} if isinstance(raw.get(name), dict) and isinstance(value, dict) else value
+    raw.setdefault("selection", {"sparsity": 0.0})
+    return parse_recipe(raw)
+
+
+def _flag_sections(model: str, opts: dict[str, Any], labels: bool) -> dict[str, Any]:
+    """The recipe sections the common flags (`data_options`) set."""
+    task = opts["task"]
+    return {
+        "model": model,
+        "task": task,
+        "device": opts["device"],
+        "dtype": opts["dtype"],
+        "model_kwargs": {"gguf_file": opts["gguf_file"]} if opts["gguf_file"] else {},
+        "data": {
+            "source": opts["source"] or "",
+            "score_split": opts["split"],
+            "text_column": opts["text_column"],
+            "text_pair_column": opts["text_pair_column"],
+            "label_column": None if task == "feature-extraction" and not labels else opts["label_column"],
+            "max_length": opts["max_length"],
+            "batch_size": opts["batch_size"],
+            "score_examples": opts["examples"],
+            "eval_examples": opts["examples"],
+        },
+        "scoring": {"seed": opts["seed"]},
+        "recovery": {},
+        "evaluation": {"metrics": task_metrics(task, ("accuracy",)), "speed": None, "lm_eval": None},
+    }
+
+
+def task_metrics(task: str, metrics: tuple[str, ...]) -> list[str]:
+    """The `evaluate` metrics asked for, none for tasks measured otherwise (perplexity, embeddings)."""
+    return [] if task in ("causal-lm", "feature-extraction") else list(metrics)
 
 
 def read_plan(path: str) -> dict:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -117,65 +119,89 @@ def benchmark_pair(before: nn.Module, after: nn.Module, **kwargs: Any) -> tuple[
     return pair[0], pair[1]
 
 
+@dataclass(frozen=True)
+class SpeedConfig:
+    """How speed is measured (`ph.benchmark`): the timing batch, `repeats` timed runs after `warmup` ones,
+    CPU threads (None: torch's), and with `generate_tokens` > 0 greedy generation at each of
+    `generate_batch_sizes` (default: the timing batch)."""
+
+    batch_size: int = 8
+    seq_len: int = 128
+    repeats: int = 10
+    warmup: int = 2
+    threads: int | None = None
+    generate_tokens: int = 0
+    generate_batch_sizes: list[int] = field(default_factory=list)
+
+
 def benchmark(
     model: nn.Module | list[nn.Module],
-    batch_size: int = 8,
-    seq_len: int = 128,
-    repeats: int = 10,
-    warmup: int = 2,
+    config: SpeedConfig | None = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
-    threads: int | None = None,
-    generate_tokens: int = 0,
-    generate_batch_sizes: list[int] | None = None,
     inputs: dict[str, torch.Tensor] | None = None,
+    **options: Any,
 ) -> dict[str, Any] | list[dict[str, Any]]:
     """Time the model's forward pass and report what users compare before and after pruning.
 
-    Returns latency (median and p90 over `repeats` after `warmup` runs, CUDA synchronised), throughput
-    (examples/s, tokens/s), parameters, FLOPs per forward, peak memory, and with `generate_tokens` > 0 for
-    models that generate, greedy generation tokens/s and the KV-cache bytes after it (under "generation",
-    one entry per batch size of `generate_batch_sizes`, default the timing batch). The settings
-    (batch size, sequence length, device, dtype, threads) are recorded in the result. `inputs` replaces the
-    random ones. Given a list of models, times them in turns and returns one result per model.
+    Returns latency (median and p90 over the repeats after the warmup runs, CUDA synchronised), throughput
+    (examples/s, tokens/s), parameters, FLOPs per forward, peak memory, and for models that generate with
+    `generate_tokens` > 0, greedy generation tokens/s and the KV-cache bytes after it (under "generation",
+    one entry per batch size). How it measures is a `SpeedConfig`, or its fields as keywords
+    (`benchmark(model, batch_size=1)`); the settings are recorded in the result. The model runs on `device`
+    in `dtype` (default: where and as it is); `inputs` replaces the random ones. Given a list of models, times
+    them in turns and returns one result per model.
     """
+    settings = dataclasses.replace(config or SpeedConfig(), **options)
     models = model if isinstance(model, list) else [model]
-    devices = [_prepare(m, device, dtype, threads) for m in models]
-    base = inputs if inputs is not None else dummy_inputs(models[0], batch_size, seq_len)
+    devices = [_prepare(m, device, dtype, settings.threads) for m in models]
+    base = inputs if inputs is not None else dummy_inputs(models[0], settings.batch_size, settings.seq_len)
     batches = [{k: v.to(d) for k, v in base.items()} for d in devices]
-    examples = next(iter(base.values())).shape[0]
-    tokens = examples * (base["input_ids"].shape[1] if "input_ids" in base else 1)
+    timings = _latencies(models, batches, settings.repeats, settings.warmup)
     results = []
-    for m, d, x, times in zip(models, devices, batches, _latencies(models, batches, repeats, warmup)):
-        median = statistics.median(times)
-        result: dict[str, Any] = {
-            "latency_ms": 1000 * median,
-            "latency_p90_ms": 1000 * times[min(len(times) - 1, int(0.9 * len(times)))],
-            "examples_per_s": examples / median,
-            "tokens_per_s": tokens / median,
-            "parameters": sum(p.numel() for p in m.parameters()),
-            "flops": count_flops(m, x),
-            "peak_memory_bytes": _peak_memory(m, x, d),
-            "settings": {
-                "batch_size": examples,
-                "seq_len": seq_len if "input_ids" in base else None,
-                "device": str(d),
-                "dtype": str(next(m.parameters()).dtype).replace("torch.", ""),
-                "threads": torch.get_num_threads(),
-                "repeats": repeats,
-                "warmup": warmup,
-            },
-        }
-        if generate_tokens and getattr(m, "can_generate", lambda: False)():
+    for m, d, x, times in zip(models, devices, batches, timings):
+        result = _timed(m, x, d, times, settings)
+        size = result["settings"]["batch_size"]
+        if settings.generate_tokens and getattr(m, "can_generate", lambda: False)():
             result["generation"] = [
                 _generation(
-                    m, x if size == examples else to_device(dummy_inputs(m, size, seq_len), d), generate_tokens, d
+                    m,
+                    x if b == size else to_device(dummy_inputs(m, b, settings.seq_len), d),
+                    settings.generate_tokens,
+                    d,
                 )
-                for size in generate_batch_sizes or [examples]
+                for b in settings.generate_batch_sizes or [size]
             ]
             result.update(result["generation"][0])
         results.append(result)
     return results if isinstance(model, list) else results[0]
+
+
+def _timed(
+    model: nn.Module, inputs: dict, device: torch.device, times: list[float], settings: SpeedConfig
+) -> dict[str, Any]:
+    """One model's latency, throughput, size, FLOPs and peak memory, with the settings it was timed at."""
+    examples = next(iter(inputs.values())).shape[0]
+    tokens = examples * (inputs["input_ids"].shape[1] if "input_ids" in inputs else 1)
+    median = statistics.median(times)
+    return {
+        "latency_ms": 1000 * median,
+        "latency_p90_ms": 1000 * times[min(len(times) - 1, int(0.9 * len(times)))],
+        "examples_per_s": examples / median,
+        "tokens_per_s": tokens / median,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "flops": count_flops(model, inputs),
+        "peak_memory_bytes": _peak_memory(model, inputs, device),
+        "settings": {
+            "batch_size": examples,
+            "seq_len": settings.seq_len if "input_ids" in inputs else None,
+            "device": str(device),
+            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "threads": torch.get_num_threads(),
+            "repeats": settings.repeats,
+            "warmup": settings.warmup,
+        },
+    }
 
 
 def _generation(model: Any, inputs: dict, new_tokens: int, device: torch.device) -> dict[str, Any]:

@@ -91,7 +91,8 @@ def push_pruned(
     """Push a pruned model (a module, or a folder that `save_pruned` / `prune-heads run` wrote) to the Hub
     repo `repo_id` in one commit, with a model card (`model_card`) as README.md. A module is written the way
     `save_pruned` writes it (`standalone` as there), with `report` if given. Creates the repo if needed and
-    returns the commit info. `api` is a `huggingface_hub.HfApi` (made from `token` when not given).
+    returns the commit info. `api` is a `huggingface_hub.HfApi` (made from `token` when not given). Its
+    keywords are `huggingface_hub`'s own upload options beside `save_pruned`'s, one for one.
     """
     api = api or HfApi(token=token)
     with tempfile.TemporaryDirectory() as tmp:
