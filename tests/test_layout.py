@@ -1,5 +1,6 @@
 """The package's layout: at most about eight modules at the top, one folder per wing, imports flowing one way
-(a module imports only from its own wing or the wings below it; CONTRIBUTING.md draws the order)."""
+(a module imports only from its own wing or the wings below it; CONTRIBUTING.md draws the order), and
+functions and modules small enough to read."""
 
 import ast
 from pathlib import Path
@@ -68,3 +69,37 @@ def test_imports_flow_one_way():
             if other in rank and rank[other] > rank[own]:
                 wrong.append(f"{path.relative_to(PACKAGE)} imports {other}")
     assert not wrong, wrong
+
+
+MAX_LINES, MAX_PARAMETERS, MAX_MODULE = 60, 8, 600
+WIDER = {  # public entry points whose keywords are a user's options one for one, with the reason
+    "load_task_data": "the recipe's data section, one keyword per field",
+    "push_pruned": "huggingface_hub's upload options beside save_pruned's",
+    "score_heads": "the scoring options of the public API",
+    "prune_iteratively": "the scoring options of the public API and the budget",
+    "evaluate_command": "a click command: one parameter per option",
+}
+
+
+def functions(path: Path) -> list[tuple[str, int, int]]:
+    """(name, lines, parameters other than self / cls) of every function in a module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs] + [p.arg for p in (a.vararg, a.kwarg) if p]
+            parameters = len([n for n in names if n not in ("self", "cls")])
+            found.append((node.name, node.end_lineno - node.lineno + 1, parameters))
+    return found
+
+
+def test_functions_and_modules_stay_small():
+    too_big = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE:
+            too_big.append(f"{path.name}: {lines} lines")
+        for name, length, parameters in functions(path):
+            if length > MAX_LINES or (parameters > MAX_PARAMETERS and name not in WIDER):
+                too_big.append(f"{path.name}:{name}: {length} lines, {parameters} parameters")
+    assert not too_big, "split these, or give the reason in WIDER:\n" + "\n".join(too_big)
