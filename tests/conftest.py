@@ -1,15 +1,19 @@
 import os
-import subprocess
-import sys
-import warnings
-from pathlib import Path
 
-import pytest
-from tiny_models import FAST
-
-sys.path.insert(0, str(Path(__file__).parent))
+# before anything imports huggingface_hub (tiny_models imports transformers), which reads these once: offline,
+# a hub lookup fails at once instead of after its retries' back-off
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from tiny_models import FAST  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
 warnings.filterwarnings("ignore")
 
 from transformers.utils import logging  # noqa: E402
