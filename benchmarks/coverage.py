@@ -154,6 +154,8 @@ def tiny_overrides(config: PretrainedConfig, kept: frozenset = frozenset()) -> d
             continue
         elif key in TINY and isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = TINY[key]
+        elif key == "image_size" and isinstance(value, (list, tuple)):  # (height, width): YOLOS
+            out[key] = [TINY["image_size"]] * len(value)
         elif key in ("num_heads", "depths") and isinstance(value, (list, tuple)) and value:
             out[key] = [4 if key == "num_heads" else 1] * len(value)  # hierarchical models (Swin): per stage
         elif key.endswith("token_id") and isinstance(value, int) and value >= TINY["vocab_size"]:
