@@ -26,6 +26,7 @@ from .export.persistence import (
     ModelNotFoundError,
     ensure_file_free,
     ensure_free,
+    gguf_read_once,
     load_pruned,
     replace_folder,
     write_model,
@@ -104,9 +105,9 @@ def load_processor(recipe: Recipe) -> Any:
     from transformers import AutoImageProcessor, AutoTokenizer
 
     loader = AutoImageProcessor if recipe.task == "image-classification" else AutoTokenizer
-    processor = loader.from_pretrained(
-        resolve_source(recipe.model), **{k: v for k, v in recipe.model_kwargs.items() if k == "gguf_file"}
-    )
+    gguf_file = {k: v for k, v in recipe.model_kwargs.items() if k == "gguf_file"}
+    with gguf_read_once():
+        processor = loader.from_pretrained(resolve_source(recipe.model), **gguf_file)
     if recipe.task == "causal-lm" and getattr(processor, "pad_token", True) is None:
         processor.pad_token = processor.eos_token
     return processor

@@ -7,15 +7,17 @@ config, re-applies the surgery, and only then loads the weights, through `from_p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import errno
+import functools
 import logging
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +108,35 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     """
     if not Path(path).expanduser().exists() and not HUB_ID.match(str(path)):
         raise ModelNotFoundError(f"no folder {path}, and not a hub id (those look like 'org/name'); check the path")
+    with gguf_read_once() if "gguf_file" in from_pretrained_kwargs else contextlib.nullcontext():
+        model = _load(path, from_pretrained_kwargs)
+    gguf_file = Path(path).expanduser() / from_pretrained_kwargs.get("gguf_file", "")
+    if "gguf_file" in from_pretrained_kwargs and gguf_file.is_file():  # what save_gguf copies tensors from
+        setattr(model.config, GGUF_SOURCE_KEY, str(gguf_file.resolve()))
+    return model
+
+
+@contextlib.contextmanager
+def gguf_read_once() -> Iterator[None]:
+    """Within it, each GGUF file is parsed once and gguf's tensor-name table built once per architecture:
+    transformers parses the file again for the config, the tokenizer and the weights, and builds the table
+    again for every tensor, most of the time a GGUF model takes to load. gguf is left as it was after."""
+    try:
+        import gguf
+    except ImportError:  # transformers says what is missing
+        yield
+        return
+    reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=2)(reader)  # type: ignore[misc,assignment]
+    gguf.get_tensor_name_map = functools.cache(names)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, names  # type: ignore[misc]
+
+
+def _load(path: str | os.PathLike, from_pretrained_kwargs: dict[str, Any]) -> nn.Module:
+    """The checkpoint as its ordinary transformers class, its pruned shapes read from the weights."""
     config = AutoConfig.from_pretrained(
         path,
         **{
@@ -118,9 +149,6 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     with library_bars():
         model = _pruned_subclass(base, checkpoint_shapes(path)).from_pretrained(path, **from_pretrained_kwargs)
     model.__class__ = base
-    gguf_file = Path(path).expanduser() / from_pretrained_kwargs.get("gguf_file", "")
-    if "gguf_file" in from_pretrained_kwargs and gguf_file.is_file():  # what save_gguf copies tensors from
-        setattr(model.config, GGUF_SOURCE_KEY, str(gguf_file.resolve()))
     return model
 
 
