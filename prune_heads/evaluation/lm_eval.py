@@ -130,12 +130,14 @@ def lm_eval(
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    loaded = _load_tasks(list(tasks), _task_manager(include))
+    manager = _task_manager(include)
+    loaded = _load_tasks(list(tasks), manager)
     with _quiet():
         wrapper = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(input_device(model)))
         found = simple_evaluate(
             model=wrapper,
             tasks=list(loaded.values()),
+            task_manager=manager,  # else lm-eval indexes its task YAMLs again, seconds per call
             limit=limit,
             num_fewshot=num_fewshot,
             log_samples=True,
