@@ -32,6 +32,7 @@ from .export.persistence import (
     write_model,
 )
 from .model.layers import find_attention, require_attention
+from .model.onload import check_offload
 from .model.probe import prune
 from .model.surgery import PlanError, normalize_plan
 from .pruner import PruneResult, prune_model, selection_budget
@@ -256,6 +257,7 @@ def run(
     (ensure_file_free if gguf_file else ensure_free)(target, force)  # before any work
     model = load_model(recipe)
     config = PruneConfig.from_recipe(recipe)
+    check_offload(model)
     _check_budget(recipe, model, config, plan)
     processor = load_processor(recipe)
     if recipe.written.format == "gguf":

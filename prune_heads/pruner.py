@@ -24,6 +24,7 @@ from .config import PruneConfig, RecoveryConfig
 from .errors import ConfigError
 from .export.persistence import output_biases_load
 from .model.layers import require_attention
+from .model.onload import onload_offloaded
 from .model.probe import probe_layers
 from .recovery.candidates import (
     Decision,
@@ -156,6 +157,7 @@ def prune_model(
     """
     config = config or PruneConfig()
     start = time.perf_counter()
+    onload_offloaded(model)  # weights accelerate offloaded to the CPU: cut there, each module run on the device
     batches = _batches(data, config)
     budget = selection_budget(model, config, _seq_len(batches))
     asked = requested_heads(model, budget)

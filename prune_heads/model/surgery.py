@@ -129,8 +129,8 @@ def normalize_plan(layers: list[AttentionLayer], plan: Plan) -> dict[str, list[i
         heads = sorted(set(normalized.get(layer.name, [])) | {int(h) for h in heads})
         if heads and any(p.device.type == "meta" for p in layer.module.parameters()):
             raise PlanError(
-                f"{layer.name} is offloaded (device_map put its weights on disk or CPU offload); load "
-                f"the model without offloading (device_map=None, or more max_memory) to prune it"
+                f"{layer.name} is offloaded (device_map put its weights on disk or CPU offload); prune it with "
+                f"ph.prune_model, or call prune_heads.model.onload.onload_offloaded(model) first"
             )
         for h in heads:
             if not 0 <= h < layer.original_num_heads:
