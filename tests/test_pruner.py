@@ -477,3 +477,20 @@ def test_every_long_stage_shows_a_bar_on_a_terminal_and_none_without_progress(mo
         assert stage in shown, stage
     ph.prune_model(tm.build("llama"), tm.batches("llama"), config, progress=False)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_prunes_to_finite_weights_the_same_on_a_rerun(dtype):
+    """The default path on a model held in bfloat16 or float16 (statistics and solves in float64, gates in
+    float32): the weights stay in the model's dtype, finite, and a second run gives them bit for bit."""
+    data = tm.batches("llama", labels=False)
+    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4))
+    runs = []
+    for _ in range(2):
+        model = tm.build("llama", dtype=dtype)
+        runs.append((model, ph.prune_model(model, data, config, progress=False)))
+    (first, a), (second, b) = runs
+    assert a.plan == b.plan and sum(len(h) for h in a.plan.values()) == 4
+    assert all(p.dtype == dtype and torch.isfinite(p).all() for p in first.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(first.state_dict().values(), second.state_dict().values()))
