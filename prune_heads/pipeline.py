@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -107,7 +108,7 @@ def load_processor(recipe: Recipe) -> Any:
 
     loader = AutoImageProcessor if recipe.task == "image-classification" else AutoTokenizer
     gguf_file = {k: v for k, v in recipe.model_kwargs.items() if k == "gguf_file"}
-    with gguf_read_once():
+    with gguf_read_once() if gguf_file else contextlib.nullcontext():
         processor = loader.from_pretrained(resolve_source(recipe.model), **gguf_file)
     if recipe.task == "causal-lm" and getattr(processor, "pad_token", True) is None:
         processor.pad_token = processor.eos_token

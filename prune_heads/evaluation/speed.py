@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..model.inputs import dummy_inputs
 from ..runtime.devices import to_device
+from ..runtime.memory import weight_bytes
 from ..runtime.work import count_flops
 
 
@@ -60,7 +61,7 @@ class PeakAllocations(TorchDispatchMode):
 def _peak_memory(model: nn.Module, inputs: dict, device: torch.device) -> int:
     """Peak bytes allocated during one forward: CUDA's allocator statistics, or on CPU the weights plus the
     peak of the tensors the forward creates (see PeakAllocations)."""
-    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    weights = weight_bytes(model)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         with torch.no_grad():

@@ -18,6 +18,7 @@ from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.fu
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import PruneHeadsError
+from ..runtime.memory import weight_bytes
 
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
@@ -45,7 +46,7 @@ def check_offload(model: nn.Module) -> None:
     if not on_disk:
         return
     modules = dict(model.named_modules())
-    size = sum(_bytes(modules[name]) for name in on_disk if name in modules)
+    size = sum(weight_bytes(modules[name]) for name in on_disk if name in modules)
     raise OffloadError(
         f"{len(on_disk)} modules ({on_disk[0]}{', ...' if len(on_disk) > 1 else ''}) are offloaded to disk; "
         f"pruning onloads each module from CPU memory: load the model with max_memory giving the CPU "
@@ -79,10 +80,6 @@ def _managed(module: nn.Module, hook: Any) -> list[tuple[str, torch.Tensor]]:
     if getattr(hook, "offload_buffers", False):
         tensors += list(module.named_buffers(recurse=recurse))
     return tensors
-
-
-def _bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
 class _Onloaded:

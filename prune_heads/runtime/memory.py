@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # no torch import for the allocator helpers
+    from torch import nn
 
 HEAP_BLOCK_LIMIT = 256 * 1024  # bytes: blocks this size and larger are mapped on their own where asked
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
@@ -39,3 +43,8 @@ def map_large_blocks(threshold: int = HEAP_BLOCK_LIMIT) -> bool:
     (`ph.map_large_blocks()`, once at a pipeline's start). Returns whether it was set (False off glibc)."""
     mallopt = _glibc("mallopt")
     return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, threshold))
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
