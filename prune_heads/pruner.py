@@ -157,10 +157,10 @@ def prune_model(
     """
     config = config or PruneConfig()
     start = time.perf_counter()
-    onload_offloaded(model)  # weights accelerate offloaded to the CPU: cut there, each module run on the device
     batches = _batches(data, config)
     budget = selection_budget(model, config, _seq_len(batches))
     asked = requested_heads(model, budget)
+    onload_offloaded(model)  # after the budget's check: weights offloaded to the CPU, cut there, run on the device
     batches, generated = _with_written_text(model, batches, config)
     if config.scoring.steps > 1:
         s = config.scoring
