@@ -39,7 +39,7 @@ from .recovery.candidates import (
 from .recovery.gated import GatedModel
 from .recovery.generated import token_batches, with_generated, writes_text
 from .recovery.holdout import one_standard_error, split_holdout
-from .recovery.search import ROUNDS, searched_plan
+from .recovery.search import ROUNDS, SearchSchedule, searched_plan
 from .recovery.tuning import Schedule, tune
 from .runtime.devices import input_device, to_device
 from .runtime.progress import progress_bar
@@ -308,7 +308,8 @@ def _search(run: Run, trial: Trial, scores: HeadScores, work: Work) -> dict[str,
         return {}
     spent = sum(run.work.get(k, 0.0) for k in BEFORE_TUNING)  # the writing and the recording
     limit = math.inf if r.tuning_budget is None else r.tuning_budget * run.work["calibration_pass"] - spent
-    searched = searched_plan(trial, scores, run.budget, run.calib, rounds, r.search_examples, work, limit)
+    schedule = SearchSchedule(rounds, r.search_examples, r.search_screen)
+    searched = searched_plan(trial, scores, run.budget, run.calib, schedule, work, limit)
     run.work["search"] = searched.work
     if searched.note is not None:
         run.notes.append(searched.note)

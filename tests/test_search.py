@@ -16,10 +16,10 @@ A, B, C = ("layers.0.attn", (0, 1)), ("layers.0.attn", (2, 3)), ("layers.1.attn"
 ALONE = {A: 1.0, B: 2.0, C: 3.0}
 
 
-def measured(plan: dict, changed: str) -> float:
+def measured(plan: dict, changed: str, part: int = 0) -> torch.Tensor:
     """An additive cost of the units gone, except that B costs 10 more once A has gone (A stood in for it)."""
     gone = {(name, heads[i : i + 2]) for name, heads in plan.items() for i in range(0, len(heads), 2)}
-    return sum(ALONE.get(u, 5.0) for u in gone) + (10.0 if {A, B} <= gone else 0.0)
+    return torch.tensor([sum(ALONE.get(u, 5.0) for u in gone) + (10.0 if {A, B} <= gone else 0.0)])
 
 
 def test_units_are_what_selection_removes_together():
@@ -34,7 +34,7 @@ def test_one_round_takes_the_cheapest_alone_and_more_rounds_measure_what_went_be
     once, present = search_order(units, budget=4, rounds=1, cost=measured)
     assert once[:2] == [A, B] and present == [6]  # each cheap alone
     twice, present = search_order(units, budget=4, rounds=2, cost=measured)
-    assert twice[:2] == [A, C] and present == [6, 5]  # B measured again once A has gone: 13 > 4
+    assert twice[:2] == [A, C] and present == [6 + 5]  # B measured again once A has gone: 13 > 4
     for order in (once, twice):  # every unit is ranked, once
         assert sorted(order) == sorted((n, u) for n, (us, _) in units.items() for u in us)
 
@@ -42,9 +42,29 @@ def test_one_round_takes_the_cheapest_alone_and_more_rounds_measure_what_went_be
 def test_a_layer_never_loses_more_than_its_room():
     units = {"layers.0.attn": ([(0, 1), (2, 3), (4, 5)], 2), "layers.1.attn": ([(0, 1), (2, 3), (4, 5)], 6)}
     order, _ = search_order(
-        units, budget=4, rounds=1, cost=lambda plan, changed: 0.0 if changed == "layers.0.attn" else 1
+        units, budget=4, rounds=1, cost=lambda plan, changed, part: torch.tensor([float(changed != "layers.0.attn")])
     )
     assert order[:2] == [A, C]
+
+
+def test_a_screened_round_measures_only_the_cheapest_on_the_rest_and_takes_by_every_example():
+    """The screen (part 0) puts A first and C last; on the rest (part 1) A is dear: every example decides.
+    With a share of one unit the two cheapest on the screen go on to the rest; C is never measured there."""
+    screen = {A: 0.0, B: 1.0, C: 9.0}
+    rest = {A: 9.0, B: 1.0, C: 0.0}
+    calls = []
+
+    def cost(plan: dict, changed: str, part: int) -> torch.Tensor:
+        unit = next((n, tuple(h)) for n, h in plan.items() if n == changed)
+        calls.append((unit, part))
+        values = screen if part == 0 else rest
+        return torch.tensor([values.get(unit, 20.0)] * (1 if part == 0 else 3))
+
+    units = removal_units(SCORES, HeadBudget(num_heads=0))
+    order, priced = search_order(units, budget=2, rounds=1, cost=cost, parts=2)
+    assert order[0] == B  # A: (0 + 3 x 9) / 4 = 6.75 over every example; B 1.0
+    assert {u for u, part in calls if part == 1} == {A, B} and priced == [6, 2]
+    assert order[1:3] == [A, C]  # those measured on every example, then the screen's order
 
 
 def test_searched_scores_make_select_heads_take_the_searched_units():
@@ -110,7 +130,7 @@ def _deep_llama():
     return T.LlamaForCausalLM(config).eval()
 
 
-def _searched(monkeypatch, chain=True, changing=False):
+def _searched(monkeypatch, chain=True, changing=False, **recovery):
     """The default flow's search on a 6-block Llama: its candidates' held-out values, the pruned weights, the
     search's counted work and the notes; `chain=False` measures every unit over the whole model, `changing`
     makes the last block change what it is given (so starting part-way is not exact)."""
@@ -128,7 +148,7 @@ def _searched(monkeypatch, chain=True, changing=False):
             return out
 
         last.forward = forward
-    config = ph.PruneConfig(ph.SelectionConfig(num_heads=8), recovery=ph.RecoveryConfig(epochs=1))
+    config = ph.PruneConfig(ph.SelectionConfig(num_heads=8), recovery=ph.RecoveryConfig(epochs=1, **recovery))
     result = ph.prune_model(model, tm.batches("llama"), config, progress=False)
     monkeypatch.undo()
     tried = next(e["tried"] for e in result.recovery if e["step"] == "selection")
@@ -148,3 +168,12 @@ def test_a_model_where_starting_part_way_is_not_exact_is_searched_over_the_whole
     tried, _, work, notes = _searched(monkeypatch, changing=True)
     assert "search + reconstruction" in tried
     assert any(n.startswith("search: each forward pass over the whole model") for n in notes)
+
+
+def test_the_screened_search_costs_less_than_the_full_schedule_which_stays_reachable(monkeypatch):
+    """By default a round screens every unit on the first of the search's batches and measures the cheapest
+    on the rest; `search_screen=False` measures every unit on every batch (the earlier schedule)."""
+    tried, _, work, notes = _searched(monkeypatch)
+    full_tried, _, full_work, full_notes = _searched(monkeypatch, search_screen=False)
+    assert "search + reconstruction" in tried and "search + reconstruction" in full_tried
+    assert work < 0.75 * full_work and not notes and not full_notes

@@ -236,6 +236,7 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
 @config_option(RecoveryConfig, "projection_tuning")
 @config_option(RecoveryConfig, "generated_share", type=click.FloatRange(min=0))
 @config_option(RecoveryConfig, "search_rounds", type=click.IntRange(min=0))
+@config_option(RecoveryConfig, "search_screen")
 @config_option(RecoveryConfig, "epochs", type=int)
 @config_option(RecoveryConfig, "tuning_budget", type=BUDGET, default="none")
 @config_option(RecoveryConfig, "holdout", type=float)

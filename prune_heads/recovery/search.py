@@ -10,6 +10,7 @@ the unit's block on where the model is one chain of blocks (`prune_heads.model.b
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,31 +32,38 @@ Unit = tuple[str, tuple[int, ...]]  # (layer name, original heads that go togeth
 # one output (a class, a value, an embedding) the default runs none: on the classifier fixtures its plan lost
 # on held-out data in every cell measured, even on 256 examples (benchmarks/research-log.md, the searched plan).
 ROUNDS = 2
+# Each round screens every unit on the first 1/SCREEN of the search's batches and measures on the rest only the
+# cheapest MARGIN times its share: the units it can take (benchmarks/research-log.md, the screened search).
+SCREEN = 4
+MARGIN = 2.0
 
 
 def search_order(
     units: dict[str, tuple[list[tuple[int, ...]], int]],
     budget: int,
     rounds: int,
-    cost: Callable[[dict[str, tuple[int, ...]], str], float],
+    cost: Callable[[dict[str, tuple[int, ...]], str, int], torch.Tensor],
+    parts: int = 1,
     progress: bool = False,
 ) -> tuple[list[Unit], list[int]]:
     """The units in the order the search removes them, then the units it leaves by their last measured cost,
-    and per round run the number of units still present at its start (what its work is priced by: the same
-    on any device, whichever units the measured values make eligible). `units[layer] = (its units, how many
-    heads it may lose)`; `budget` heads go in `rounds` rounds of equal shares; `cost(plan, layer)` measures
-    the plan whose `layer` differs from the state so far; with `progress`, a bar per round counts the units
-    measured of those eligible."""
+    and per part of the examples the number of measurements it priced. `units[layer] = (its units, how many
+    heads it may lose)`; `budget` heads go in `rounds` rounds of equal shares; `cost(plan, layer, part)`
+    gives the per-example divergences on examples `part` of the plan whose `layer` differs from the state so
+    far. With two parts a round screens every unit on the first and measures on the second only the
+    cheapest `MARGIN` times its share, in units (`_measure_round`). Each round is priced by the units present at its
+    start and the screen's survivors (the same on any device, whichever units the values make eligible);
+    with `progress`, a bar per round counts its measurements."""
     removed: dict[str, tuple[int, ...]] = {}
     order: dict[Unit, None] = {}  # the units removed, in order (a dict: membership at thousands of units)
-    last: dict[Unit, float] = {}
-    present: list[int] = []
+    last: dict[Unit, tuple[int, float]] = {}
+    priced = [0] * parts
     total = sum(len(u) for u, _ in units.values())
+    size = sum(len(h) for us, _ in units.values() for h in us) / max(total, 1)  # heads per unit, on average
     for r in range(rounds):
         gone = sum(len(h) for h in removed.values())
         if gone >= budget:
             break
-        present.append(total - len(order))
         share = math.ceil((budget - gone) / (rounds - r))
         eligible = [
             (name, unit)
@@ -63,9 +71,15 @@ def search_order(
             for unit in layer_units
             if (name, unit) not in order and len(removed.get(name, ())) + len(unit) <= room
         ]
-        costs: dict[Unit, float] = {}
-        for name, unit in progress_bar(eligible, f"search round {r + 1}/{rounds}", len(eligible), progress):
-            costs[(name, unit)] = cost({**removed, name: tuple(sorted(removed.get(name, ()) + unit))}, name)
+        present = total - len(order)
+        confirmed = min(math.ceil(MARGIN * share / size), present) if parts > 1 else 0
+        priced[0] += present
+        if parts > 1:
+            priced[1] += confirmed
+        measured = len(eligible) + min(confirmed, len(eligible))
+        bar = progress_bar(None, f"search round {r + 1}/{rounds}", measured, progress)
+        with bar:
+            costs = _measure_round(eligible, lambda u, p: cost(_with(removed, u), u[0], p), confirmed, bar)
         if not costs:
             break
         last = costs
@@ -80,7 +94,34 @@ def search_order(
                 taken += len(unit)
     left = [u for u in sorted(last, key=last.__getitem__) if u not in order]
     never = [(n, u) for n, (us, _) in units.items() for u in us if (n, u) not in order and (n, u) not in last]
-    return [*order, *left, *never], present
+    return [*order, *left, *never], priced
+
+
+def _with(removed: dict[str, tuple[int, ...]], unit: Unit) -> dict[str, tuple[int, ...]]:
+    """The plan of `removed` with `unit` gone too."""
+    name, heads = unit
+    return {**removed, name: tuple(sorted(removed.get(name, ()) + heads))}
+
+
+def _measure_round(
+    eligible: list[Unit], cost: Callable[[Unit, int], torch.Tensor], confirmed: int, bar
+) -> dict[Unit, tuple[int, float]]:
+    """Each unit's place key: (0, its mean divergence) where it was measured on every example, else (1, its
+    screen's mean). Without `confirmed` every unit is measured on the one part; else every unit is screened
+    on the first part and the `confirmed` cheapest there measured on the second too, in the order of
+    `eligible` (what keeps the states entering each block reusable across a round)."""
+    screened: dict[Unit, torch.Tensor] = {}
+    for unit in eligible:
+        screened[unit] = cost(unit, 0)
+        bar.update()
+    if not confirmed:
+        return {u: (0, float(v.mean())) for u, v in screened.items()}
+    cheapest = set(sorted(screened, key=lambda u: float(screened[u].mean()))[:confirmed])
+    found = {u: (1, float(v.mean())) for u, v in screened.items()}
+    for unit in (u for u in eligible if u in cheapest):
+        found[unit] = (0, float(torch.cat([screened[unit], cost(unit, 1)]).mean()))
+        bar.update()
+    return found
 
 
 def searched_scores(scores: HeadScores, order: list[Unit]) -> HeadScores:
@@ -105,32 +146,42 @@ class Searched:
     note: str | None = None
 
 
+@dataclass(frozen=True)
+class SearchSchedule:
+    """How the search measures: in `rounds` rounds, on the first `examples` calibration examples (whole
+    batches), each round screening every unit on the first `1/SCREEN` of those batches (`screen`) or not."""
+
+    rounds: int
+    examples: int = 24
+    screen: bool = True
+
+
 def searched_plan(
     trial: Trial,
     scores: HeadScores,
     budget: HeadBudget,
     calib: list[dict],
-    rounds: int,
-    examples: int,
+    schedule: SearchSchedule,
     work: Work,
     limit: float,
 ) -> Searched:
-    """The plan searched in `rounds` rounds on the first `examples` calibration examples (whole batches) for
-    the selection's `budget`, with its counted work (priced by `work`), or None and why when that work would
-    pass `limit`. A unit is measured by a forward pass over those examples that starts at the unit's block
-    where the model is one chain of blocks and starting there is proven exact on it
-    (`prune_heads.model.blocks`), else over the whole model. A bar per round where the trial shows progress."""
-    search = _Search(trial, scores, budget, _first_examples(calib, examples), work, rounds)
+    """The plan searched on `calib` as `schedule` says for the selection's `budget`, with its counted work
+    (priced by `work`), or None and why when that work would pass `limit`. A unit is measured by a forward
+    pass that starts at the unit's block where the model is one chain of blocks and starting there is proven
+    exact on it (`prune_heads.model.blocks`), else over the whole model. A bar per round where the trial
+    shows progress."""
+    asked, rounds = requested_heads(trial.gated.model, budget), schedule.rounds
+    batches = _first_examples(calib, schedule.examples)
+    search = _Search(trial, scores, budget, _parts(batches, schedule.screen), work)
     one = work.forward_backward(calib)  # a calibration pass: the unit of the budget a refusal names
-    if search.bound() > limit:
-        return search.refused(0.0, one, limit)
+    if search.bound(rounds, asked) > limit:
+        return search.refused(0.0, one, limit, rounds, asked)
     note = search.start()
-    if note is not None and search.bound() > limit:
-        return search.refused(search.proof, one, limit)
-    asked = requested_heads(trial.gated.model, budget)
-    order, present = search_order(search.units, asked, rounds, search.cost, trial.progress)
+    if note is not None and search.bound(rounds, asked) > limit:
+        return search.refused(search.proof, one, limit, rounds, asked)
+    order, priced = search_order(search.units, asked, rounds, search.cost, len(search.parts), trial.progress)
     trial.gated.restore()
-    spent = sum(present) * search.unit_price() + search.proof + search.kept_outputs()
+    spent = sum(n * search.unit_price(p) for p, n in enumerate(priced)) + search.proof + search.kept_outputs()
     try:
         return Searched(select_heads(searched_scores(scores, order), budget), spent, note)
     except PlanError as error:
@@ -148,89 +199,120 @@ def _first_examples(calib: list[dict], examples: int) -> list[dict]:
     return batches
 
 
-class _Search:
-    """One search's measurements and their prices. Each round is priced by the units present at its start
-    (their mean price: a forward pass from the unit's block on, and the unit's refit) and by the blocks run to
-    keep what enters a block (at most one pass); proving that starting part-way is exact costs the whole pass
-    and two passes from the block that starts latest (`proof`)."""
+def _parts(batches: list[dict], screen: bool) -> list[list[dict]]:
+    """The search's batches as the parts it measures on: with `screen` (and two batches or more) the first
+    `1/SCREEN` of them (at least one) and the rest, else all of them as one part."""
+    cut = max(1, len(batches) // SCREEN)
+    return [batches[:cut], batches[cut:]] if screen and cut < len(batches) else [batches]
 
-    def __init__(
-        self, trial: Trial, scores: HeadScores, budget: HeadBudget, batches: list[dict], work: Work, rounds: int
-    ) -> None:
+
+@dataclass
+class _Part:
+    """Batches the search measures on, the unpruned outputs there, their forward pass's work and, once the
+    start at a unit's block is proven, what keeps the states entering each block."""
+
+    batches: list[dict]
+    targets: list
+    work: float
+    resume: Resume | None = None
+
+
+class _Search:
+    """One search's measurements and their prices. A measurement on a part is priced by a forward pass over
+    it from the unit's block on and the unit's refit; the blocks run to keep what enters a block are added
+    (at most one pass per round and part); proving that starting part-way is exact costs the first part's
+    whole pass and two passes of it from the block that starts latest (`proof`)."""
+
+    def __init__(self, trial: Trial, scores: HeadScores, budget: HeadBudget, parts: list[list[dict]], work: Work):
         gated = trial.gated
-        self.trial, self.batches, self.rounds = trial, batches, rounds
-        self.targets = trial.calibration.targets[: len(batches)] if trial.calibration is not None else []
+        self.trial = trial
+        targets = trial.calibration.targets if trial.calibration is not None else []
+        cuts = [0, *itertools.accumulate(len(b) for b in parts)]
+        self.parts = [_Part(b, targets[i : i + len(b)], work.forward(b)) for i, b in zip(cuts, parts)]
         self.units = removal_units(scores, budget)
         self.every = [(name, unit) for name, (layer_units, _) in self.units.items() for unit in layer_units]
-        self.whole = work.forward(batches)
         self.refits = sum(refit_flops([gated.layers[gated.index[n]]], {n: list(u)}) for n, u in self.every)
         self.chain = chain = block_chain(gated.model, gated.layers)
-        self.shares = None if chain is None else module_shares(gated.model, batches[0], list(chain[0]))
+        first = parts[0][0]
+        self.shares = None if chain is None else module_shares(gated.model, first, list(chain[0]))
         self.block = {} if chain is None or self.shares is None else dict(zip([l.name for l in gated.layers], chain[1]))
         self.probe = max(self.every, key=lambda u: self.block.get(u[0], 0), default=None)  # starts latest
         if self.probe is None or not self.block.get(self.probe[0]):  # no unit after the first block
             self.block = {}
         shares = self.shares or []
         self.before = [sum(shares[:j]) for j in range(len(shares) + 1)] if self.shares is not None else [0.0]
-        self.proof = self.whole + 2 * self.price(self.probe[0]) if self.block and self.probe is not None else 0.0
-        self.resume: Resume | None = None
+        self.proof = 0.0
+        if self.block and self.probe is not None:
+            self.proof = self.parts[0].work + 2 * self.price(self.probe[0], 0)
         self.kept: dict[tuple[str, tuple[int, ...]], Refit] = {}  # the refits of the state so far, by layer
 
-    def price(self, name: str) -> float:
-        """A forward pass from the unit's block on."""
-        return self.whole * (1.0 - self.before[self.block.get(name, 0)])
+    def price(self, name: str, part: int) -> float:
+        """A forward pass over `part` from the unit's block on."""
+        return self.parts[part].work * (1.0 - self.before[self.block.get(name, 0)])
 
-    def unit_price(self) -> float:
-        """A unit's mean price: its pass and its refit."""
-        return (sum(self.price(n) for n, _ in self.every) + self.refits) / max(len(self.every), 1)
+    def unit_price(self, part: int) -> float:
+        """A unit's mean price on `part`: its pass and its refit."""
+        return (sum(self.price(n, part) for n, _ in self.every) + self.refits) / max(len(self.every), 1)
 
-    def bound(self) -> float:
-        """The most the search can cost: the proof, every unit in every round, and one pass to keep outputs."""
-        return self.proof + self.rounds * (len(self.every) * self.unit_price() + (self.whole if self.block else 0.0))
+    def bound(self, rounds: int, asked: int) -> float:
+        """The most the search can cost: the proof, every unit screened in every round, at most `MARGIN`
+        times the `asked` heads' units measured on the rest per round, and one pass per round to keep outputs."""
+        size = sum(len(u) for _, u in self.every) / max(len(self.every), 1)  # heads per unit, on average
+        counts = [len(self.every), min(len(self.every), math.ceil(MARGIN * asked / size))]
+        keep = sum(p.work for p in self.parts) if self.block else 0.0
+        measured = sum(n * self.unit_price(p) for p, n in enumerate(counts[: len(self.parts)]))
+        return self.proof + rounds * (measured + keep)
 
-    def refused(self, spent: float, one: float, limit: float) -> Searched:
+    def refused(self, spent: float, one: float, limit: float, rounds: int, asked: int) -> Searched:
         """The search left out, its work (`spent` so far) more than `limit`, said in calibration passes (`one`)."""
-        passes = f"up to {self.bound() / one:.1f} calibration passes, more than the {max(limit, 0.0) / one:.1f}"
+        bound = self.bound(rounds, asked) / one
+        passes = f"up to {bound:.1f} calibration passes, more than the {max(limit, 0.0) / one:.1f}"
         return Searched(None, spent, f"search not tried: its work ({passes} the budget has left)")
 
     def start(self) -> str | None:
         """Start measuring from each unit's block where the model is a chain of blocks, once that is proven
-        exact on the unit that starts latest; else measure over the whole model and say so."""
+        exact on the first part for the unit that starts latest; else measure over the whole model, say so."""
         if not self.block or self.chain is None or self.probe is None:
             return None
-        self.resume = Resume(self.chain[0], self.batches, self.trial.gated)
+        for part in self.parts:
+            part.resume = Resume(self.chain[0], part.batches, self.trial.gated)
         name, unit = self.probe
         self.trial.gated.use({name: list(unit)})
-        if self.resume.proven(self._whole_model, lambda: self._measured({name: unit}, name)):
+        resume = self.parts[0].resume
+        assert resume is not None
+        if resume.proven(lambda: self._whole_model(0), lambda: self._measured({name: unit}, name, 0)):
             return None
         self.proof += self.kept_outputs()
-        self.resume, self.block = None, {}  # every unit priced from block 0: a whole pass
+        for part in self.parts:
+            part.resume = None
+        self.block = {}  # every unit priced from block 0: a whole pass
         return "search: each forward pass over the whole model (starting at a unit's block was not exact here)"
 
     def kept_outputs(self) -> float:
         """The work of the blocks run to keep what enters a later one."""
-        if self.resume is None:
-            return 0.0
-        return self.whole * sum(n * share for n, share in zip(self.resume.ran, self.shares or []))
+        shares = self.shares or []
+        return sum(p.work * sum(n * s for n, s in zip(p.resume.ran, shares)) for p in self.parts if p.resume)
 
-    def _whole_model(self) -> torch.Tensor:
-        return self.trial.gated.divergences(self.batches, self.targets, self.trial.objective)
+    def _whole_model(self, part: int) -> torch.Tensor:
+        p = self.parts[part]
+        return self.trial.gated.divergences(p.batches, p.targets, self.trial.objective)
 
-    def _measured(self, plan: dict[str, tuple[int, ...]], changed: str) -> torch.Tensor:
-        """The divergences of the model as `use`d (in `plan`, which differs from the searched state at
-        `changed`), from `changed`'s block on where that is proven."""
-        if self.resume is None:
-            return self._whole_model()
+    def _measured(self, plan: dict[str, tuple[int, ...]], changed: str, part: int) -> torch.Tensor:
+        """The divergences on `part` of the model as `use`d (in `plan`, which differs from the searched state
+        at `changed`), from `changed`'s block on where that is proven."""
+        resume = self.parts[part].resume
+        if resume is None:
+            return self._whole_model(part)
         j = self.block[changed]
         before = tuple(tuple((n, h) for n, h in sorted(plan.items()) if self.block[n] == i) for i in range(j))
-        self.resume.start(j, before)
-        with self.resume.replaying():
-            return self._whole_model()
+        resume.start(j, before)
+        with resume.replaying():
+            return self._whole_model(part)
 
     @torch.no_grad()
-    def cost(self, plan: dict[str, tuple[int, ...]], changed: str) -> float:
-        """The mean divergence with `plan`'s heads gone, each pruned layer refitted (those other than
-        `changed` kept from the state so far)."""
+    def cost(self, plan: dict[str, tuple[int, ...]], changed: str, part: int) -> torch.Tensor:
+        """The per-example divergences on `part` with `plan`'s heads gone, each pruned layer refitted (those
+        other than `changed` kept from the state so far)."""
         for key in [k for k in self.kept if plan.get(k[0]) != k[1]]:
             del self.kept[key]
         for name, heads in plan.items():
@@ -239,4 +321,4 @@ class _Search:
         refits = {name: self.kept[(name, heads)] for name, heads in plan.items() if name != changed}
         refits[changed] = self.trial.refit(changed, plan[changed])
         self.trial.gated.use({name: list(heads) for name, heads in plan.items()}, refits=refits)
-        return float(self._measured(plan, changed).mean())
+        return self._measured(plan, changed, part)

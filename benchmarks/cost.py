@@ -1,0 +1,178 @@
+"""The default path's cost on the LLM shapes people deploy: random-weight models built from the configs of
+Llama-3.2-1B, Qwen2.5-1.5B and Llama-3.1-8B (the weights random, so the cost is real and the quality
+meaningless), 1/3 of the KV groups removed (the nearest reachable count), in bfloat16. Per shape: the counted
+work in fisher passes (one forward and backward pass over the calibration batches) per stage, the seconds per
+stage, the peak memory (CUDA: allocated above the loaded model; CPU: resident high-water mark above it) against
+the weights' bytes, and the peak under onloading (`--onload`: every decoder block in CPU memory under
+accelerate's offload, moved to the GPU for its passes; then the GPU holds the embeddings, the output layer and
+one block's work at a time, from which a 70B's peak follows by its block's size).
+
+Each shape runs in a fresh process. On a machine without a GPU the figures are the CPU's (say so beside them).
+
+Run: .venv/bin/python benchmarks/cost.py [--shapes llama-3.2-1b,qwen2.5-1.5b,llama-3.1-8b] [--device cuda]
+         [--batches 16 --batch-size 8 --length 256] [--onload]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+
+import torch
+from common import PeakRSS, Timer, markdown_table, torch_threads
+from memory import SHAPES
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import prune_heads as ph
+from prune_heads.runtime.memory import map_large_blocks, weight_bytes
+
+LLAMA_31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+CONFIGS = {  # the Hugging Face configs' shapes; weights random
+    "llama-3.2-1b": ("llama", SHAPES["1b"]),
+    "qwen2.5-1.5b": (
+        "qwen2",
+        dict(
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+            rope_theta=1000000.0,
+        ),
+    ),
+    "llama-3.1-8b": (
+        "llama",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            tie_word_embeddings=False,
+            rope_scaling=LLAMA_31_ROPE,
+            rope_theta=500000.0,
+        ),
+    ),
+}
+CONFIG = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=1 / 3, round="nearest"))
+STAGES = ("scoring", "selection", "tuning")
+
+
+def build(shape: str, device: str, onload: bool, layers: int | None = None):
+    """The random-weight model of `shape` in bfloat16 on `device` (its first `layers` blocks only, for a quick
+    check); with `onload`, its decoder blocks in CPU memory under accelerate's CPU offload (each moved to the
+    device for its own passes)."""
+    model_type, shape_config = CONFIGS[shape]
+    if layers:
+        shape_config = {**shape_config, "num_hidden_layers": layers}
+    config = AutoConfig.for_model(model_type, max_position_embeddings=4096, **shape_config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    if not onload:
+        return model.to(device)
+    from accelerate import dispatch_model
+
+    blocks = {f"model.layers.{i}": "cpu" for i in range(config.num_hidden_layers)}
+    return dispatch_model(model, device_map={"": device, **blocks}, main_device=device)
+
+
+def batches(model, count: int, size: int, length: int, device: str) -> list[dict]:
+    """`count` batches of random token ids (`size` x `length`), labelled with themselves."""
+    generator = torch.Generator().manual_seed(0)
+    found = []
+    for _ in range(count):
+        ids = torch.randint(3, model.config.vocab_size, (size, length), generator=generator).to(device)
+        found.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    return found
+
+
+def measure(shape: str, device: str, count: int, size: int, length: int, onload: bool, layers: int | None) -> dict:
+    """One run in this process: the default path's work, seconds per stage and peak memory."""
+    map_large_blocks()
+    model = build(shape, device, onload, layers)
+    data = batches(model, count, size, length, device)
+    weights = weight_bytes(model)
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+    with PeakRSS() as rss, Timer() as timer:
+        result = ph.prune_model(model, data, CONFIG)
+    peak = torch.cuda.max_memory_allocated() - start if device == "cuda" else rss.bytes
+    one = result.work["calibration_pass"]
+    passes = {k: v / one for k, v in result.work.items() if k not in ("calibration_pass", "budget")}
+    return {
+        "seconds": timer.seconds,
+        "stages": {k: result.timings.get(k, 0.0) for k in STAGES},
+        "passes": passes,
+        "peak": peak,
+        "weights": weights,
+        "start": start if device == "cuda" else 0,
+        "parameters": model.num_parameters(),
+        "removed": result.heads_removed,
+    }
+
+
+def row(shape: str, found: dict) -> list[str]:
+    """The table's row for one shape."""
+    work = found["passes"]
+    before = sum(work.get(k, 0.0) for k in ("scoring", "recording", "search", "selection", "generation"))
+    stages = " / ".join(f"{found['stages'][k]:.0f}" for k in STAGES)
+    return [
+        shape,
+        f"{found['parameters'] / 1e9:.2f}B",
+        f"{found['removed']}",
+        f"{before + work.get('tuning', 0.0):.1f} (search {work.get('search', 0.0):.1f})",
+        f"{found['seconds']:.0f} ({stages})",
+        f"{found['peak'] / 2**30:.2f} GiB ({found['peak'] / found['weights']:.0%})",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default=",".join(CONFIGS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batches", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--onload", action="store_true", help="decoder blocks in CPU memory, onloaded")
+    parser.add_argument("--layers", type=int, default=None, help="only the first N blocks (a quick check)")
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # one shape, in-process
+    args = parser.parse_args()
+    shape = (args.batches, args.batch_size, args.length)
+    if args.measure:
+        print(json.dumps(measure(args.measure, args.device, *shape, args.onload, args.layers)))
+        return
+    rows = []
+    for name in args.shapes.split(","):
+        command = [sys.executable, __file__, "--measure", name, "--device", args.device]
+        command += ["--batches", str(args.batches), "--batch-size", str(args.batch_size), "--length", str(args.length)]
+        command += ["--onload"] if args.onload else []
+        command += ["--layers", str(args.layers)] if args.layers else []
+        done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+        print(name, found, file=sys.stderr, flush=True)
+        rows.append(row(name, found))
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch_threads()} threads"
+    held = "decoder blocks onloaded from CPU memory" if args.onload else "the whole model on the device"
+    print(f"\nRandom weights (cost real, quality meaningless), bfloat16, {held}; {where}; {args.batches} batches of ")
+    print(f"{args.batch_size} x {args.length} tokens; the default path at 1/3 of the KV groups (nearest reachable):\n")
+    headers = ["shape", "parameters", "heads removed", "fisher passes", "seconds (scoring / selection / tuning)"]
+    print(markdown_table([*headers, "peak memory above the model (share of its weights)"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Which schedule the search runs (`prune_heads.recovery.search`), chosen on its own measurements: the default
+flow on SmolLM2-135M or Gemma 3 270M with the frontier's calibration (`frontier.py`), its search run with the
+full schedule (`search_screen: false`: every unit measured on every search example in both rounds) and each
+measurement's per-example divergences kept; then the shipped `search_order` replayed on them with other
+schedules: each round screening every unit on the first batch (or two) and measuring on the rest only the
+cheapest `MARGIN` times its share, or the whole search on fewer examples. A replay that reaches a state the full
+schedule never measured measures it then. Per schedule: the work of its measurements against the full
+schedule's (each priced as the search prices it: a pass over its examples from the unit's block on), whether it
+ends in the full schedule's plan, and the held-out divergence of its plan after the plan's refits (what the
+held-out choice between candidates sees) beside the full schedule's; then the shipped default run live, its
+counted work (refits, kept block inputs and the proof included) beside the full schedule's (`--live`).
+
+The full search's measurements are kept in benchmarks/.search, so a second run replays them without running the
+search again (the rest of the flow up to the search runs each time: its held-out batches judge the plans).
+
+Run: .venv/bin/python benchmarks/search_schedules.py --model smollm2 --depth 1/3 [--live]
+     (the full search about half an hour on 2 CPU cores; --model gemma3; --depth 1/2)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import frontier
+import torch
+from common import markdown_table
+from llm import windows
+
+import prune_heads as ph
+import prune_heads.pruner as pruner
+from prune_heads.recovery import search
+from prune_heads.recovery.candidates import Candidate
+from prune_heads.task_data import batch_size
+
+OUT = Path(__file__).resolve().parent / ".search"
+SCHEDULES = {  # name -> (batches measured, batches screened or None, margin)
+    "full (search_screen: false)": (None, None, None),
+    "screen 1 batch, margin 2 (the default here)": (None, 1, 2.0),
+    "screen 1 batch, margin 1.5": (None, 1, 1.5),
+    "screen 1 batch, margin 1.25": (None, 1, 1.25),
+    "screen 2 batches, margin 2": (None, 2, 2.0),
+    "first 2 batches only": (2, None, None),
+    "first 2 batches, screen 1, margin 2": (2, 1, 2.0),
+}
+
+
+class _Stop(Exception):
+    pass
+
+
+def key(plan: dict) -> tuple:
+    """A plan as a hashable, sorted key."""
+    return tuple(sorted((name, tuple(heads)) for name, heads in plan.items() if heads))
+
+
+class Log:
+    """Every measurement's per-example divergences over the search's examples, by plan; a plan not yet in it is
+    measured by the search (`bind`) on all of them. `spent` sums the work of what a replay read, per unit of
+    one pass over all the search's examples from block 0."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        saved = json.loads(path.read_text()) if path.exists() else {"log": []}
+        self.values = {tuple((n, tuple(h)) for n, h in k): torch.tensor(v) for k, v in saved["log"]}
+        self.search, self.spent, self.read = None, 0.0, {}
+
+    def bind(self, measured) -> None:
+        """Measure missing plans with `measured`, the search's own `cost` (its object prices the passes)."""
+        self.search = measured
+
+    def save(self) -> None:
+        found = [[[list(map(list, k)), v.tolist()] for k, v in self.values.items()]]
+        self.path.write_text(json.dumps({"log": found[0]}))
+
+    def examples(self, plan: dict, changed: str) -> torch.Tensor:
+        k = key(plan)
+        if k not in self.values:
+            self.values[k] = self.search(plan, changed, 0).double().cpu()
+        return self.values[k]
+
+    def cost(self, sizes: list[int], measured: int | None, screened: int | None):
+        """The cost a replay reads: over the first `measured` batches (all: None), in two parts where
+        `screened` batches are screened first."""
+        total = sum(sizes)
+        used = sizes[: measured or len(sizes)]
+        cuts = [0, sum(used[:screened]), sum(used)] if screened else [0, sum(used)]
+        owner = self.search.__self__
+
+        def cost(plan: dict, changed: str, part: int) -> torch.Tensor:
+            a, b = cuts[part], cuts[part + 1]
+            read = self.read.setdefault(key(plan), 0)
+            if b > read:  # what this replay has not read of this plan yet
+                share = (b - max(a, read)) / total
+                self.spent += share * owner.price(changed, 0) / owner.parts[0].work
+                self.read[key(plan)] = b
+            return self.examples(plan, changed)[a:b]
+
+        return cost
+
+
+def replay(log: Log, context: dict, sizes: list[int], measured, screened, margin) -> list:
+    """The order the shipped `search_order` gives with this schedule, on the log."""
+    log.spent, log.read = 0.0, {}
+    saved = search.MARGIN
+    search.MARGIN = margin or saved
+    try:
+        cost = log.cost(sizes, measured, screened)
+        order, _ = search.search_order(
+            context["units"], context["budget"], context["rounds"], cost, 2 if screened else 1
+        )
+    finally:
+        search.MARGIN = saved
+    return order
+
+
+def run(args) -> None:
+    OUT.mkdir(exist_ok=True)
+    name = f"{args.model}_{args.depth.replace('/', '-')}"
+    log, context = Log(OUT / f"{name}.json"), {}
+    shipped_order, shipped_plan = search.search_order, pruner.searched_plan
+
+    def logged_order(units, budget, rounds, cost, parts=1, progress=False):
+        log.bind(cost)
+        context.update(units=units, budget=budget, rounds=rounds)
+        return shipped_order(units, budget, rounds, lambda p, c, part: log.examples(p, c), 1, progress)
+
+    def compared(trial, scores, budget, calib, schedule, work, limit):
+        search.search_order = logged_order
+        try:
+            full = shipped_plan(trial, scores, budget, calib, replace(schedule, screen=False), work, limit)
+        finally:
+            search.search_order = shipped_order
+        log.save()
+        sizes = [batch_size(b) for b in search._first_examples(calib, schedule.examples)]
+        heldout = {}
+
+        def judged(plan: dict) -> float:
+            if key(plan) not in heldout:
+                state = trial.state(Candidate("search", plan, "reconstruction"))
+                heldout[key(plan)] = float(trial.measure(state).mean())
+            return heldout[key(plan)]
+
+        rows = []
+        for label, (measured, screened, margin) in SCHEDULES.items():
+            order = replay(log, context, sizes, measured, screened, margin)
+            spent = log.spent
+            trial.gated.restore()
+            plan = ph.select_heads(search.searched_scores(scores, order), budget)
+            same = "yes" if key(plan) == key(full.plan) else f"no ({len(set(key(plan)) ^ set(key(full.plan)))} layers)"
+            rows.append([label, f"{spent:.1f}", same, f"{judged(plan):.4f}"])
+            print(label, rows[-1], flush=True)
+        log.save()
+        rows = [[r[0], f"{float(r[1]) / float(rows[0][1]):.0%} ({r[1]})", *r[2:]] for r in rows]
+        headers = ["schedule", "measurements' work (passes over the search's examples)", "full plan", "held-out"]
+        print(f"\n{args.model} at {args.depth} of the KV groups, search examples in batches of {sizes}:\n")
+        print(markdown_table(headers, rows))
+        one = work.forward_backward(calib)
+        print(f"\nCounted work of the search, in fisher passes: the full schedule {full.work / one:.2f}")
+        if args.live:
+            trial.gated.restore()
+            shipped = shipped_plan(trial, scores, budget, calib, schedule, work, limit)
+            same = "the same plan as" if key(shipped.plan) == key(full.plan) else "another plan than"
+            print(f"the shipped default run live {shipped.work / one:.2f}, {same} the full schedule")
+        raise _Stop
+
+    pruner.searched_plan = compared
+    base, tokenizer = frontier.MODELS[args.model]()
+    calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
+    layers = ph.find_attention(base)
+    heads = sum(l.num_heads for l in layers)
+    groups = {"min_heads_per_layer": 0} if all(l.num_kv_heads == 1 for l in layers) else {}
+    with contextlib.suppress(_Stop):  # raised once the schedules are compared: the rest of the flow is not needed
+        frontier.default(base, calibration, round(heads * frontier.DEPTHS[args.depth]), **groups)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=list(frontier.MODELS), default="smollm2")
+    parser.add_argument("--depth", choices=list(frontier.DEPTHS), default="1/3")
+    parser.add_argument("--live", action="store_true", help="also run the shipped default's search, counting it")
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
