@@ -29,7 +29,7 @@ CASES = {  # name: (family, labelled, heads to remove, recovery settings)
     "tiny-llama": ("llama", False, 4, {}),
     "tiny-bert": ("bert", True, 4, {}),
     "tiny-gpt2": ("gpt2", False, 5, {}),
-    "tiny-llama-budget": ("llama", False, 4, {"tuning_budget": 3.0}),  # the search refused, tuning kept
+    "tiny-llama-budget": ("llama", False, 4, {"tuning_budget": 2.0}),  # the search refused, tuning kept
     "tiny-llama-bias": ("llama", False, 4, {"reconstruction": False}),  # bias compensation, tuning kept
     "tiny-bert-bias": ("bert", True, 6, {"reconstruction": False}),
 }
