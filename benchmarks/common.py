@@ -136,3 +136,13 @@ class PeakRSS:
     @staticmethod
     def _status(key: str) -> int:
         return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def random_batches(vocab_size: int, count: int, size: int, length: int, device: str) -> list[dict]:
+    """`count` batches of seeded random token ids (`size` x `length`) on `device`, labelled with themselves."""
+    generator = torch.Generator().manual_seed(0)
+    found = []
+    for _ in range(count):
+        ids = torch.randint(3, vocab_size, (size, length), generator=generator).to(device)
+        found.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    return found

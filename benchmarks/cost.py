@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 import torch
-from common import PeakRSS, Timer, markdown_table, torch_threads
+from common import PeakRSS, Timer, markdown_table, random_batches, torch_threads
 from memory import SHAPES
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -88,21 +88,11 @@ def build(shape: str, device: str, onload: bool, layers: int | None = None):
     return dispatch_model(model, device_map={"": device, **blocks}, main_device=device)
 
 
-def batches(model, count: int, size: int, length: int, device: str) -> list[dict]:
-    """`count` batches of random token ids (`size` x `length`), labelled with themselves."""
-    generator = torch.Generator().manual_seed(0)
-    found = []
-    for _ in range(count):
-        ids = torch.randint(3, model.config.vocab_size, (size, length), generator=generator).to(device)
-        found.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
-    return found
-
-
 def measure(shape: str, device: str, count: int, size: int, length: int, onload: bool, layers: int | None) -> dict:
     """One run in this process: the default path's work, seconds per stage and peak memory."""
     map_large_blocks()
     model = build(shape, device, onload, layers)
-    data = batches(model, count, size, length, device)
+    data = random_batches(model.config.vocab_size, count, size, length, device)
     weights = weight_bytes(model)
     gc.collect()
     if device == "cuda":

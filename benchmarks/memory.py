@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 import torch
-from common import PeakRSS, Timer, markdown_table, torch_threads
+from common import PeakRSS, Timer, markdown_table, random_batches, torch_threads
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import prune_heads as ph
@@ -82,13 +82,7 @@ def measure(
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=4096, **SHAPES[size]))
     model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
-    generator = torch.Generator().manual_seed(0)
-    data = []
-    for _ in range(batches):
-        ids = torch.randint(3, model.config.vocab_size, (batch_size, length), generator=generator)
-        data.append(
-            {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device), "labels": ids.to(device)}
-        )
+    data = random_batches(model.config.vocab_size, batches, batch_size, length, device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     gc.collect()
     if device == "cuda":

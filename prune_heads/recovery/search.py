@@ -59,7 +59,7 @@ def search_order(
     last: dict[Unit, tuple[int, float]] = {}
     priced = [0] * parts
     total = sum(len(u) for u, _ in units.values())
-    size = sum(len(h) for us, _ in units.values() for h in us) / max(total, 1)  # heads per unit, on average
+    size = _heads_per_unit([u for us, _ in units.values() for u in us])
     for r in range(rounds):
         gone = sum(len(h) for h in removed.values())
         if gone >= budget:
@@ -95,6 +95,11 @@ def search_order(
     left = [u for u in sorted(last, key=last.__getitem__) if u not in order]
     never = [(n, u) for n, (us, _) in units.items() for u in us if (n, u) not in order and (n, u) not in last]
     return [*order, *left, *never], priced
+
+
+def _heads_per_unit(units: list[tuple[int, ...]]) -> float:
+    """The mean number of heads in a unit (what turns a share of heads into a count of units)."""
+    return sum(len(u) for u in units) / max(len(units), 1)
 
 
 def _with(removed: dict[str, tuple[int, ...]], unit: Unit) -> dict[str, tuple[int, ...]]:
@@ -257,7 +262,7 @@ class _Search:
     def bound(self, rounds: int, asked: int) -> float:
         """The most the search can cost: the proof, every unit screened in every round, at most `MARGIN`
         times the `asked` heads' units measured on the rest per round, and one pass per round to keep outputs."""
-        size = sum(len(u) for _, u in self.every) / max(len(self.every), 1)  # heads per unit, on average
+        size = _heads_per_unit([u for _, u in self.every])
         counts = [len(self.every), min(len(self.every), math.ceil(MARGIN * asked / size))]
         keep = sum(p.work for p in self.parts) if self.block else 0.0
         measured = sum(n * self.unit_price(p) for p, n in enumerate(counts[: len(self.parts)]))
