@@ -73,8 +73,8 @@ class Log:
         self.search = measured
 
     def save(self) -> None:
-        found = [[[list(map(list, k)), v.tolist()] for k, v in self.values.items()]]
-        self.path.write_text(json.dumps({"log": found[0]}))
+        found = [[list(map(list, k)), v.tolist()] for k, v in self.values.items()]
+        self.path.write_text(json.dumps({"log": found}))
 
     def examples(self, plan: dict, changed: str) -> torch.Tensor:
         k = key(plan)
