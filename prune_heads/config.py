@@ -12,6 +12,7 @@ from .export.gguf import FILE_TYPES, GGUF_TYPES
 from .recovery.generated import SHARE
 from .recovery.search import ROUNDS
 from .recovery.tuning import AVERAGE, MIN_TUNING_FLOPS
+from .scoring.kv_cache import KvCacheBudget
 from .scoring.methods import METHODS
 from .scoring.selection import GQA_MODES, GRANULARITIES, ROUNDING, HeadBudget
 from .task_data import TASKS
@@ -58,6 +59,11 @@ class SelectionConfig:
         "Remove heads until a forward pass costs at most this fraction of its FLOPs (at --max-length).",
         flag="--keep-flops",
     )
+    kv_cache: str | None = option(
+        None,
+        "Remove the fewest KV groups that bring the KV cache within SIZE@TOKENS[:TYPE] (120MiB@8192, "
+        "1GiB@32k:q8_0; llama.cpp's cache types, f16 by default).",
+    )
     scope: str = option("global", "'global' ranks heads across layers; 'layer' removes the share from each layer.")
     min_heads_per_layer: int = option(1, "Heads every layer keeps at least (0 lets a layer lose them all).")
     gqa: str = option(
@@ -72,12 +78,22 @@ class SelectionConfig:
     )
     ignore: list[str] = option(help="Layers (name patterns) that keep every head.", cli=False, factory=list)
 
-    def budget(self, flops_heads: int | None = None) -> HeadBudget:
-        """The `select_heads` budget this section sets; a FLOPs budget needs the model, so the caller gives the
-        heads it comes to (`flops_heads`), taken rounded up to what the structure reaches unless `round` says."""
-        fields = {k: v for k, v in vars(self).items() if k != "flops" and v is not None and v != []}
-        if flops_heads is not None:
-            fields.update(num_heads=flops_heads, round=self.round or "up")
+    def __post_init__(self) -> None:
+        if self.kv_cache is not None:
+            KvCacheBudget.parse(self.kv_cache)
+
+    def constraints(self) -> dict[str, Any]:
+        """The fields that say how heads go (not how many), as `HeadBudget` keywords."""
+        amounts = ("sparsity", "num_heads", "keep_per_layer", "flops", "kv_cache", "round")
+        return {k: v for k, v in vars(self).items() if k not in amounts and v != []}
+
+    def budget(self, heads: int | None = None) -> HeadBudget:
+        """The `select_heads` budget this section sets; a FLOPs or KV-cache budget needs the model, so the caller
+        gives the heads it comes to (`heads`), taken rounded up to what the structure reaches unless `round`
+        says."""
+        fields = {k: v for k, v in vars(self).items() if k not in ("flops", "kv_cache") and v is not None and v != []}
+        if heads is not None:
+            fields.update(num_heads=heads, round=self.round or "up")
         return HeadBudget(**fields)
 
 

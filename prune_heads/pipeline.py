@@ -38,6 +38,7 @@ from .model.probe import prune
 from .model.surgery import PlanError, normalize_plan
 from .pruner import PruneResult, prune_model, selection_budget
 from .recipes import Recipe, recipe_to_dict
+from .scoring.kv_cache import KvCacheBudget, kv_cache_size
 from .task_data import DataError, TaskData, load_task_data
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -273,7 +274,7 @@ def run(
         before["speed"], after["speed"] = measure_speed([original, model], recipe)
     del original
     changed = changes(evaluated, evaluated_after, recipe.scoring.seed)
-    report = _report(recipe, found, examples, before, after, changed)
+    report = _report(recipe, found, examples, before, after, changed, _kv_cache(recipe, model))
     _write(recipe, model, processor, found, report, target, force)
     return report
 
@@ -335,8 +336,32 @@ def _prune(
     return PruneResult(plan=plan, seconds=time.perf_counter() - tick), 0
 
 
-def _report(recipe: Recipe, found: PruneResult, examples: int, before: dict, after: dict, changed: Any) -> Report:
-    """The report: before and after, the plan, the scores, the recovery's decisions and what they cost."""
+def _kv_cache(recipe: Recipe, model: nn.Module) -> dict[str, Any] | None:
+    """The pruned model's KV cache against a KV-cache budget (None without one)."""
+    if recipe.selection.kv_cache is None:
+        return None
+    budget = KvCacheBudget.parse(recipe.selection.kv_cache)
+    size = kv_cache_size(model, budget.context, budget.cache_type)
+    return {
+        "budget": str(budget),
+        "limit": budget.size,
+        "context": budget.context,
+        "type": budget.cache_type,
+        "size": size,
+    }
+
+
+def _report(
+    recipe: Recipe,
+    found: PruneResult,
+    examples: int,
+    before: dict,
+    after: dict,
+    changed: Any,
+    kv_cache: dict[str, Any] | None,
+) -> Report:
+    """The report: before and after, the plan, the scores, the recovery's decisions and what they cost (and
+    the KV cache a KV-cache budget asked for)."""
     meta = {
         "model": recipe.model,
         "task": recipe.task,
@@ -348,6 +373,7 @@ def _report(recipe: Recipe, found: PruneResult, examples: int, before: dict, aft
         "heldout": found.heldout,
         "asked_heads": found.asked,
         "work": found.work,
+        **({"kv_cache": kv_cache} if kv_cache else {}),
     }
     return compare(
         before,

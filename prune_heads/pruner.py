@@ -46,6 +46,7 @@ from .runtime.progress import progress_bar
 from .runtime.work import Budget, Work
 from .scoring.head_scores import HeadScores
 from .scoring.iterative import prune_iteratively
+from .scoring.kv_cache import KvCacheBudget, heads_for_kv_cache
 from .scoring.methods import score_heads
 from .scoring.objective import Objective, frozen
 from .scoring.recording import Recorder, record
@@ -82,10 +83,15 @@ class PruneResult:
 
 def selection_budget(model: nn.Module, config: PruneConfig, seq_len: int = 128) -> HeadBudget:
     """The `select_heads` budget of `config.selection`, checked against the model's structure
-    before any data is read (a FLOPs budget becomes the smallest reachable number of heads that meets it).
+    before any data is read (a FLOPs or KV-cache budget becomes the smallest reachable number of heads that
+    meets it).
     Raises PlanError naming the nearest reachable budgets when the structure cannot meet the request."""
     selection = config.selection
-    heads = None if selection.flops is None else heads_for_flops(model, selection.flops, seq_len=seq_len)
+    heads = None
+    if selection.flops is not None:
+        heads = heads_for_flops(model, selection.flops, seq_len=seq_len)
+    if selection.kv_cache is not None:
+        heads = heads_for_kv_cache(model, KvCacheBudget.parse(selection.kv_cache), **selection.constraints())
     budget = selection.budget(heads)
     if config.scoring.steps > 1:
         if config.recovery.enabled:

@@ -191,14 +191,15 @@ def parse_recipe(data: Any, overrides: Sequence[str] = ()) -> Recipe:
     if isinstance(data, dict) and data.get("recovery") in (False, "off"):  # `recovery: off`: no recovery at all
         data["recovery"] = vars(RecoveryConfig.off())
     recipe = _build(Recipe, data, "")
-    budgets = ("sparsity", "num_heads", "keep_per_layer", "flops")
+    budgets = ("sparsity", "num_heads", "keep_per_layer", "flops", "kv_cache")
     chosen = [k for k in budgets if getattr(recipe.selection, k) is not None]
     if len(chosen) != 1:
         raise RecipeError(
-            f"selection needs exactly one of sparsity, num_heads, keep_per_layer or flops (has {chosen or 'none'})"
+            f"selection needs exactly one of sparsity, num_heads, keep_per_layer, flops or kv_cache (has "
+            f"{chosen or 'none'})"
         )
-    if recipe.selection.flops is not None and recipe.scoring.steps > 1:
-        raise RecipeError("selection.flops needs scoring.steps 1; iterative pruning takes selection.sparsity")
+    if chosen[0] in ("flops", "kv_cache") and recipe.scoring.steps > 1:
+        raise RecipeError(f"selection.{chosen[0]} needs scoring.steps 1; iterative pruning takes selection.sparsity")
     if recipe.scoring.steps > 1 and recipe.recovery.enabled:
         raise RecipeError("scoring.steps > 1 prunes iteratively, which recovery cannot follow; set recovery: off")
     return recipe

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import tiny_models
 from click.testing import CliRunner
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerFast
 
 import prune_heads as ph
 from prune_heads.cli import main
@@ -189,6 +189,14 @@ def test_a_budget_the_structure_cannot_meet_is_refused_before_data(tmp_path):
     result = _invoke([*args, "--sparsity", "0.1"])  # never silently an unpruned model
     assert result.exit_code == 2 and "0 heads (sparsity 0.0000) or 2 heads" in result.output
     assert not (tmp_path / "o").exists()
+    for budget, message in (
+        ("0.5MiB@8192", "removing the most the structure allows (6 heads as whole KV groups) leaves 768.00 KiB"),
+        ("2MiB@8192", "the KV cache is 1.50 MiB at 8,192 tokens (f16), already within 2.00 MiB"),
+        ("1MiB@8192:q8_0", "head size 8 does not split into q8_0's blocks of 32"),
+        ("1MiB", "give SIZE@TOKENS[:TYPE]"),
+    ):
+        result = _invoke([*args, "--kv-cache", budget])
+        assert result.exit_code == 2 and message in result.output and len(result.output.splitlines()) == 1, budget
     for more in (["--num-heads", "2"], ["--sparsity", "0.5", "--steps", "2"]):  # asked, never dropped silently
         result = _invoke([*args, *more, "--no-recovery", "--generated-share", "0.375"])
         assert result.exit_code == 2 and "generated_share is 0.375, but recovery is off" in result.output, more
@@ -451,3 +459,33 @@ def test_the_prune_line_says_what_the_held_out_data_measured():
         " (held-out divergence from the unpruned model 0.01234; the plain selection's 0.04567)"
     )
     assert heldout_line(SimpleNamespace(meta={"heldout": {"final": None, "plain": None}})) == ""  # nothing held out
+
+
+def test_a_kv_cache_budget_prunes_the_fewest_groups_and_says_the_size(tmp_path):
+    """`--kv-cache` on a tiny Llama (3 layers x 2 KV groups of head size 8: 1.5 MiB at 8,192 tokens in f16):
+    1 MiB takes two whole groups, and the line and the report say the size reached."""
+    import tiny_models as tm
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["the", "film", "was", "good", "and", "bad", "with", "a", "plot", "that", "made", "no", "sense"]
+    vocab = {word: i for i, word in enumerate(["<pad>", "<s>", "</s>", "<unk>", *words])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>")
+    tm.build("llama").save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    (tmp_path / "data.txt").write_text("\n".join(" ".join(words[i:] + words[:i]) for i in range(len(words))))
+    args = ["prune", str(tmp_path / "llama"), "--data", str(tmp_path / "data.txt"), "--text-column", "text"]
+    args += ["--task", "causal-lm"]
+    result = _invoke([*args, "--kv-cache", "1MiB@8192", "--no-recovery", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "removed 4 heads" in result.output and "its KV cache 1.00 MiB at 8,192 tokens (f16)" in result.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["meta"]["kv_cache"] == {
+        "budget": "1.00 MiB at 8,192 tokens (f16)",
+        "limit": 2**20,
+        "context": 8192,
+        "type": "f16",
+        "size": 2**20,
+    }
+    assert ph.kv_cache_size(ph.load_pruned(tmp_path / "out"), 8192) == 2**20

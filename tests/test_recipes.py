@@ -77,7 +77,7 @@ def _base():
         ({"task": "translation"}, "task is 'translation'; choose one of classification"),
         (
             {"selection": {"sparsity": 0.5, "num_heads": 3}},
-            "exactly one of sparsity, num_heads, keep_per_layer or flops",
+            "exactly one of sparsity, num_heads, keep_per_layer, flops or kv_cache",
         ),
         ({"evaluation": {"speed": {"repeats": 2.5}}}, "evaluation.speed.repeats must be int"),
         (

@@ -28,6 +28,7 @@ from .options import (
     handle_errors,
     heldout_line,
     in_command_process,
+    kv_cache_line,
     make_recipe,
     quiet_transformers,
     read_plan,
@@ -207,6 +208,7 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
 @config_option(SelectionConfig, "sparsity", type=float)
 @config_option(SelectionConfig, "num_heads", type=click.IntRange(min=0))
 @config_option(SelectionConfig, "flops", type=float)
+@config_option(SelectionConfig, "kv_cache")
 @click.option(
     "--plan",
     "plan_file",
@@ -276,9 +278,9 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
     from ..pipeline import run
 
     selection = config_fields(SelectionConfig, opts)
-    budgets = {k: selection.pop(k) for k in ("sparsity", "num_heads", "flops")}
+    budgets = {k: selection.pop(k) for k in ("sparsity", "num_heads", "flops", "kv_cache")}
     if sum(v is not None for v in budgets.values()) + (plan_file is not None) != 1:
-        raise click.UsageError("give exactly one of --sparsity, --num-heads, --keep-flops or --plan")
+        raise click.UsageError("give exactly one of --sparsity, --num-heads, --keep-flops, --kv-cache or --plan")
     plan = read_plan(plan_file) if plan_file else None
     selection.update({k: v for k, v in budgets.items() if v is not None} or {"sparsity": 0.0})
     steps = config_fields(RecoveryConfig, opts)
@@ -301,7 +303,7 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
         opts["as_json"],
         lambda: (
             f"removed {report.summary()['heads']['removed']} heads{heldout_line(report)}; "
-            f"saved the pruned model to {output}" + asked_line(selection, report)
+            f"saved the pruned model to {output}" + asked_line(selection, report) + kv_cache_line(report)
         ),
     )
 

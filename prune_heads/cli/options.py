@@ -18,6 +18,7 @@ from ..errors import PruneHeadsError
 from ..model.surgery import PlanError
 from ..recipes import parse_recipe
 from ..runtime.memory import map_large_blocks
+from ..scoring.kv_cache import size_text
 
 
 class _Budget(click.ParamType):
@@ -230,3 +231,9 @@ def asked_line(selection: dict, report) -> str:
         return ""
     asked, removed = report.meta["asked_heads"], report.summary()["heads"]["removed"]
     return "" if asked == removed else f" (asked for {asked}; --round {selection['round']} took {removed})"
+
+
+def kv_cache_line(report) -> str:
+    """The pruned model's KV cache, where a KV-cache budget set the depth."""
+    kv = report.meta.get("kv_cache")
+    return "" if kv is None else f"; its KV cache {size_text(kv['size'])} at {kv['context']:,} tokens ({kv['type']})"

@@ -2,12 +2,13 @@
 
 `objective` (the loss or divergence importance is measured against), `methods` (the registered scoring
 methods and `score_heads`), `recording` (the unpruned model's statistics, taken during scoring),
-`head_scores` (the saved result), `selection` (budgets and plans: `select_heads`, `check_budget`) and
-`iterative` (re-scoring between steps).
+`head_scores` (the saved result), `selection` (budgets and plans: `select_heads`, `check_budget`), `kv_cache`
+(a KV-cache size as a head count) and `iterative` (re-scoring between steps).
 """
 
 from .head_scores import HeadScores
 from .iterative import IterativeResult, prune_iteratively
+from .kv_cache import KvCacheBudget, heads_for_kv_cache, kv_cache_size
 from .methods import METHODS, score_heads
 from .selection import HeadBudget, check_budget, heads_for_flops, plan_with_interactions, select_heads
 
@@ -15,8 +16,11 @@ __all__ = [
     "check_budget",
     "HeadBudget",
     "heads_for_flops",
+    "heads_for_kv_cache",
     "HeadScores",
     "IterativeResult",
+    "KvCacheBudget",
+    "kv_cache_size",
     "METHODS",
     "plan_with_interactions",
     "prune_iteratively",

@@ -1,0 +1,146 @@
+"""The KV cache a decoder keeps, and how many heads a KV-cache budget removes (`--kv-cache 120MiB@8192:q8_0`):
+the fewest whole KV groups whose removal brings the cache at that context length, in that cache type, within
+the size, checked against the model's structure alone, before any data is read."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..model.layers import AttentionLayer, require_attention
+from ..model.surgery import PlanError
+from .selection import HeadBudget, check_budget
+
+# llama.cpp's KV-cache types (--cache-type-k / --cache-type-v): values per block, bytes per block
+CACHE_TYPES = {
+    "f32": (1, 4),
+    "f16": (1, 2),
+    "bf16": (1, 2),
+    "q8_0": (32, 34),
+    "q5_1": (32, 24),
+    "q5_0": (32, 22),
+    "q4_1": (32, 20),
+    "iq4_nl": (32, 18),
+    "q4_0": (32, 18),
+}
+UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30}
+_FORM = "SIZE@TOKENS[:TYPE], e.g. 120MiB@8192 or 1GiB@32k:q8_0"
+
+
+@dataclass(frozen=True)
+class KvCacheBudget:
+    """A KV cache of at most `size` bytes holding `context` tokens, each value in `cache_type`."""
+
+    size: int
+    context: int
+    cache_type: str = "f16"
+
+    @classmethod
+    def parse(cls, text: str) -> KvCacheBudget:
+        """`SIZE@TOKENS[:TYPE]`: a size with its unit (B, KB, KiB, MB, MiB, GB, GiB), a context length (a `k`
+        suffix: thousands of 1,024) and one of llama.cpp's cache types (f16 by default)."""
+        found = re.fullmatch(r"\s*([\d.]+)\s*([a-z]+)\s*@\s*(\d+)(k?)\s*(?::\s*(\w+))?\s*", text, re.IGNORECASE)
+        unit = found and UNITS.get(found.group(2).lower())
+        cache_type = (found and found.group(5) or "f16").lower()
+        if not found or unit is None or cache_type not in CACHE_TYPES:
+            raise PlanError(
+                f"cannot read the KV-cache budget {text!r}: give {_FORM} (units {', '.join(_UNIT_NAMES)}; cache "
+                f"types {', '.join(CACHE_TYPES)})"
+            )
+        size = math.floor(float(found.group(1)) * unit)
+        context = int(found.group(3)) * (1024 if found.group(4) else 1)
+        if size <= 0 or context <= 0:
+            raise PlanError(f"the KV-cache budget {text!r} needs a size and a context length above 0")
+        return cls(size, context, cache_type)
+
+    def __str__(self) -> str:
+        return f"{size_text(self.size)} at {self.context:,} tokens ({self.cache_type})"
+
+
+_UNIT_NAMES = ("B", "KB", "KiB", "MB", "MiB", "GB", "GiB")
+
+
+def size_text(size: float) -> str:
+    """A size in the largest binary unit it reaches, as the KV-cache messages give it."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:,.2f} {unit}"
+    return f"{size:,.0f} B"
+
+
+def group_bytes(layer: AttentionLayer, context: int, cache_type: str) -> int:
+    """Bytes one KV group of `layer` caches at `context` tokens: a key and a value of the head size per token
+    held (a sliding-window layer holds its window), in `cache_type`'s blocks."""
+    block, size = CACHE_TYPES[cache_type]
+    if layer.head_dim % block:
+        raise PlanError(
+            f"{layer.name}'s head size {layer.head_dim} does not split into {cache_type}'s blocks of {block}; "
+            "give another cache type (f16, bf16, f32)"
+        )
+    window = getattr(layer.module, "sliding_window", None)
+    tokens = min(context, window) if window else context
+    return 2 * tokens * layer.head_dim // block * size
+
+
+def kv_cache_size(model: nn.Module, context: int, cache_type: str = "f16") -> int:
+    """Bytes of the model's KV cache at `context` tokens in `cache_type` (llama.cpp's names), as it is now."""
+    return sum(l.num_kv_heads * group_bytes(l, context, cache_type) for l in require_attention(model))
+
+
+def heads_for_kv_cache(model: nn.Module, target: KvCacheBudget, **constraints: Any) -> int:
+    """How many more heads to remove, as whole KV groups under `constraints` (HeadBudget's fields besides the
+    amount), so the KV cache fits `target`: the fewest that do. Exact where each removed head saves the same
+    bytes (equal head sizes and windows) or every layer loses the same (`uniform=True`); otherwise, and where
+    the structure cannot go far enough or the cache already fits, PlanError naming the reachable sizes."""
+    _check_decoder(model, constraints)
+    layers = require_attention(model)
+    per_head = _bytes_per_head(layers, target, bool(constraints.get("uniform")))
+    now = kv_cache_size(model, target.context, target.cache_type)
+    if now <= target.size:
+        raise PlanError(
+            f"the KV cache is {size_text(now)} at {target.context:,} tokens ({target.cache_type}), already within "
+            f"{size_text(target.size)}; ask for less to remove KV groups"
+        )
+    deepest = check_budget(model, HeadBudget(num_heads=10**9, round="down", **constraints))
+    if now - deepest * per_head > target.size:
+        raise PlanError(
+            f"cannot bring the KV cache within {target}: removing the most the structure allows ({deepest} "
+            f"heads as whole KV groups) leaves {size_text(now - deepest * per_head)}; ask for that or more, or lower "
+            "min_heads_per_layer"
+        )
+    needed = math.ceil((now - target.size) / per_head - 1e-9)
+    return check_budget(model, HeadBudget(num_heads=needed, round="up", **constraints))
+
+
+def _bytes_per_head(layers: list[AttentionLayer], target: KvCacheBudget, uniform: bool) -> float:
+    """Bytes each removed query head saves (its share of its KV group), the same for every head; with
+    `uniform`, the mean over the layers, since every layer then loses the same heads."""
+    shares = {l.name: group_bytes(l, target.context, target.cache_type) / l.group_size for l in layers}
+    if uniform:
+        return sum(shares.values()) / len(shares)
+    if len(set(shares.values())) > 1:
+        raise PlanError(
+            f"this model's KV groups cache different sizes at {target.context:,} tokens (sliding-window layers "
+            "or head sizes differ), so the size depends on which groups go; pass uniform=True (--uniform: the same "
+            "groups from every layer) or give a number of heads"
+        )
+    return next(iter(shares.values()))
+
+
+def _check_decoder(model: nn.Module, constraints: dict[str, Any]) -> None:
+    config = getattr(model, "config", None)
+    generates = getattr(model, "can_generate", lambda: False)()
+    if getattr(config, "is_encoder_decoder", False) or not generates:
+        raise PlanError(
+            "a KV-cache budget is for decoder-only language models (a causal-LM head that generates); give "
+            "sparsity, a number of heads or a FLOPs share"
+        )
+    if constraints.get("gqa") == "even":
+        raise PlanError(
+            "gqa='even' removes query heads only and leaves the KV cache as it is; a KV-cache budget removes whole "
+            "KV groups (gqa='groups')"
+        )
