@@ -38,6 +38,7 @@ from .model.probe import prune
 from .model.surgery import PlanError, normalize_plan
 from .pruner import PruneResult, prune_model, selection_budget
 from .recipes import Recipe, recipe_to_dict
+from .recovery.generated import WRITTEN_EXAMPLES, written_batches
 from .scoring.kv_cache import KvCacheBudget, kv_cache_size
 from .task_data import DataError, TaskData, load_task_data
 
@@ -122,6 +123,8 @@ def task_data(
     """Batches of one split, as the recipe describes them (string labels numbered as in `like`, for an
     embedding model's task metrics, else as in the model's config)."""
     d = recipe.data
+    if d.source is None:
+        raise DataError(f"the {split!r} split needs data (data.source, --data)")
     image = recipe.task == "image-classification"
     label2id = (
         {name: i for i, name in enumerate(like.label_names)}
@@ -311,7 +314,7 @@ def _data(recipe: Recipe, model: nn.Module, processor: Any, plan: dict | None, e
     d = recipe.data
     embedding_labels = recipe.task == "feature-extraction" and d.label_column is not None
     wanted = plan is None or embedding_labels and evaluate
-    score = task_data(recipe, model, processor, d.score_split, d.score_examples) if wanted else None
+    score = _score_data(recipe, model, processor, progress) if wanted else None
     train = score if embedding_labels else None
     evaluation = (
         task_data(recipe, model, processor, d.eval_split, d.eval_examples, like=train)
@@ -322,6 +325,28 @@ def _data(recipe: Recipe, model: nn.Module, processor: Any, plan: dict | None, e
     if evaluation is not None and recipe.task == "feature-extraction":
         reference = embed(model, evaluation, progress)
     return _Data(score, evaluation, train, reference)
+
+
+def _score_data(recipe: Recipe, model: nn.Module, processor: Any, progress: bool) -> TaskData:
+    """The scoring split; with no data source, text a decoder-only language model writes itself."""
+    d = recipe.data
+    if d.source is not None:
+        return task_data(recipe, model, processor, d.score_split, d.score_examples)
+    if recipe.task != "causal-lm":
+        raise DataError(
+            f"--data is required for task {recipe.task} (data.source); only a decoder-only language model "
+            "(--task causal-lm) calibrates on text it writes itself"
+        )
+    examples = d.score_examples or WRITTEN_EXAMPLES
+    batches = written_batches(model, examples, d.batch_size, d.max_length, recipe.scoring.seed, progress)
+    return TaskData("causal-lm", batches, examples)
+
+
+def written_note(recipe: Recipe) -> str:
+    """What a run without data calibrated on."""
+    d = recipe.data
+    examples = d.score_examples or WRITTEN_EXAMPLES
+    return f"{examples} sequences of {d.max_length} tokens the model wrote itself (seed {recipe.scoring.seed})"
 
 
 def _prune(
@@ -374,6 +399,7 @@ def _report(
         "asked_heads": found.asked,
         "work": found.work,
         **({"kv_cache": kv_cache} if kv_cache else {}),
+        **({"calibration": written_note(recipe)} if examples and recipe.data.source is None else {}),
     }
     return compare(
         before,

@@ -31,9 +31,10 @@ class RecipeError(ConfigError):
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where the examples come from (`ph.load_task_data` arguments)."""
+    """Where the examples come from (`ph.load_task_data` arguments). No `source`: a decoder-only language
+    model calibrates on `score_examples` sequences of `max_length` tokens it writes itself (128 by default)."""
 
-    source: str
+    source: str | None = None
     score_split: str = "validation"
     eval_split: str | None = None
     text_column: str = "sentence"
@@ -75,8 +76,8 @@ class Recipe:
     """A whole pruning run: model, data, scoring, selection, evaluation, output."""
 
     model: str
-    data: DataConfig
     selection: SelectionConfig
+    data: DataConfig = field(default_factory=DataConfig)
     task: str = "classification"
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)

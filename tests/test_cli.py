@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import tiny_models
+import torch
 from click.testing import CliRunner
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerFast
 
@@ -461,21 +462,28 @@ def test_the_prune_line_says_what_the_held_out_data_measured():
     assert heldout_line(SimpleNamespace(meta={"heldout": {"final": None, "plain": None}})) == ""  # nothing held out
 
 
-def test_a_kv_cache_budget_prunes_the_fewest_groups_and_says_the_size(tmp_path):
-    """`--kv-cache` on a tiny Llama (3 layers x 2 KV groups of head size 8: 1.5 MiB at 8,192 tokens in f16):
-    1 MiB takes two whole groups, and the line and the report say the size reached."""
-    import tiny_models as tm
+def _tiny_llama_folder(tmp_path: Path) -> Path:
+    """A tiny Llama (3 layers x 2 KV groups of 2 query heads, head size 8) with a word-level tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = ["the", "film", "was", "good", "and", "bad", "with", "a", "plot", "that", "made", "no", "sense"]
-    vocab = {word: i for i, word in enumerate(["<pad>", "<s>", "</s>", "<unk>", *words])}
+    vocab = {word: i for i, word in enumerate(["<pad>", "<s>", "</s>", "<unk>", *WORDS])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>")
-    tm.build("llama").save_pretrained(tmp_path / "llama")
+    tiny_models.build("llama").save_pretrained(tmp_path / "llama")
     tokenizer.save_pretrained(tmp_path / "llama")
-    (tmp_path / "data.txt").write_text("\n".join(" ".join(words[i:] + words[:i]) for i in range(len(words))))
-    args = ["prune", str(tmp_path / "llama"), "--data", str(tmp_path / "data.txt"), "--text-column", "text"]
+    return tmp_path / "llama"
+
+
+WORDS = ["the", "film", "was", "good", "and", "bad", "with", "a", "plot", "that", "made", "no", "sense"]
+
+
+def test_a_kv_cache_budget_prunes_the_fewest_groups_and_says_the_size(tmp_path):
+    """`--kv-cache` on a tiny Llama (1.5 MiB at 8,192 tokens in f16): 1 MiB takes two whole groups, and the
+    line and the report say the size reached."""
+    folder = _tiny_llama_folder(tmp_path)
+    (tmp_path / "data.txt").write_text("\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))))
+    args = ["prune", str(folder), "--data", str(tmp_path / "data.txt"), "--text-column", "text"]
     args += ["--task", "causal-lm"]
     result = _invoke([*args, "--kv-cache", "1MiB@8192", "--no-recovery", "-o", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
@@ -489,3 +497,25 @@ def test_a_kv_cache_budget_prunes_the_fewest_groups_and_says_the_size(tmp_path):
         "size": 2**20,
     }
     assert ph.kv_cache_size(ph.load_pruned(tmp_path / "out"), 8192) == 2**20
+
+
+def test_a_decoder_pruned_without_data_calibrates_on_text_it_writes(tmp_path):
+    """No --data: the decoder writes its calibration text (seeded, so the same model twice), and the line and
+    the report say so; a classifier still needs --data."""
+    folder = _tiny_llama_folder(tmp_path)
+    args = ["prune", str(folder), "--task", "causal-lm", "--num-heads", "2", "--examples", "8", "--max-length", "12"]
+    for out in ("a", "b"):
+        result = _invoke([*args, "-o", str(tmp_path / out)])
+        assert result.exit_code == 0, result.output
+        assert "calibrated on 8 sequences of 12 tokens the model wrote itself (seed 0), no --data" in result.output
+    report = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert report["meta"]["calibration"].startswith("8 sequences of 12 tokens") and report["meta"]["heldout"]
+    a, b = (ph.load_pruned(tmp_path / out).state_dict() for out in ("a", "b"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    result = _invoke(["prune", str(folder), "--num-heads", "2", "-o", str(tmp_path / "c")])
+    assert result.exit_code == 2 and "--data is required" in result.output and not (tmp_path / "c").exists()
+    tiny_models.build("bert").save_pretrained(tmp_path / "bert")
+    (tmp_path / "bert.yaml").write_text(f"model: {tmp_path / 'bert'}\nselection: {{num_heads: 2}}\n")
+    result = _invoke(["run", str(tmp_path / "bert.yaml"), "-o", str(tmp_path / "d")])
+    assert result.exit_code == 2 and "--data is required for task classification" in result.output
+    assert not (tmp_path / "d").exists()

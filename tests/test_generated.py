@@ -6,7 +6,7 @@ import torch
 
 import prune_heads as ph
 from prune_heads.config import ConfigError
-from prune_heads.recovery.generated import SHARE, nucleus, sample, with_generated, writes_text
+from prune_heads.recovery.generated import SHARE, nucleus, sample, with_generated, writes_text, written_batches
 from prune_heads.task_data import without_labels
 
 
@@ -110,3 +110,19 @@ def test_a_share_asked_of_a_model_that_writes_no_text_or_with_recovery_off_is_re
     with pytest.raises(ConfigError, match="generated_share is 0.375, but recovery is off"):
         dataclasses.replace(off, generated_share=SHARE)
     assert dataclasses.replace(off, gate_tuning=True, generated_share=SHARE).generated_share == SHARE
+
+
+def test_with_no_data_a_decoder_writes_its_calibration_batches_from_its_first_token():
+    model = tm.build("llama")
+    batches = written_batches(model, examples=5, batch_size=2, length=6, seed=0, progress=False)
+    assert [b["input_ids"].shape for b in batches] == [(2, 6), (2, 6), (1, 6)]
+    ids = torch.cat([b["input_ids"] for b in batches])
+    assert (ids[:, 0] == model.config.bos_token_id).all() and len({tuple(row) for row in ids[:, 1:].tolist()}) == 5
+    for batch in batches:
+        assert torch.equal(batch["labels"], batch["input_ids"]) and bool(batch["attention_mask"].all())
+    again = written_batches(model, examples=5, batch_size=2, length=6, seed=0, progress=False)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, again))
+    other = written_batches(model, examples=5, batch_size=2, length=6, seed=1, progress=False)
+    assert not torch.equal(ids, torch.cat([b["input_ids"] for b in other]))
+    with pytest.raises(ph.DataError, match="--data is required: only a decoder-only language model"):
+        written_batches(tm.build("bert"), examples=2, batch_size=2, length=6, seed=0, progress=False)

@@ -99,8 +99,9 @@ def test_bad_recipes_name_the_key(change, message):
 
 
 def test_missing_field_and_overrides():
-    with pytest.raises(RecipeError, match="data is missing"):
-        parse_recipe({"model": "m", "selection": {"sparsity": 0.5}})
+    with pytest.raises(RecipeError, match="selection is missing"):
+        parse_recipe({"model": "m", "data": {"source": "d"}})
+    assert parse_recipe({"model": "m", "task": "causal-lm", "selection": {"sparsity": 0.5}}).data.source is None
     recipe = parse_recipe(
         _base(), ["selection.sparsity=0.25", "evaluation.speed=null", "scoring.steps=3", "recovery=off"]
     )

@@ -21,6 +21,7 @@ from .options import (
     BUDGET,
     GGUF_TYPE_HELP,
     asked_line,
+    calibration_line,
     config_fields,
     config_option,
     data_options,
@@ -290,7 +291,7 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
     recipe = make_recipe(
         model,
         opts,
-        needs_data=plan is None,
+        needs_data=plan is None and opts["task"] != "causal-lm",
         selection=selection,
         scoring={"method": opts["method"], "steps": opts["steps"]},
         standalone=opts["standalone"],
@@ -302,8 +303,8 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
         report.to_dict(),
         opts["as_json"],
         lambda: (
-            f"removed {report.summary()['heads']['removed']} heads{heldout_line(report)}; "
-            f"saved the pruned model to {output}" + asked_line(selection, report) + kv_cache_line(report)
+            f"removed {report.summary()['heads']['removed']} heads{heldout_line(report)}{kv_cache_line(report)}"
+            f"{calibration_line(report)}; saved the pruned model to {output}" + asked_line(selection, report)
         ),
     )
 

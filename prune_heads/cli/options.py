@@ -173,7 +173,7 @@ def _flag_sections(model: str, opts: dict[str, Any], labels: bool) -> dict[str, 
         "dtype": opts["dtype"],
         "model_kwargs": {"gguf_file": opts["gguf_file"]} if opts["gguf_file"] else {},
         "data": {
-            "source": opts["source"] or "",
+            "source": opts["source"],
             "score_split": opts["split"],
             "text_column": opts["text_column"],
             "text_pair_column": opts["text_pair_column"],
@@ -231,6 +231,12 @@ def asked_line(selection: dict, report) -> str:
         return ""
     asked, removed = report.meta["asked_heads"], report.summary()["heads"]["removed"]
     return "" if asked == removed else f" (asked for {asked}; --round {selection['round']} took {removed})"
+
+
+def calibration_line(report) -> str:
+    """What the run calibrated on, where it wrote the text itself (no --data)."""
+    written = report.meta.get("calibration")
+    return "" if written is None else f"; calibrated on {written}, no --data"
 
 
 def kv_cache_line(report) -> str:

@@ -13,9 +13,12 @@ import torch
 from torch import nn
 
 from ..runtime.devices import input_device
+from ..runtime.progress import progress_bar
 from ..scoring.objective import frozen
+from ..task_data import DataError
 
 SHARE = 0.375  # written examples per calibration example, the share measured: 3 for every 8
+WRITTEN_EXAMPLES = 128  # sequences a decoder writes to calibrate on when no data is given
 TOP_P = 0.95  # nucleus sampling at temperature 1: the model's own distribution without its unlikely tail
 
 
@@ -96,3 +99,29 @@ def with_generated(model: nn.Module, batches: list[dict], share: float, seed: in
         generated.append(extra)
         written += rows
     return out, generated
+
+
+@torch.no_grad()
+def written_batches(
+    model: nn.Module, examples: int, batch_size: int, length: int, seed: int, progress: bool = True
+) -> list[dict]:
+    """Calibration batches the model writes itself, for a decoder given no data: `examples` sequences of
+    `length` tokens in batches of `batch_size`, each `sample`d from the beginning-of-text token (the end-of-text
+    token where there is none), the tokens their own labels. The same model and seed write the same text."""
+    config: Any = getattr(model, "config", None)
+    starts = (getattr(config, "bos_token_id", None), getattr(config, "eos_token_id", None))
+    start = next((t for t in starts if t is not None), None)
+    if not writes_text(model) or start is None or length < 2:
+        raise DataError(
+            "--data is required: only a decoder-only language model with a beginning- or end-of-text token "
+            "calibrates on text it writes itself (and only with --max-length 2 or more)"
+        )
+    start = start if isinstance(start, int) else start[0]
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for first in progress_bar(range(0, examples, batch_size), "writing calibration text", enabled=progress):
+        rows = min(batch_size, examples - first)
+        prompt = torch.full((rows, 1), start, dtype=torch.long, device=input_device(model))
+        tokens = sample(model, prompt, length - 1, generator).cpu()
+        out.append({"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "labels": tokens.clone()})
+    return out
