@@ -20,6 +20,10 @@ Run: .venv/bin/python benchmarks/in_llama_cpp.py --build   (the pruned files, de
      attention-free one too, written whole in that type by llama.cpp's quantizer (`ph.save_gguf(...,
      tensor_type=...)`) and measured in a run of their own (ratios only within one run); --ratio 1/2 (repeatable)
      builds only those depths. Their transformers perplexity is the float model's, before llama.cpp quantizes.
+     --cache-types f16,q8_0,q4_0: every file with llama.cpp's KV cache in each type (its own quantization of
+     keys and values, the peer of removing KV groups), speeds against the unpruned file with the same cache
+     type and decode at 8,192 tokens against the unpruned file's f16 cache, and llama.cpp's perplexity with
+     each (about 12 minutes a cache type for the unpruned and one pruned file).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import prune_heads as ph
 OUT = Path(__file__).resolve().parent / ".gguf"
 RATIOS = {"1/6 of KV groups": 45, "1/3 of KV groups": 90, "1/2 of KV groups": 135}
 CONTEXTS = (512, 2048, 8192)
+CACHE_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # llama.cpp's KV-cache types (--cache-type-k/-v) as ggml type ids
 THREADS, DECODE_TOKENS, REPEATS = 2, 32, 3
 
 
@@ -147,8 +152,9 @@ class _Log:
         return int(float(re.search(r"size =\s*([\d.]+) MiB", line).group(1)) * 2**20)
 
 
-def speed(path: Path, context: int, log: _Log, ids: list[int]) -> dict:
-    """Prompt tokens/s for `context` - DECODE_TOKENS tokens, then decode tokens/s for DECODE_TOKENS more."""
+def speed(path: Path, context: int, log: _Log, ids: list[int], cache_type: str = "f16") -> dict:
+    """Prompt tokens/s for `context` - DECODE_TOKENS tokens, then decode tokens/s for DECODE_TOKENS more, with
+    the KV cache in `cache_type`."""
     log.lines.clear()
     llm = Llama(
         model_path=str(path),
@@ -159,6 +165,8 @@ def speed(path: Path, context: int, log: _Log, ids: list[int]) -> dict:
         n_threads_batch=THREADS,
         flash_attn=True,
         verbose=True,
+        type_k=CACHE_TYPES[cache_type],
+        type_v=CACHE_TYPES[cache_type],
     )
     prompt = ids[: context - DECODE_TOKENS]
     tick = time.perf_counter()
@@ -171,10 +179,20 @@ def speed(path: Path, context: int, log: _Log, ids: list[int]) -> dict:
     return {"prompt": len(prompt) / prompt_seconds, "decode": DECODE_TOKENS / decode_seconds, "kv": log.kv_bytes()}
 
 
-def llama_perplexity(path: Path, test: ph.TaskData) -> float:
-    """exp of the mean next-token NLL over the same windows and labelled tokens as transformers' perplexity."""
+def llama_perplexity(path: Path, test: ph.TaskData, cache_type: str = "f16") -> float:
+    """exp of the mean next-token NLL over the same windows and labelled tokens as transformers' perplexity, with
+    the KV cache in `cache_type`."""
+    kind = CACHE_TYPES[cache_type]
     llm = Llama(
-        model_path=str(path), n_ctx=256, n_batch=256, n_threads=THREADS, logits_all=True, flash_attn=True, verbose=False
+        model_path=str(path),
+        n_ctx=256,
+        n_batch=256,
+        n_threads=THREADS,
+        logits_all=True,
+        flash_attn=True,
+        verbose=False,
+        type_k=kind,
+        type_v=kind,
     )
     total, count = 0.0, 0
     for batch in test.batches:
@@ -188,58 +206,89 @@ def llama_perplexity(path: Path, test: ph.TaskData) -> float:
     return float(np.exp(total / count))
 
 
-def measure(args_table: bool = False, gguf_type: str | None = None) -> None:
-    cache_file = _path("cache", gguf_type, "json")
-    cache = json.loads(cache_file.read_text())
+def _runs(cache: dict, cache_types: list[str], gguf_type: str | None, table: bool) -> dict:
+    """Speed runs of every file with every cache type at every context, REPEATS times in turns (machine noise
+    falls on all alike), kept as they come (runs[-TYPE].json); `table`: only those saved."""
+    saved = _path("runs", gguf_type, "json")
+    runs: dict = {(n, t, c): [] for n in cache for t in cache_types for c in CONTEXTS}
+    if table:
+        runs.update({(n, t, int(c)): r for n, t, c, r in json.loads(saved.read_text()) if (n, t, int(c)) in runs})
+        return runs
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=GGUF)
-    test = windows(tokenizer, "movie-snippets", "test[:1000]")
     lines = (FIXTURES / "movie-snippets" / "train.jsonl").read_text().splitlines()
     ids = tokenizer(" ".join(json.loads(line)["sentence"] for line in lines))["input_ids"][: max(CONTEXTS)]
     log = _Log()
-    cache["attention-free"] = {"file": str(_path("smollm2-attention-free", gguf_type))}
-    names = list(cache)
-    saved = _path("runs", gguf_type, "json")  # kept as they come: --table prints from them again
-    runs = {(n, c): [] for n in names for c in CONTEXTS}
-    if args_table:
-        runs.update({(n, int(c)): r for n, c, r in json.loads(saved.read_text())})
-    for _ in range(0 if args_table else REPEATS):  # the models take turns, so machine noise falls on all alike
+    for _ in range(REPEATS):
         for context in CONTEXTS:
-            for name in names:
-                runs[name, context].append(speed(Path(cache[name]["file"]), context, log, ids))
-                print(name, context, runs[name, context][-1], flush=True)
-                saved.write_text(json.dumps([[n, c, r] for (n, c), r in runs.items()]))
+            for name, cache_type in ((n, t) for t in cache_types for n in cache):
+                runs[name, cache_type, context].append(speed(Path(cache[name]["file"]), context, log, ids, cache_type))
+                print(name, cache_type, context, runs[name, cache_type, context][-1], flush=True)
+                saved.write_text(json.dumps([[*k, r] for k, r in runs.items()]))
+    return runs
+
+
+def _speeds(cache: dict, runs: dict, name: str, cache_type: str) -> list[str]:
+    """A row's tokens/s cells: each against the unpruned file with the same cache type, beside its ceiling;
+    decode at the longest context also against the unpruned file's f16 cache."""
+    names, cells = list(cache), []
+    for kind in ("prompt", "decode"):
+        for context in CONTEXTS:
+            rate = {n: statistics.median(r[kind] for r in runs[n, cache_type, context]) for n in (name, *names)}
+            done = [
+                attention_work(Path(cache[n]["file"]), context)[kind == "decode"] for n in (name, names[-1], names[0])
+            ]
+            best = ceiling(1 / rate[names[0]], 1 / rate[names[-1]], done[1] / done[2], 1 - done[0] / done[2])
+            cells.append(
+                f"{rate[name]:.0f}"
+                + ("" if name == names[0] else f" ({rate[name] / rate[names[0]]:.2f}x of {best:.2f}x)")
+            )
+    last = max(CONTEXTS)
+    plain = (
+        statistics.median(r["decode"] for r in runs[names[0], "f16", last]) if (names[0], "f16", last) in runs else None
+    )
+    mine = statistics.median(r["decode"] for r in runs[name, cache_type, last])
+    return cells + ([f"{mine / plain:.2f}x"] if plain else [])
+
+
+def measure(table: bool = False, gguf_type: str | None = None, cache_types: list[str] | None = None) -> None:
+    """The table: each file with each KV-cache type (f16 alone by default), speeds and llama.cpp's perplexity
+    (with that cache type) beside transformers' for the same weights."""
+    cache_types = cache_types or ["f16"]
+    cache_file = _path("cache", gguf_type, "json")
+    cache = json.loads(cache_file.read_text())
+    cache["attention-free"] = {"file": str(_path("smollm2-attention-free", gguf_type))}
+    runs = _runs(cache, cache_types, gguf_type, table)
+    test = windows(AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=GGUF), "movie-snippets", "test[:1000]")
     rows = []
-    for name in names[:-1]:  # the attention-free file only sets the ceilings
-        path = Path(cache[name]["file"])
-        row = [name, f"{path.stat().st_size / 2**20:.1f}", f"{runs[name, max(CONTEXTS)][0]['kv'] / 2**20:.1f}"]
-        for kind in ("prompt", "decode"):
-            for context in CONTEXTS:
-                rate = {n: statistics.median(r[kind] for r in runs[n, context]) for n in (name, names[0], names[-1])}
-                done = [
-                    attention_work(Path(cache[n]["file"]), context)[kind == "decode"]
-                    for n in (name, names[-1], names[0])
-                ]
-                best = ceiling(1 / rate[names[0]], 1 / rate[names[-1]], done[1] / done[2], 1 - done[0] / done[2])
-                row.append(
-                    f"{rate[name]:.0f}"
-                    + ("" if name == names[0] else f" ({rate[name] / rate[names[0]]:.2f}x of {best:.2f}x)")
-                )
-        ours = cache[name].get("llama.cpp") or llama_perplexity(path, test)
-        cache[name]["llama.cpp"] = ours
-        cache_file.write_text(json.dumps(cache, indent=1))
-        theirs = cache[name]["transformers"]
-        row.append(f"{ours:.2f} / {theirs:.2f} ({100 * (ours / theirs - 1):+.1f}%)")
-        rows.append(row)
-        print(row, flush=True)
+    for cache_type in cache_types:
+        for name in list(cache)[:-1]:  # the attention-free file only sets the ceilings
+            path = Path(cache[name]["file"])
+            kv = runs[name, cache_type, max(CONTEXTS)][0]["kv"] / 2**20
+            row = [
+                name,
+                cache_type,
+                f"{path.stat().st_size / 2**20:.1f}",
+                f"{kv:.1f}",
+                *_speeds(cache, runs, name, cache_type),
+            ]
+            found = cache[name].setdefault("llama.cpp by cache type", {})
+            found[cache_type] = found.get(cache_type) or llama_perplexity(path, test, cache_type)
+            cache_file.write_text(json.dumps({k: v for k, v in cache.items() if k != "attention-free"}, indent=1))
+            theirs = cache[name]["transformers"]
+            row.append(f"{found[cache_type]:.2f} / {theirs:.2f} ({100 * (found[cache_type] / theirs - 1):+.1f}%)")
+            rows.append(row)
+            print(row, flush=True)
     head = (
-        ["model", "file MiB", "KV cache MiB at 8,192"]
+        ["model", "KV cache type", "file MiB", f"KV cache MiB at {max(CONTEXTS):,}"]
         + [f"{kind} tok/s at {c:,}" for kind in ("prompt", "decode") for c in CONTEXTS]
+        + ([f"decode at {max(CONTEXTS):,} against unpruned f16"] if "f16" in cache_types else [])
         + ["perplexity llama.cpp / transformers"]
     )
     print(
         f"\nSmolLM2-135M ({gguf_type or 'Q4_1'} GGUF) in llama.cpp {llama_cpp.__version__} (llama-cpp-python), CPU, "
         f"{THREADS} threads, flash attention; median of {REPEATS} runs in turns; cells: tokens/s (speed-up of "
-        f"{{measured}} of {{ceiling}}); perplexity on movie-snippets test[:1000] windows:\n"
+        f"{{measured}} of {{ceiling}} against the unpruned file with the same KV cache type); perplexity on "
+        "movie-snippets test[:1000] windows:\n"
     )
     print(markdown_table(head, rows))
 
@@ -251,13 +300,16 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true", help="write only the attention-free file")
     parser.add_argument("--gguf-type", choices=ph.export.gguf.FILE_TYPES, help="the whole files in this type")
     parser.add_argument("--ratio", action="append", choices=[r.split()[0] for r in RATIOS], help="only these depths")
+    parser.add_argument(
+        "--cache-types", default="f16", help=f"KV cache types, comma-separated: {', '.join(CACHE_TYPES)}"
+    )
     args = parser.parse_args()
     if args.build:
         build(args.gguf_type, args.ratio)
     elif args.reference:
         reference(args.gguf_type)
     else:
-        measure(args.table, args.gguf_type)
+        measure(args.table, args.gguf_type, args.cache_types.split(","))
 
 
 if __name__ == "__main__":
