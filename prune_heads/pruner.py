@@ -38,7 +38,7 @@ from .recovery.candidates import (
 )
 from .recovery.gated import GatedModel
 from .recovery.generated import token_batches, with_generated, writes_text
-from .recovery.holdout import one_standard_error, split_holdout
+from .recovery.holdout import mean_token_nll, one_standard_error, split_holdout
 from .recovery.search import ROUNDS, SearchSchedule, searched_plan
 from .recovery.tuning import Schedule, tune
 from .runtime.devices import input_device, to_device
@@ -182,6 +182,7 @@ def prune_model(
     with frozen(model), gated:
         pricing = _price(run, gated, recorded)
         trial = _trial(run, gated, recorder)
+        unpruned = _heldout_nll(run, gated)
         decision = _choose(run, trial, plans, scores, pricing)
     gated.prove(decision.plan, run.calib[0])  # before tuning, the flow's peak, so the originals can go
     if recorder is not None:
@@ -189,6 +190,7 @@ def prune_model(
         with frozen(model), gated:
             _tune(run, trial, decision, pricing)
     gated.fold(decision.plan)
+    _perplexity_change(run, unpruned)
     return run.result(decision.plan, scores)
 
 
@@ -320,6 +322,23 @@ def _search(run: Run, trial: Trial, scores: HeadScores, work: Work) -> dict[str,
     if searched.note is not None:
         run.notes.append(searched.note)
     return {} if searched.plan is None else {"search": searched.plan}
+
+
+def _heldout_nll(run: Run, forward: Any) -> float | None:
+    """A language model's mean next-token NLL on the held-out batches (None for other tasks), its pass counted."""
+    if not (run.heldout and writes_text(run.model) and all("labels" in b for b in run.heldout)):
+        return None
+    run.work["perplexity"] = run.work.get("perplexity", 0.0) + run.work["heldout_pass"]
+    return mean_token_nll(forward, run.heldout, input_device(run.model))
+
+
+def _perplexity_change(run: Run, unpruned: float | None) -> None:
+    """The held-out perplexity's relative change from the unpruned model's, into the held-out summary."""
+    if unpruned is None or not run.summary:
+        return
+    pruned = _heldout_nll(run, lambda batch: run.model(**batch))
+    assert pruned is not None  # the same batches as the unpruned model's
+    run.summary["perplexity_change"] = math.exp(pruned - unpruned) - 1
 
 
 def _generated_share(model: nn.Module, batches: list[dict], r: RecoveryConfig) -> float:

@@ -460,6 +460,8 @@ def test_the_prune_line_says_what_the_held_out_data_measured():
         " (held-out divergence from the unpruned model 0.01234; the plain selection's 0.04567)"
     )
     assert heldout_line(SimpleNamespace(meta={"heldout": {"final": None, "plain": None}})) == ""  # nothing held out
+    language = SimpleNamespace(meta={"heldout": {"final": 0.01, "plain": 0.02, "perplexity_change": 0.0141}})
+    assert heldout_line(language).endswith("the plain selection's 0.02; held-out perplexity +1.4%)")
 
 
 def _tiny_llama_folder(tmp_path: Path) -> Path:

@@ -1,5 +1,6 @@
 import copy
 import json
+import math
 
 import pytest
 import tiny_models as tm
@@ -7,7 +8,7 @@ import torch
 
 import prune_heads as ph
 from prune_heads.recovery.gated import GatedModel
-from prune_heads.recovery.holdout import split_holdout
+from prune_heads.recovery.holdout import mean_token_nll, split_holdout
 from prune_heads.recovery.tuning import Schedule, tune
 from prune_heads.runtime.work import Budget, Work
 from prune_heads.scoring.methods import score_heads
@@ -39,6 +40,23 @@ def test_the_default_tunes_until_the_heldout_stop_and_reports_its_work_as_strict
     assert tuning["budget_flops"] is None and "tuning_budget" not in result.work and tuning["flops"] > 0
     assert 0 < tuning["epochs_run"] <= config.recovery.epochs
     json.loads(json.dumps(result.work, allow_nan=False))  # no Infinity for a pipeline's JSON parser
+
+
+def test_a_language_model_reports_its_heldout_perplexity_change():
+    """The held-out summary's perplexity change is what the pruned model and an unpruned copy give on the
+    held-out examples; a classifier has none."""
+    model = tm.build("llama")
+    data = [
+        dict(b, labels=b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)) for b in tm.batches("llama", n=10)
+    ]
+    original = copy.deepcopy(model)
+    result = ph.prune_model(model, data, ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4)), progress=False)
+    _, heldout = split_holdout(data, 0.2)
+    nll = [mean_token_nll(lambda b, m=m: m(**b), heldout, torch.device("cpu")) for m in (original, model)]
+    assert result.heldout["perplexity_change"] == pytest.approx(math.exp(nll[1] - nll[0]) - 1, rel=1e-5, abs=1e-7)
+    assert result.work["perplexity"] == 2 * result.work["heldout_pass"]
+    bert = ph.prune_model(tm.build("bert"), tm.batches("bert"), ph.PruneConfig(), progress=False)
+    assert "perplexity_change" not in bert.heldout and "perplexity" not in bert.work
 
 
 @pytest.mark.parametrize("name", ["bert", "llama", "gpt2"])

@@ -217,12 +217,14 @@ def config_fields(config: type, opts: dict[str, Any]) -> dict[str, Any]:
 
 def heldout_line(report) -> str:
     """What the held-out calibration data measured: the pruned model's divergence from the unpruned one,
-    beside the plain selection's."""
+    beside the plain selection's, and a language model's perplexity change there."""
     heldout = report.meta.get("heldout") or {}
     if heldout.get("final") is None:
         return ""
     final, plain = heldout["final"], heldout["plain"]
-    return f" (held-out divergence from the unpruned model {final:.4g}; the plain selection's {plain:.4g})"
+    change = heldout.get("perplexity_change")
+    perplexity = "" if change is None else f"; held-out perplexity {100 * change:+.1f}%"
+    return f" (held-out divergence from the unpruned model {final:.4g}; the plain selection's {plain:.4g}{perplexity})"
 
 
 def asked_line(selection: dict, report) -> str:

@@ -4,10 +4,13 @@ every recovery step is kept by (not on noise)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from ..task_data import batch_size
+from ..runtime.devices import to_device
+from ..task_data import batch_size, without_labels
 
 
 def split_holdout(batches: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
@@ -52,3 +55,21 @@ def one_standard_error(values: dict[str, torch.Tensor]) -> str:
         if float(difference.mean()) <= error:
             return name
     return best
+
+
+@torch.no_grad()
+def mean_token_nll(forward: Callable[[dict], Any], batches: list[dict], device: torch.device) -> float | None:
+    """The mean negative log-likelihood of every labelled next token of `batches` (labels as transformers'
+    causal language models take them, shifted inside), from `forward(batch)`'s logits: its exp is the held-out
+    perplexity. None where the batches hold no labels."""
+    total, count = 0.0, 0
+    for batch in batches:
+        if "labels" not in batch:
+            return None
+        logits = forward(to_device(without_labels(batch), device)).logits[:, :-1].float()
+        labels = batch["labels"][:, 1:].to(logits.device)
+        nll = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        total, count = total + float(nll), count + int((labels != -100).sum())
+    return total / count if count else None
