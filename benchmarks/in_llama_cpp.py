@@ -152,22 +152,17 @@ class _Log:
         return int(float(re.search(r"size =\s*([\d.]+) MiB", line).group(1)) * 2**20)
 
 
+def _llama(path: Path, cache_type: str, **options) -> Llama:
+    """llama.cpp on `path` with THREADS threads, flash attention and the KV cache in `cache_type`."""
+    kind = CACHE_TYPES[cache_type]
+    return Llama(model_path=str(path), n_threads=THREADS, flash_attn=True, type_k=kind, type_v=kind, **options)
+
+
 def speed(path: Path, context: int, log: _Log, ids: list[int], cache_type: str = "f16") -> dict:
     """Prompt tokens/s for `context` - DECODE_TOKENS tokens, then decode tokens/s for DECODE_TOKENS more, with
     the KV cache in `cache_type`."""
     log.lines.clear()
-    llm = Llama(
-        model_path=str(path),
-        n_ctx=context,
-        n_batch=512,
-        n_ubatch=512,
-        n_threads=THREADS,
-        n_threads_batch=THREADS,
-        flash_attn=True,
-        verbose=True,
-        type_k=CACHE_TYPES[cache_type],
-        type_v=CACHE_TYPES[cache_type],
-    )
+    llm = _llama(path, cache_type, n_ctx=context, n_batch=512, n_ubatch=512, n_threads_batch=THREADS, verbose=True)
     prompt = ids[: context - DECODE_TOKENS]
     tick = time.perf_counter()
     llm.eval(prompt)
@@ -182,18 +177,7 @@ def speed(path: Path, context: int, log: _Log, ids: list[int], cache_type: str =
 def llama_perplexity(path: Path, test: ph.TaskData, cache_type: str = "f16") -> float:
     """exp of the mean next-token NLL over the same windows and labelled tokens as transformers' perplexity, with
     the KV cache in `cache_type`."""
-    kind = CACHE_TYPES[cache_type]
-    llm = Llama(
-        model_path=str(path),
-        n_ctx=256,
-        n_batch=256,
-        n_threads=THREADS,
-        logits_all=True,
-        flash_attn=True,
-        verbose=False,
-        type_k=kind,
-        type_v=kind,
-    )
+    llm = _llama(path, cache_type, n_ctx=256, n_batch=256, logits_all=True, verbose=False)
     total, count = 0.0, 0
     for batch in test.batches:
         for ids, mask, labels in zip(batch["input_ids"], batch["attention_mask"], batch["labels"]):
