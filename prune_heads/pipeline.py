@@ -342,7 +342,7 @@ def _score_data(recipe: Recipe, model: nn.Module, processor: Any, progress: bool
     return TaskData("causal-lm", batches, examples)
 
 
-def written_note(recipe: Recipe) -> str:
+def _written_note(recipe: Recipe) -> str:
     """What a run without data calibrated on."""
     d = recipe.data
     examples = d.score_examples or WRITTEN_EXAMPLES
@@ -399,7 +399,7 @@ def _report(
         "asked_heads": found.asked,
         "work": found.work,
         **({"kv_cache": kv_cache} if kv_cache else {}),
-        **({"calibration": written_note(recipe)} if examples and recipe.data.source is None else {}),
+        **({"calibration": _written_note(recipe)} if examples and recipe.data.source is None else {}),
     }
     return compare(
         before,
