@@ -273,7 +273,8 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
     file that llama.cpp runs: --output-format gguf -o FILE.gguf).
 
     With no other flags this is the best measured path: fisher scores, then the plan and each recovery step
-    decided on held-out calibration data. Example:
+    decided on held-out calibration data. Without --data a decoder (--task causal-lm) calibrates on text it
+    writes itself. Example:
     prune-heads prune ./model --data reviews.jsonl --sparsity 0.5 -o ./pruned
     """
     from ..pipeline import run
