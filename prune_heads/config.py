@@ -91,7 +91,8 @@ class SelectionConfig:
         """The `select_heads` budget this section sets; a FLOPs or KV-cache budget needs the model, so the caller
         gives the heads it comes to (`heads`), taken rounded up to what the structure reaches unless `round`
         says."""
-        fields = {k: v for k, v in vars(self).items() if k not in ("flops", "kv_cache") and v is not None and v != []}
+        amounts = {k: getattr(self, k) for k in ("sparsity", "num_heads", "keep_per_layer", "round")}
+        fields = {**self.constraints(), **{k: v for k, v in amounts.items() if v is not None}}
         if heads is not None:
             fields.update(num_heads=heads, round=self.round or "up")
         return HeadBudget(**fields)
