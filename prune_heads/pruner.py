@@ -174,16 +174,12 @@ def prune_model(
         return PruneResult(found.plan, found.scores, found.history, asked=asked, seconds=time.perf_counter() - start)
     run = _start(model, batches, generated, budget, asked, config, start, progress)
     scores, recorder, recorded = _score(run)
-    plans, notes = candidate_plans(
-        scores, recorder, run.layers, budget, run.recovery.rearrange, run.recovery.reconstruction
-    )
-    run.notes += notes
     gated = GatedModel(model, run.layers)
     with frozen(model), gated:
         pricing = _price(run, gated, recorded)
         trial = _trial(run, gated, recorder)
         unpruned = _heldout_nll(run, gated)
-        decision = _choose(run, trial, plans, scores, pricing)
+        decision = _choose(run, trial, scores, pricing)
     gated.prove(decision.plan, run.calib[0])  # before tuning, the flow's peak, so the originals can go
     if recorder is not None:
         recorder.release_moments()
@@ -287,9 +283,12 @@ def _trial(run: Run, gated: GatedModel, recorder: Recorder | None) -> Trial:
     return Trial(gated, run.objective, recorder, reference, heldout, bias, run.progress)
 
 
-def _choose(run: Run, trial: Trial, plans: dict, scores: HeadScores, work: Work) -> Decision:
-    """The searched plan beside the others where it runs, then the candidate kept on the held-out batches."""
+def _choose(run: Run, trial: Trial, scores: HeadScores, work: Work) -> Decision:
+    """The candidate plans and the searched one where it runs, then the candidate kept on the held-out
+    batches."""
     tick, r = time.perf_counter(), run.recovery
+    plans, notes = candidate_plans(scores, trial.calibration, run.layers, run.budget, r.rearrange, r.reconstruction)
+    run.notes += notes
     plans = {**plans, **_search(run, trial, scores, work)}
     tried = candidates(plans, r.reconstruction, r.bias_compensation, trial.calibration is not None)
     decision = choose(trial, tried, fallback(plans, r.reconstruction, r.bias_compensation))

@@ -110,3 +110,23 @@ def test_scoring_leaves_the_model_where_it_was():
     ph.score_heads(model, tm.batches("llama"), method="fisher", progress=False)
     after = model.state_dict()
     assert all(after[k].device.type == "cuda" and torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_the_statistics_algebra_runs_on_the_gpu_and_gives_the_cpus_results():
+    from prune_heads.recovery.reconstruction import refit, removal_cost
+    from prune_heads.scoring.objective import Objective
+    from prune_heads.scoring.recording import record
+
+    found = {}
+    for device in ("cpu", CUDA):
+        model = tm.build("llama").to(device)
+        batches = [{k: v.to(device) for k, v in b.items() if k != "labels"} for b in tm.batches("llama")]
+        moments = record(model, batches, Objective(model), gram=True).moments
+        layers = ph.find_attention(model)
+        assert moments[0].matrix().device.type == torch.device(device).type  # solved where the tokens were
+        fitted = refit(layers[0], [0, 1], moments[0], None)
+        assert fitted.weight.device.type == "cpu"  # what the gated model swaps in, in CPU memory
+        found[str(device)] = fitted, removal_cost(layers, moments)(layers[0].name, (0, 1))
+    (cpu_fit, cpu_cost), (gpu_fit, gpu_cost) = found.values()
+    torch.testing.assert_close(gpu_fit.weight, cpu_fit.weight, rtol=1e-4, atol=1e-6)
+    assert gpu_cost == pytest.approx(cpu_cost, rel=1e-4)

@@ -412,3 +412,43 @@ def test_the_update_backward_sums_as_the_plain_product_at_a_real_model_size(dtyp
     ours = gradients(lambda gated, d: _GatedDown.apply(gated, d, x, gate, 64))
     plain = gradients(lambda gated, d: gated @ d.t())
     assert all(torch.equal(a, b) for a, b in zip(ours, plain))
+
+
+def test_the_removal_cost_is_what_refitting_the_kept_columns_and_bias_cannot_recover():
+    """Structured OBS from the inverse's side (Cholesky factors) equals the best least-squares fit from the kept
+    side on the same damped Gram matrix (the Schur complement), relative to the unpruned output's energy."""
+    from prune_heads.recovery.reconstruction import DAMPING, removal_cost
+    from prune_heads.scoring.recording import Moments
+
+    layer = ph.find_attention(tm.build("llama"))[0]
+    width, d = layer.num_heads * layer.head_dim, layer.head_dim
+    moments = Moments(width, True)
+    moments.add(torch.randn(200, width, generator=torch.Generator().manual_seed(0)) + 0.3)
+    cost = removal_cost([layer], [moments])
+    weight = output_projection(layer).matrix().detach().double()
+    full = torch.cat([weight, torch.zeros(weight.shape[0], 1, dtype=torch.float64)], 1)  # Llama: no bias
+    gram = moments.matrix()
+    damped = gram.clone()
+    damped.diagonal()[:width] += DAMPING * gram.diagonal()[:width].mean()
+    for removed in [(0,), (1, 3), (0, 1, 2)]:
+        kept = [h * d + i for h in range(layer.num_heads) if h not in removed for i in range(d)] + [width]
+        across = full @ damped[:, kept]
+        recovered = torch.trace(across @ torch.linalg.solve(damped[kept][:, kept], across.T))
+        expected = (torch.trace(full @ damped @ full.T) - recovered) / (full @ gram * full).sum()
+        assert cost(layer.name, removed) == pytest.approx(float(expected), rel=1e-8)
+
+
+def test_a_matrix_short_of_positive_definite_is_inverted_as_the_pseudo_inverse():
+    from prune_heads.recovery.reconstruction import _spd_inverse, _whitened
+
+    singular = torch.diag(torch.tensor([2.0, 0.0, 4.0], dtype=torch.float64))
+    singular[0, 2] = singular[2, 0] = 1.0
+    pseudo = torch.linalg.pinv(singular, hermitian=True)
+    torch.testing.assert_close(_spd_inverse(singular), pseudo)
+    right = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    solved = _whitened(singular, right)
+    torch.testing.assert_close(solved.T @ solved, right.T @ pseudo @ right)
+    definite = singular + torch.eye(3, dtype=torch.float64)
+    torch.testing.assert_close(
+        _whitened(definite, right).square().sum(), torch.trace(right.T @ definite.inverse() @ right)
+    )

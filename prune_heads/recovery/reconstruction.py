@@ -60,12 +60,13 @@ def kept_and_removed(layer: AttentionLayer, removed: Iterable[int]) -> tuple[tor
     return head_features(kept, layer.head_dim, cpu), head_features(out, layer.head_dim, cpu)
 
 
-def _unpruned(layer: AttentionLayer) -> torch.Tensor:
-    """[W, b] of the layer's output projection, float64 [out, in + 1] (b zeros where it has no bias)."""
+def _unpruned(layer: AttentionLayer, device: torch.device) -> torch.Tensor:
+    """[W, b] of the layer's output projection, float64 [out, in + 1] on `device` (b zeros where it has no
+    bias)."""
     projection = output_projection(layer)
-    weight = projection.matrix().detach().double().cpu()
+    weight = projection.matrix().detach().to(device, torch.float64)
     bias = projection.module.bias
-    bias = bias.detach().double().cpu() if bias is not None else weight.new_zeros(weight.shape[0])
+    bias = bias.detach().to(device, torch.float64) if bias is not None else weight.new_zeros(weight.shape[0])
     return torch.cat([weight, bias[:, None]], 1)
 
 
@@ -98,7 +99,7 @@ def refit(
     fit = _Fit.of(layer, removed, calibration, heldout, bias)
     if not len(fit.kept):  # a layer that lost every head: the least-squares bias is the mean output, the prior
         return fit.result(fit.prior, math.inf)
-    gram, tokens = calibration.matrix(), calibration.tokens
+    gram, tokens = fit.gram, calibration.tokens
     scale = float(gram.diagonal()[fit.kept].mean())
     if tokens < len(fit.columns):
         unknowns = len(fit.columns)
@@ -117,14 +118,15 @@ def refit(
 @dataclass(frozen=True)
 class _Fit:
     """One layer's refit problem: the unpruned [W, b] (`full`), the fitted columns of [W, 1] (`columns`: the
-    kept features, and the bias with `bias`), the ridge's prior for them, the Gram matrix that judges a fit
-    (the held-out one when there is one) and its energy, the bias left as it is without `bias`, the weights'
-    dtype."""
+    kept features, and the bias with `bias`), the ridge's prior for them, the calibration tokens' Gram matrix
+    (`gram`), the one that judges a fit (the held-out one when there is one) and its energy, the bias left as
+    it is without `bias`, the weights' dtype."""
 
     full: torch.Tensor
     kept: torch.Tensor
     columns: torch.Tensor
     prior: torch.Tensor
+    gram: torch.Tensor
     judge: torch.Tensor
     energy: float
     heldout: bool
@@ -136,27 +138,29 @@ class _Fit:
     def of(
         cls, layer: AttentionLayer, removed: Iterable[int], calibration: Moments, heldout: Moments | None, bias: bool
     ) -> _Fit:
-        full = _unpruned(layer)  # [out, in + 1]
+        gram = calibration.matrix()
+        full = _unpruned(layer, gram.device)  # [out, in + 1]
         inner = full.shape[1] - 1
         kept, gone = kept_and_removed(layer, removed)
         old_bias = full[:, inner]
         if bias:  # the kept features and the constant 1
-            mean = calibration.matrix()[:inner, inner] / max(calibration.tokens, 1)
+            mean = gram[:inner, inner] / max(calibration.tokens, 1)
             columns = torch.cat([kept, torch.tensor([inner])])
             prior = torch.cat([full[:, kept], (old_bias + full[:, gone] @ mean[gone])[:, None]], 1)
         else:  # the bias on both sides of the fit: it cancels
             full = torch.cat([full[:, :inner], full.new_zeros(full.shape[0], 1)], 1)
             columns, prior = kept, full[:, kept]
         held = heldout is not None and heldout.tokens > 0
-        judge = heldout.matrix() if heldout is not None and held else calibration.matrix()
+        judge = heldout.matrix() if heldout is not None and held else gram
         dtype = output_projection(layer).module.weight.dtype
-        return cls(full, kept, columns, prior, judge, _energy(full, judge), held, bias, old_bias, dtype)
+        return cls(full, kept, columns, prior, gram, judge, _energy(full, judge), held, bias, old_bias, dtype)
 
     def result(self, theta: torch.Tensor, ridge: float, fallback: str | None = None) -> Refit:
-        """The fit `theta` as written into the weights (their dtype: half the bytes), with its relative error."""
+        """The fit `theta` as written into the weights (their dtype: half the bytes), with its relative error,
+        in CPU memory."""
         error = _squared_error(theta, self.full, self.columns, self.judge) / self.energy
-        weight = (theta[:, :-1] if self.bias else theta).to(self.dtype)
-        return Refit(weight, theta[:, -1] if self.bias else self.old_bias, ridge, error, fallback)
+        weight = (theta[:, :-1] if self.bias else theta).to("cpu", self.dtype)
+        return Refit(weight, (theta[:, -1] if self.bias else self.old_bias).cpu(), ridge, error, fallback)
 
 
 def _ridge_fits(fit: _Fit, gram: torch.Tensor, scale: float, ridges: Iterable[float]) -> Iterator[Refit]:
@@ -188,7 +192,9 @@ def removal_cost(layers: list[AttentionLayer], moments: list[Moments]) -> Callab
     """Structured OBS: `cost(layer name, removed heads)` is the increase of the squared error of the layer's
     output when those heads go and the output projection's other columns and bias are refitted, tr(W_R
     ((H^-1)_RR)^-1 W_R^T) with H the Gram matrix of [x, 1] (damped by DAMPING), relative to the unpruned output's
-    energy so that layers compare. Inverses are made one layer at a time, as selection asks."""
+    energy so that layers compare. Inverses are made one layer at a time, as selection asks, on the device the
+    statistics came from; both are Cholesky factorizations (H is positive definite once damped), a tenth of
+    an eigendecomposition's work."""
     by_name = {layer.name: (layer, m) for layer, m in zip(layers, moments)}
     cache: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
 
@@ -196,22 +202,39 @@ def removal_cost(layers: list[AttentionLayer], moments: list[Moments]) -> Callab
         if name not in cache:
             cache.clear()
             layer, m = by_name[name]
-            full, gram = _unpruned(layer), m.matrix()
+            gram = m.matrix()
+            full = _unpruned(layer, gram.device)
             inner = full.shape[1] - 1
             damped = gram.clone()
-            damped[:inner, :inner] += (
-                DAMPING * float(gram.diagonal()[:inner].mean()) * torch.eye(inner, dtype=gram.dtype)
-            )
-            cache[name] = (full, torch.linalg.pinv(damped, hermitian=True), _energy(full, gram))
+            damped.diagonal()[:inner] += DAMPING * float(gram.diagonal()[:inner].mean())
+            cache[name] = (full, _spd_inverse(damped), _energy(full, gram))
         return cache[name]
 
     def cost(name: str, removed: tuple[int, ...]) -> float:
         full, inverted, energy = inverse(name)
         _, gone = kept_and_removed(by_name[name][0], removed)
-        weight = full[:, gone]
-        return float((weight @ torch.linalg.pinv(inverted[gone][:, gone], hermitian=True) * weight).sum()) / energy
+        solved = _whitened(inverted[gone][:, gone], full[:, gone].T)
+        return float((solved * solved).sum()) / energy
 
     return cost
+
+
+def _spd_inverse(matrix: torch.Tensor) -> torch.Tensor:
+    """The inverse of a symmetric positive definite matrix from its Cholesky factor (the pseudo-inverse where
+    rounding leaves it not quite positive definite)."""
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    return torch.cholesky_inverse(factor) if not info else torch.linalg.pinv(matrix, hermitian=True)
+
+
+def _whitened(matrix: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """L^-1 `right` for `matrix` = L L^T (symmetric positive definite), so that |L^-1 B|^2 = tr(B^T M^-1 B); the
+    pseudo-inverse's square root where rounding leaves it not quite positive definite."""
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if not info:
+        return torch.linalg.solve_triangular(factor, right, upper=False)
+    values, vectors = torch.linalg.eigh(matrix)
+    keep = values > values.max() * matrix.shape[0] * torch.finfo(matrix.dtype).eps
+    return (vectors[:, keep] / values[keep].sqrt()).T @ right
 
 
 @torch.no_grad()

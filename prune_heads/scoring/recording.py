@@ -24,52 +24,56 @@ def token_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-_PACKED: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # width -> upper-triangle indices, shared by layers
+_PACKED: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}  # shared by layers
 
 
-def _upper(width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if width not in _PACKED:
-        rows, cols = torch.triu_indices(width, width)
-        _PACKED[width] = rows.int(), cols.int()
-    return _PACKED[width]
+def _upper(width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The upper triangle's row and column indices on `device` (made there once, not sent with every batch)."""
+    if (width, device) not in _PACKED:
+        rows, cols = torch.triu_indices(width, width, device=device)
+        _PACKED[width, device] = rows, cols
+    return _PACKED[width, device]
 
 
 class Moments:
     """Sums over tokens of x~ x~^T for x~ = [x, 1] (x: one layer's output-projection input): the Gram matrix,
     whose last row holds the sums of x and the token count. Kept as its upper triangle, in float64 (float32 for
     a half-precision model: a fixed share of the weights either way), or with `full=False` as its diagonal and
-    last column alone (FLAP's means and variances, what scoring by fluctuation needs)."""
+    last column alone (FLAP's means and variances, what scoring by fluctuation needs). The sums stay in CPU
+    memory; `device` is where the tokens came from, where the algebra on them runs (an accelerator's float64
+    solves are many times the CPU's)."""
 
     def __init__(self, width: int, full: bool, dtype: torch.dtype = torch.float64) -> None:
         self.width, self.full = width + 1, full
         size = self.width * (self.width + 1) // 2 if full else 2 * width
         self.values = torch.zeros(size, dtype=dtype)
         self.tokens = 0
+        self.device = torch.device("cpu")
 
     def add(self, x: torch.Tensor) -> None:
         """Add the token rows x [tokens, width]."""
         x = x.double()
         self.tokens += x.shape[0]
+        self.device = x.device
         if self.full:
             x = torch.cat([x, x.new_ones(x.shape[0], 1)], 1)
-            rows, cols = _upper(self.width)
-            gram = x.T @ x
-            self.values += gram[rows.to(gram.device), cols.to(gram.device)].to(self.values)
+            rows, cols = _upper(self.width, x.device)
+            self.values += (x.T @ x)[rows, cols].to(self.values)
         else:
             self.values += torch.cat([x.sum(0), (x * x).sum(0)]).to(self.values)
 
     def matrix(self) -> torch.Tensor:
-        """The Gram matrix [width + 1, width + 1] of [x, 1], float64 (needs full=True)."""
-        rows, cols = _upper(self.width)
-        gram = torch.zeros(self.width, self.width, dtype=torch.float64)
-        gram[rows.long(), cols.long()] = self.values.double()
+        """The Gram matrix [width + 1, width + 1] of [x, 1], float64, on `device` (needs full=True)."""
+        rows, cols = _upper(self.width, self.device)
+        gram = torch.zeros(self.width, self.width, dtype=torch.float64, device=self.device)
+        gram[rows, cols] = self.values.to(self.device).double()
         return gram + gram.triu(1).T
 
     def means_and_squares(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each channel's mean over the tokens and the mean of its square."""
         n = max(self.tokens, 1)
         if self.full:
-            gram = self.matrix()
+            gram = self.matrix().cpu()
             return gram[:-1, -1] / n, gram.diagonal()[:-1] / n
         sums, squares = self.values.double().chunk(2)
         return sums / n, squares / n
