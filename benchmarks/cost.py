@@ -11,15 +11,25 @@ Each shape runs in a fresh process. On a machine without a GPU the figures are t
 
 Run: .venv/bin/python benchmarks/cost.py [--shapes llama-3.2-1b,qwen2.5-1.5b,llama-3.1-8b] [--device cuda]
          [--batches 16 --batch-size 8 --length 256] [--onload]
+One shape, its figures as a JSON line (what the table is made from, one run at a time on a lent GPU):
+     .venv/bin/python benchmarks/cost.py --measure llama-3.2-1b >> cost.jsonl
+     .venv/bin/python benchmarks/cost.py --table cost.jsonl
+     add --profile 30 to --measure: the 30 calls with the most time, on stderr, also when a time limit stops the
+     run with SIGINT (`timeout -s INT`); with CUDA_LAUNCH_BLOCKING=1 a GPU's time is charged to the call that
+     asked for it, not to the next one that waits.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import gc
 import json
+import pstats
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 from common import PeakRSS, Timer, markdown_table, random_batches, torch_threads
@@ -79,9 +89,10 @@ def build(shape: str, device: str, onload: bool, layers: int | None = None):
         shape_config = {**shape_config, "num_hidden_layers": layers}
     config = AutoConfig.for_model(model_type, max_position_embeddings=4096, **shape_config)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    with torch.device("cpu" if onload else device):  # drawn where it runs: an 8B's draw takes a minute on a CPU
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     if not onload:
-        return model.to(device)
+        return model
     from accelerate import dispatch_model
 
     blocks = {f"model.layers.{i}": "cpu" for i in range(config.num_hidden_layers)}
@@ -100,35 +111,68 @@ def measure(shape: str, device: str, count: int, size: int, length: int, onload:
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
     with PeakRSS() as rss, Timer() as timer:
-        result = ph.prune_model(model, data, CONFIG)
-    peak = torch.cuda.max_memory_allocated() - start if device == "cuda" else rss.bytes
-    one = result.work["calibration_pass"]
-    passes = {k: v / one for k, v in result.work.items() if k not in ("calibration_pass", "budget")}
-    return {
+        try:
+            result = ph.prune_model(model, data, CONFIG)
+        except KeyboardInterrupt:  # a time limit (`timeout -s INT`): the time and the peak so far, marked stopped
+            result = None
+    found = {
+        "shape": shape,
+        "where": torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch_threads()} threads",
+        "onload": onload,
+        "data": [count, size, length],
         "seconds": timer.seconds,
-        "stages": {k: result.timings.get(k, 0.0) for k in STAGES},
-        "passes": passes,
-        "peak": peak,
+        "peak": torch.cuda.max_memory_allocated() - start if device == "cuda" else rss.bytes,
         "weights": weights,
-        "start": start if device == "cuda" else 0,
         "parameters": model.num_parameters(),
-        "removed": result.heads_removed,
+        "stopped": result is None,
     }
+    if result is not None:
+        one = result.work["calibration_pass"]
+        passes = {k: v / one for k, v in result.work.items() if k not in ("calibration_pass", "budget")}
+        stages = {k: result.timings.get(k, 0.0) for k in STAGES}
+        found.update(stages=stages, passes=passes, removed=result.heads_removed)
+    return found
 
 
-def row(shape: str, found: dict) -> list[str]:
-    """The table's row for one shape."""
+@contextlib.contextmanager
+def profiled(top: int):
+    """Inside, with `top`, Python's profiler on; on the way out (an interrupt too) its `top` calls by cumulative
+    time printed to stderr."""
+    if not top:
+        yield
+        return
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        pstats.Stats(profile, stream=sys.stderr).sort_stats("cumulative").print_stats(top)
+
+
+def row(found: dict) -> list[str]:
+    """The table's row for one measured shape (a run a time limit stopped: its seconds and peak so far)."""
+    held = "blocks onloaded" if found["onload"] else "whole"
+    peak = f"{found['peak'] / 2**30:.2f} GiB ({found['peak'] / found['weights']:.0%})"
+    head = [found["shape"], held, f"{found['parameters'] / 1e9:.2f}B"]
+    if found.get("stopped"):
+        return [*head, "-", "-", f"stopped at {found['seconds']:.0f}", peak]
     work = found["passes"]
     before = sum(work.get(k, 0.0) for k in ("scoring", "recording", "search", "selection", "generation"))
     stages = " / ".join(f"{found['stages'][k]:.0f}" for k in STAGES)
-    return [
-        shape,
-        f"{found['parameters'] / 1e9:.2f}B",
-        f"{found['removed']}",
-        f"{before + work.get('tuning', 0.0):.1f} (search {work.get('search', 0.0):.1f})",
-        f"{found['seconds']:.0f} ({stages})",
-        f"{found['peak'] / 2**30:.2f} GiB ({found['peak'] / found['weights']:.0%})",
-    ]
+    passes = f"{before + work.get('tuning', 0.0):.1f} (search {work.get('search', 0.0):.1f})"
+    return [*head, f"{found['removed']}", passes, f"{found['seconds']:.0f} ({stages})", peak]
+
+
+def table(runs: list[dict]) -> str:
+    """The measured shapes as a Markdown table, with what they ran on."""
+    count, size, length = runs[0]["data"]
+    where = "; ".join(sorted({r["where"] for r in runs}))
+    head = f"Random weights (cost real, quality meaningless), bfloat16; {where}; {count} batches of {size} x {length} "
+    head += "tokens; the default path at 1/3 of the KV groups (nearest reachable):\n\n"
+    headers = ["shape", "held", "parameters", "heads removed", "fisher passes"]
+    headers += ["seconds (scoring / selection / tuning)", "peak memory above the model (share of its weights)"]
+    return head + markdown_table(headers, [row(r) for r in runs])
 
 
 def main() -> None:
@@ -140,28 +184,30 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--onload", action="store_true", help="decoder blocks in CPU memory, onloaded")
     parser.add_argument("--layers", type=int, default=None, help="only the first N blocks (a quick check)")
-    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # one shape, in-process
+    parser.add_argument("--measure", default=None, help="one shape, in this process: its figures as a JSON line")
+    parser.add_argument("--table", default=None, help="the table from a file of --measure's lines")
+    parser.add_argument("--profile", type=int, default=0, help="with --measure: the N calls with the most time")
     args = parser.parse_args()
     shape = (args.batches, args.batch_size, args.length)
-    if args.measure:
-        print(json.dumps(measure(args.measure, args.device, *shape, args.onload, args.layers)))
+    if args.table:
+        lines = Path(args.table).read_text().splitlines()
+        print(table([json.loads(line) for line in lines if line.strip()]))
         return
-    rows = []
+    if args.measure:
+        with profiled(args.profile):
+            found = measure(args.measure, args.device, *shape, args.onload, args.layers)
+        print(json.dumps(found))
+        return
+    runs = []
     for name in args.shapes.split(","):
         command = [sys.executable, __file__, "--measure", name, "--device", args.device]
         command += ["--batches", str(args.batches), "--batch-size", str(args.batch_size), "--length", str(args.length)]
         command += ["--onload"] if args.onload else []
         command += ["--layers", str(args.layers)] if args.layers else []
         done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
-        found = json.loads(done.stdout.strip().splitlines()[-1])
-        print(name, found, file=sys.stderr, flush=True)
-        rows.append(row(name, found))
-    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch_threads()} threads"
-    held = "decoder blocks onloaded from CPU memory" if args.onload else "the whole model on the device"
-    print(f"\nRandom weights (cost real, quality meaningless), bfloat16, {held}; {where}; {args.batches} batches of ")
-    print(f"{args.batch_size} x {args.length} tokens; the default path at 1/3 of the KV groups (nearest reachable):\n")
-    headers = ["shape", "parameters", "heads removed", "fisher passes", "seconds (scoring / selection / tuning)"]
-    print(markdown_table([*headers, "peak memory above the model (share of its weights)"], rows))
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(name, runs[-1], file=sys.stderr, flush=True)
+    print(table(runs))
 
 
 if __name__ == "__main__":
