@@ -71,7 +71,7 @@ def gemma3():
 MODELS = {"smollm2": smollm2, "gemma3": gemma3}
 
 
-def default(model, data, num_heads: int, recovery: dict | None = None, seed: int = 0, **selection) -> dict:
+def default(model, data, num_heads: int | None, recovery: dict | None = None, seed: int = 0, **selection) -> dict:
     config = ph.PruneConfig(
         selection=ph.SelectionConfig(num_heads=num_heads, **selection),
         scoring=ph.ScoringConfig(seed=seed),
@@ -82,7 +82,12 @@ def default(model, data, num_heads: int, recovery: dict | None = None, seed: int
     spent = sum(work.get(k, 0.0) for k in (*BEFORE_TUNING, "tuning")) + work["calibration_pass"]
     tried = next((e["tried"] for e in result.recovery if e.get("step") == "selection"), {})
     kept = [e.get("kept") for e in result.recovery if e.get("step") != "notes"]
-    return {"fisher_passes": spent / work["calibration_pass"], "kept": kept, "heldout_kl": tried, "work": work}
+    found = {"fisher_passes": spent / work["calibration_pass"], "kept": kept, "heldout_kl": tried, "work": work}
+    if "max_loss" in result.heldout:  # the depth a quality bound chose, and the held-out rise at the end
+        groups = sum(len(h) for h in result.plan.values()) / ph.find_attention(model)[0].group_size
+        change = result.heldout["perplexity_change"]
+        found.update(max_loss=result.heldout["max_loss"], chosen=f"{groups:.0f} groups", heldout_change=change)
+    return found
 
 
 METHODS = {  # (model, data, heads to remove, the selection a KV group needs) -> what to record
@@ -100,6 +105,8 @@ METHODS = {  # (model, data, heads to remove, the selection a KV group needs) ->
     "default, with the written text, seed 1": lambda model, data, n, groups: default(
         model, data, n, recovery={"generated_share": SHARE}, seed=1, **groups
     ),
+    # the depth from a quality bound (`--max-loss 3`): the depth asked is not used, the cell says what it chose
+    "default, max-loss 3%": lambda model, data, n, groups: default(model, data, None, max_loss=3.0, **groups),
     "FLAP": lambda model, data, n, groups: {
         "plan": {k: len(v) for k, v in flap(model, data.batches, num_heads=n).items()}
     },
@@ -211,7 +218,7 @@ def table(out: Path) -> None:
             points = (f"{c[t]['points']:+.1f} ({c[t]['low']:+.1f} to {c[t]['high']:+.1f})" for t in TASKS)
             work = f"{c['seconds']:.0f} s on {c.get('device', 'cpu')}"
             work += f"; {c['fisher_passes']:.2f} fisher passes" if "fisher_passes" in c else ""
-            rows.append([c["method"], c["depth"], *perplexities, *points, work])
+            rows.append([c["method"], c.get("chosen", c["depth"]), *perplexities, *points, work])
         print(f"\n{name}:\n")
         header = ["method", "KV groups removed", "perplexity, movie (in-domain)", "perplexity, tweets (other)"]
         header += [f"{t} {m}, points" for t, m in TASKS.items()] + ["pruning time; work"]

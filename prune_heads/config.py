@@ -18,6 +18,7 @@ from .scoring.selection import GQA_MODES, GRANULARITIES, ROUNDING, HeadBudget
 from .task_data import TASKS
 
 DTYPES = ("float32", "float16", "bfloat16")
+BUDGETS = ("sparsity", "num_heads", "keep_per_layer", "flops", "kv_cache", "max_loss")  # how many go: one of them
 FORMATS = ("safetensors", "gguf")  # a transformers folder, or one GGUF file for llama.cpp
 
 
@@ -64,6 +65,12 @@ class SelectionConfig:
         "Remove the fewest KV groups that bring the KV cache within SIZE@TOKENS[:TYPE] (120MiB@8192, "
         "1GiB@32k:q8_0; llama.cpp's cache types, f16 by default).",
     )
+    max_loss: float | None = option(
+        None,
+        "Remove the most units (KV groups, heads or blocks) whose removal, each pruned layer refitted, raises a "
+        "language model's held-out perplexity by at most this many percent (the deepest prefix of one searched "
+        "order).",
+    )
     scope: str = option("global", "'global' ranks heads across layers; 'layer' removes the share from each layer.")
     min_heads_per_layer: int = option(1, "Heads every layer keeps at least (0 lets a layer lose them all).")
     gqa: str = option(
@@ -81,16 +88,17 @@ class SelectionConfig:
     def __post_init__(self) -> None:
         if self.kv_cache is not None:
             KvCacheBudget.parse(self.kv_cache)
+        if self.max_loss is not None and not self.max_loss > 0:
+            raise ConfigError(f"selection.max_loss is {self.max_loss}; give a percentage above 0 (3 for +3%)")
 
     def constraints(self) -> dict[str, Any]:
         """The fields that say how heads go (not how many), as `HeadBudget` keywords."""
-        amounts = ("sparsity", "num_heads", "keep_per_layer", "flops", "kv_cache", "round")
-        return {k: v for k, v in vars(self).items() if k not in amounts and v != []}
+        return {k: v for k, v in vars(self).items() if k not in (*BUDGETS, "round") and v != []}
 
     def budget(self, heads: int | None = None) -> HeadBudget:
-        """The `select_heads` budget this section sets; a FLOPs or KV-cache budget needs the model, so the caller
-        gives the heads it comes to (`heads`), taken rounded up to what the structure reaches unless `round`
-        says."""
+        """The `select_heads` budget this section sets; a FLOPs, KV-cache or loss budget needs the model, so the
+        caller gives the heads it comes to (`heads`: for a loss bound the deepest the structure allows), taken
+        rounded up to what the structure reaches unless `round` says."""
         amounts = {k: getattr(self, k) for k in ("sparsity", "num_heads", "keep_per_layer", "round")}
         fields = {**self.constraints(), **{k: v for k, v in amounts.items() if v is not None}}
         if heads is not None:

@@ -36,10 +36,12 @@ from .recovery.candidates import (
     heldout_summary,
     unpruned_heldout,
 )
+from .recovery.depth import deepest_within, prefix_plan
 from .recovery.gated import GatedModel
 from .recovery.generated import token_batches, with_generated, writes_text
 from .recovery.holdout import mean_token_nll, one_standard_error, split_holdout
-from .recovery.search import ROUNDS, SearchSchedule, searched_plan
+from .recovery.reconstruction import refit_flops
+from .recovery.search import ROUNDS, Searched, SearchSchedule, searched_plan
 from .recovery.tuning import Schedule, tune
 from .runtime.devices import input_device, to_device
 from .runtime.progress import progress_bar
@@ -53,7 +55,11 @@ from .scoring.recording import Recorder, record
 from .scoring.selection import HeadBudget, check_budget, heads_for_flops, requested_heads
 from .task_data import DataError, TaskData, with_targets, without_labels
 
-BEFORE_TUNING = ("generation", "recording", "search", "selection")  # recovery's counted work before tuning
+BEFORE_TUNING = ("generation", "recording", "search", "depth", "selection")  # recovery's work before tuning
+MAX_LOSS_RULE = (
+    "the longest prefix of the searched order whose held-out perplexity rise (point estimate), each pruned layer "
+    "refitted, is at most the bound; another candidate plan or tuning is kept only where the rise stays within it"
+)
 
 
 @dataclass
@@ -92,6 +98,8 @@ def selection_budget(model: nn.Module, config: PruneConfig, seq_len: int = 128) 
         heads = heads_for_flops(model, selection.flops, seq_len=seq_len)
     if selection.kv_cache is not None:
         heads = heads_for_kv_cache(model, KvCacheBudget.parse(selection.kv_cache), **selection.constraints())
+    if selection.max_loss is not None:
+        heads = _deepest(model, config)
     budget = selection.budget(heads)
     if config.scoring.steps > 1:
         if config.recovery.enabled:
@@ -128,6 +136,7 @@ class Run:
     summary: dict[str, Any] = field(default_factory=dict)
     work: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    unpruned_nll: float | None = None  # a language model's on the held-out batches
 
     def result(self, plan: dict[str, list[int]], scores: HeadScores) -> PruneResult:
         """What the run did, once the plan is removed."""
@@ -178,7 +187,7 @@ def prune_model(
     with frozen(model), gated:
         pricing = _price(run, gated, recorded)
         trial = _trial(run, gated, recorder)
-        unpruned = _heldout_nll(run, gated)
+        run.unpruned_nll = _heldout_nll(run, gated)
         decision = _choose(run, trial, scores, pricing)
     gated.prove(decision.plan, run.calib[0])  # before tuning, the flow's peak, so the originals can go
     if recorder is not None:
@@ -186,7 +195,7 @@ def prune_model(
         with frozen(model), gated:
             _tune(run, trial, decision, pricing)
     gated.fold(decision.plan)
-    _perplexity_change(run, unpruned)
+    _perplexity_change(run)
     return run.result(decision.plan, scores)
 
 
@@ -229,6 +238,11 @@ def _start(
     objective, and the recovery as it runs (no bias steps where the model cannot hold output biases)."""
     r = config.recovery
     calib, heldout = split_holdout(batches, r.holdout if r.enabled else 0.0)
+    if config.selection.max_loss is not None and not (heldout and all("labels" in b for b in heldout)):
+        raise ConfigError(
+            "selection.max_loss measures the perplexity on held-out calibration examples with labels, and this "
+            "data gave none: give more examples (or a shorter --max-length) for a causal-lm task"
+        )
     layers = require_attention(model)
     probe_layers(model, layers, to_device(without_labels(calib[0]), input_device(model)))
     run = Run(model, config, r, budget, asked, calib, heldout, generated, layers, Objective(model), start, progress)
@@ -284,60 +298,137 @@ def _trial(run: Run, gated: GatedModel, recorder: Recorder | None) -> Trial:
 
 
 def _choose(run: Run, trial: Trial, scores: HeadScores, work: Work) -> Decision:
-    """The candidate plans and the searched one where it runs, then the candidate kept on the held-out
-    batches."""
+    """The searched plan where the search runs (with a loss bound, the depth from its order), the other
+    candidate plans at that budget, then the candidate kept on the held-out batches (with a loss bound, the
+    searched prefix where the one kept raises the held-out perplexity beyond it)."""
     tick, r = time.perf_counter(), run.recovery
+    searched = _search(run, trial, scores, work)
+    if run.config.selection.max_loss is not None:
+        searched = _within_loss(run, trial, searched)
     plans, notes = candidate_plans(scores, trial.calibration, run.layers, run.budget, r.rearrange, r.reconstruction)
     run.notes += notes
-    plans = {**plans, **_search(run, trial, scores, work)}
+    if searched.plan is not None:
+        plans["search"] = searched.plan
     tried = candidates(plans, r.reconstruction, r.bias_compensation, trial.calibration is not None)
     decision = choose(trial, tried, fallback(plans, r.reconstruction, r.bias_compensation))
+    if not _within_bound(run, trial):
+        decision = _searched_prefix(run, trial, decision, tried)
     trial.release()
     run.notes += trial.notes
     run.work["reconstruction"] = trial.refit_work
     run.work["selection"] = (len(decision.tried) + 1) * run.work["heldout_pass"] + trial.refit_work
     run.steps.append(decision.entry(round(time.perf_counter() - tick, 3)))
-    run.summary = heldout_summary(decision, trial.batches)
+    run.summary = {**run.summary, **heldout_summary(decision, trial.batches)}
     run.timings["selection"] = time.perf_counter() - tick
     return decision
 
 
-def _search(run: Run, trial: Trial, scores: HeadScores, work: Work) -> dict[str, dict[str, list[int]]]:
-    """The searched plan, by name, where the search runs (`search_rounds`; by default where the outputs are
-    per position) and its counted work fits in what the tuning budget has left after the passes before it."""
-    r = run.recovery
+def _search(run: Run, trial: Trial, scores: HeadScores, work: Work) -> Searched:
+    """The searched plan where the search runs (`search_rounds`; by default where the outputs are per
+    position) and its counted work fits in what the tuning budget has left after the passes before it (with a
+    loss bound, whatever it costs: the depth comes from its order)."""
+    r, none = run.recovery, Searched(None, 0.0)
     if not (r.rearrange and r.reconstruction and trial.calibration is not None and trial.reference is not None):
-        return {}
+        return none
     rounds = r.search_rounds
     if rounds is None:  # the default: only where the outputs are per position
         rounds = ROUNDS if run.objective.per_position(trial.targets[0]) else 0
     if not rounds:
-        return {}
+        return none
     spent = sum(run.work.get(k, 0.0) for k in BEFORE_TUNING)  # the writing and the recording
-    limit = math.inf if r.tuning_budget is None else r.tuning_budget * run.work["calibration_pass"] - spent
+    limit = math.inf
+    if r.tuning_budget is not None and run.config.selection.max_loss is None:
+        limit = r.tuning_budget * run.work["calibration_pass"] - spent
     schedule = SearchSchedule(rounds, r.search_examples, r.search_screen)
     searched = searched_plan(trial, scores, run.budget, run.calib, schedule, work, limit)
     run.work["search"] = searched.work
     if searched.note is not None:
         run.notes.append(searched.note)
-    return {} if searched.plan is None else {"search": searched.plan}
+    return searched
 
 
-def _heldout_nll(run: Run, forward: Any) -> float | None:
-    """A language model's mean next-token NLL on the held-out batches (None for other tasks), its pass counted."""
+def _deepest(model: nn.Module, config: PruneConfig) -> int:
+    """The most heads the structure lets go, where a loss bound (`selection.max_loss`) can be measured: a
+    language model, recovery on with held-out batches and the search, units taken one at a time. Refused
+    otherwise, before any data is read."""
+    selection, r = config.selection, config.recovery
+    if not writes_text(model):
+        raise ConfigError(
+            "selection.max_loss bounds a language model's held-out perplexity; this model writes no text: "
+            "give num_heads, sparsity or flops"
+        )
+    if not (r.enabled and r.holdout > 0 and r.reconstruction and r.rearrange and r.search_rounds != 0):
+        raise ConfigError(
+            "selection.max_loss measures each depth on held-out batches along the search's order: it needs "
+            "recovery on with holdout above 0, reconstruction, rearrange and search_rounds other than 0"
+        )
+    if selection.uniform or selection.scope == "layer":
+        raise ConfigError("selection.max_loss takes units one at a time: not with uniform or scope 'layer'")
+    return check_budget(model, HeadBudget(num_heads=10**9, round="down", **selection.constraints()))
+
+
+def _within_loss(run: Run, trial: Trial, searched: Searched) -> Searched:
+    """The longest prefix of the searched order whose held-out perplexity rise, each pruned layer refitted
+    (before tuning), is within `selection.max_loss`: the budget becomes its heads and the searched plan that
+    prefix. The rises measured go to the held-out summary (`max_loss`)."""
+    percent = run.config.selection.max_loss
+    if searched.plan is None or run.unpruned_nll is None or percent is None:
+        raise ConfigError(f"selection.max_loss measures along the searched order, and there is none: {searched.note}")
+    bound = percent / 100
+
+    def rise(count: int) -> float:
+        plan = prefix_plan(searched.order, count)
+        trial.gated.use(plan, refits={name: trial.refit(name, heads) for name, heads in plan.items()})
+        run.work["depth"] = run.work.get("depth", 0.0) + refit_flops(run.layers, plan)
+        return _rise(run, trial.gated, "depth")
+
+    count, rises = deepest_within(len(searched.order), rise, bound)
+    trial.gated.use({})
+    plan = prefix_plan(searched.order, count)
+    heads = sum(len(h) for h in plan.values())
+    run.budget, run.asked = dataclasses.replace(run.budget, num_heads=heads, round=None), heads
+    measured = [[sum(len(u) for _, u in searched.order[:k]), rises[k]] for k in sorted(rises)]
+    run.summary["max_loss"] = {"bound": bound, "heads": heads, "rises": measured, "rule": MAX_LOSS_RULE}
+    return dataclasses.replace(searched, plan=plan, order=searched.order[:count])
+
+
+def _heldout_nll(run: Run, forward: Any, work: str = "perplexity") -> float | None:
+    """A language model's mean next-token NLL on the held-out batches (None for other tasks), its pass counted
+    as `work`."""
     if not (run.heldout and writes_text(run.model) and all("labels" in b for b in run.heldout)):
         return None
-    run.work["perplexity"] = run.work.get("perplexity", 0.0) + run.work["heldout_pass"]
+    run.work[work] = run.work.get(work, 0.0) + run.work["heldout_pass"]
     return mean_token_nll(forward, run.heldout, input_device(run.model))
 
 
-def _perplexity_change(run: Run, unpruned: float | None) -> None:
-    """The held-out perplexity's relative change from the unpruned model's, into the held-out summary."""
-    if unpruned is None or not run.summary:
-        return
-    pruned = _heldout_nll(run, lambda batch: run.model(**batch))
+def _rise(run: Run, forward: Any, work: str = "perplexity") -> float:
+    """The held-out perplexity's relative change from the unpruned model's under `forward`, its pass counted
+    as `work`."""
+    assert run.unpruned_nll is not None
+    pruned = _heldout_nll(run, forward, work)
     assert pruned is not None  # the same batches as the unpruned model's
-    run.summary["perplexity_change"] = math.exp(pruned - unpruned) - 1
+    return math.exp(pruned - run.unpruned_nll) - 1
+
+
+def _within_bound(run: Run, trial: Trial) -> bool:
+    """Whether the gated model's held-out perplexity rise is within `selection.max_loss` (always without one)."""
+    percent = run.config.selection.max_loss
+    return percent is None or _rise(run, trial.gated, "depth") <= percent / 100
+
+
+def _searched_prefix(run: Run, trial: Trial, decision: Decision, tried: list) -> Decision:
+    """The searched prefix with its reconstruction, the state whose rise chose the depth, in place of the
+    candidate `decision` kept (the others' held-out values stay in the report)."""
+    searched = [c for c in tried if c.name == "search" and c.step == "reconstruction"]
+    kept = choose(trial, searched, searched[0].label)
+    run.notes.append(f"{decision.label} raised the held-out perplexity beyond max_loss; kept {kept.label}")
+    return dataclasses.replace(kept, tried=decision.tried)
+
+
+def _perplexity_change(run: Run) -> None:
+    """The held-out perplexity's relative change from the unpruned model's, into the held-out summary."""
+    if run.unpruned_nll is not None and run.summary:
+        run.summary["perplexity_change"] = _rise(run, lambda batch: run.model(**batch))
 
 
 def _generated_share(model: nn.Module, batches: list[dict], r: RecoveryConfig) -> float:
@@ -353,7 +444,8 @@ def _generated_share(model: nn.Module, batches: list[dict], r: RecoveryConfig) -
 
 def _tune(run: Run, trial: Trial, decision: Decision, work: Work) -> None:
     """Tune the chosen state's gates, output biases and projection updates to the unpruned outputs, kept only
-    when the held-out divergence falls by more than one standard error; bounded by `tuning_budget` when set."""
+    when the held-out divergence falls by more than one standard error (and a loss bound still holds);
+    bounded by `tuning_budget` when set."""
     r, gated = run.recovery, trial.gated
     if not (r.tuning and r.epochs > 0):
         return
@@ -394,7 +486,8 @@ def _tune(run: Run, trial: Trial, decision: Decision, work: Work) -> None:
     }
     if history and decision.values is not None:  # kept only when it beats the untuned state by more than
         tuned = trial.divergences()  # one standard error (not on noise)
-        entry["kept"] = one_standard_error({"untuned": decision.values, "tuned": tuned}) == "tuned"
+        better = one_standard_error({"untuned": decision.values, "tuned": tuned}) == "tuned"
+        entry["kept"] = better and _within_bound(run, trial)  # a loss bound holds after tuning too
         run.summary["final"] = float((tuned if entry["kept"] else decision.values).mean())
         if not entry["kept"]:
             gated.untune(untuned)

@@ -198,6 +198,14 @@ def test_a_budget_the_structure_cannot_meet_is_refused_before_data(tmp_path):
     ):
         result = _invoke([*args, "--kv-cache", budget])
         assert result.exit_code == 2 and message in result.output and len(result.output.splitlines()) == 1, budget
+    for more, message in (
+        (["--max-loss", "0"], "selection.max_loss is 0.0; give a percentage above 0"),
+        (["--max-loss", "3", "--no-recovery"], "it needs recovery on with holdout above 0"),
+        (["--max-loss", "3", "--search-rounds", "0"], "it needs recovery on with holdout above 0"),
+        (["--max-loss", "3", "--uniform"], "takes units one at a time: not with uniform"),
+    ):
+        result = _invoke([*args, *more])
+        assert result.exit_code == 2 and message in result.output and len(result.output.splitlines()) == 1, more
     for more in (["--num-heads", "2"], ["--sparsity", "0.5", "--steps", "2"]):  # asked, never dropped silently
         result = _invoke([*args, *more, "--no-recovery", "--generated-share", "0.375"])
         assert result.exit_code == 2 and "generated_share is 0.375, but recovery is off" in result.output, more
@@ -499,6 +507,28 @@ def test_a_kv_cache_budget_prunes_the_fewest_groups_and_says_the_size(tmp_path):
         "size": 2**20,
     }
     assert ph.kv_cache_size(ph.load_pruned(tmp_path / "out"), 8192) == 2**20
+
+
+def test_a_loss_bound_prunes_the_deepest_prefix_within_it_and_says_so(tmp_path):
+    """`--max-loss` on a tiny Llama: the line names the bound and the rise measured at the depth it chose, the
+    report holds every rise measured, and a classifier is refused before its data (one line, exit 2)."""
+    folder = _tiny_llama_folder(tmp_path)
+    (tmp_path / "data.txt").write_text("\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))))
+    args = ["prune", str(folder), "--data", str(tmp_path / "data.txt"), "--text-column", "text"]
+    result = _invoke([*args, "--task", "causal-lm", "--max-loss", "50", "-o", str(tmp_path / "none")])
+    assert result.exit_code == 2 and "this data gave none: give more examples" in result.output  # one window
+    assert not (tmp_path / "none").exists()
+    args += ["--task", "causal-lm", "--max-length", "12", "--batch-size", "4"]
+    result = _invoke([*args, "--max-loss", "50", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    depth = json.loads((tmp_path / "out" / "report.json").read_text())["meta"]["heldout"]["max_loss"]
+    rise = dict((heads, value) for heads, value in depth["rises"])[depth["heads"]]
+    assert f"removed {depth['heads']} heads, the most within --max-loss 50% of " in result.output
+    assert f"(refitted, before tuning: {100 * rise:+.1f}%)" in result.output and rise <= 0.5
+    tiny_models.build("bert").save_pretrained(tmp_path / "bert")
+    result = _invoke(["prune", str(tmp_path / "bert"), "--data", "missing.csv", "--max-loss", "3", "-o", "x"])
+    assert result.exit_code == 2 and "this model writes no text: give num_heads" in result.output
+    assert len(result.output.splitlines()) == 1 and not (tmp_path / "x").exists()
 
 
 def test_a_decoder_pruned_without_data_calibrates_on_text_it_writes(tmp_path):

@@ -46,9 +46,7 @@ def test_a_language_model_reports_its_heldout_perplexity_change():
     """The held-out summary's perplexity change is what the pruned model and an unpruned copy give on the
     held-out examples; a classifier has none."""
     model = tm.build("llama")
-    data = [
-        dict(b, labels=b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)) for b in tm.batches("llama", n=10)
-    ]
+    data = _labelled("llama")
     original = copy.deepcopy(model)
     result = ph.prune_model(model, data, ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4)), progress=False)
     _, heldout = split_holdout(data, 0.2)
@@ -57,6 +55,32 @@ def test_a_language_model_reports_its_heldout_perplexity_change():
     assert result.work["perplexity"] == 2 * result.work["heldout_pass"]
     bert = ph.prune_model(tm.build("bert"), tm.batches("bert"), ph.PruneConfig(), progress=False)
     assert "perplexity_change" not in bert.heldout and "perplexity" not in bert.work
+
+
+def _labelled(name: str, n: int = 10) -> list[dict]:
+    return [dict(b, labels=b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)) for b in tm.batches(name, n=n)]
+
+
+def test_a_loss_bound_removes_exactly_the_groups_that_cost_nothing_and_no_more():
+    """A known answer: a tiny Llama whose second KV group writes nothing in layers 0 and 2 (its output columns
+    zeroed) loses exactly those two groups under a bound of 0.001%, every deeper prefix measured above it."""
+    model = tm.build("llama")
+    layers = ph.find_attention(model)
+    silent = {layers[0].name: [2, 3], layers[2].name: [2, 3]}  # group 1: query heads 2 and 3 (head size 8)
+    with torch.no_grad():
+        for layer in (layers[0], layers[2]):
+            layer.module.o_proj.weight[:, 16:] = 0
+    config = ph.PruneConfig(selection=ph.SelectionConfig(max_loss=0.001))
+    result = ph.prune_model(model, _labelled("llama"), config, progress=False)
+    assert result.plan == silent and result.asked == 4
+    depth = result.heldout["max_loss"]
+    assert depth["heads"] == 4 and depth["bound"] == pytest.approx(1e-5) and "refitted" in depth["rule"]
+    rises = dict((heads, rise) for heads, rise in depth["rises"])
+    assert abs(rises[4]) <= 1e-5 and all(rise > 1e-5 for heads, rise in rises.items() if heads > 4)
+    assert any(heads > 4 for heads in rises) and result.work["depth"] > 0
+    assert abs(result.heldout["perplexity_change"]) <= 1e-5  # after the whole flow, as measured there
+    nothing = ph.prune_model(tm.build("llama"), _labelled("llama"), config, progress=False)  # every group counts
+    assert nothing.plan == {} and nothing.heldout["max_loss"]["heads"] == 0
 
 
 @pytest.mark.parametrize("name", ["bert", "llama", "gpt2"])

@@ -77,8 +77,9 @@ def _base():
         ({"task": "translation"}, "task is 'translation'; choose one of classification"),
         (
             {"selection": {"sparsity": 0.5, "num_heads": 3}},
-            "exactly one of sparsity, num_heads, keep_per_layer, flops or kv_cache",
+            "exactly one of sparsity, num_heads, keep_per_layer, flops, kv_cache or max_loss",
         ),
+        ({"selection": {"max_loss": 3, "flops": 0.5}}, "exactly one of .* \\(has \\['flops', 'max_loss'\\]\\)"),
         ({"evaluation": {"speed": {"repeats": 2.5}}}, "evaluation.speed.repeats must be int"),
         (
             {"scoring": {"steps": 3}},

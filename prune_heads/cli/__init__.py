@@ -31,6 +31,7 @@ from .options import (
     in_command_process,
     kv_cache_line,
     make_recipe,
+    max_loss_line,
     quiet_transformers,
     read_plan,
     task_metrics,
@@ -210,6 +211,7 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
 @config_option(SelectionConfig, "num_heads", type=click.IntRange(min=0))
 @config_option(SelectionConfig, "flops", type=float)
 @config_option(SelectionConfig, "kv_cache")
+@config_option(SelectionConfig, "max_loss", type=float)
 @click.option(
     "--plan",
     "plan_file",
@@ -280,9 +282,11 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
     from ..pipeline import run
 
     selection = config_fields(SelectionConfig, opts)
-    budgets = {k: selection.pop(k) for k in ("sparsity", "num_heads", "flops", "kv_cache")}
+    budgets = {k: selection.pop(k) for k in ("sparsity", "num_heads", "flops", "kv_cache", "max_loss")}
     if sum(v is not None for v in budgets.values()) + (plan_file is not None) != 1:
-        raise click.UsageError("give exactly one of --sparsity, --num-heads, --keep-flops, --kv-cache or --plan")
+        raise click.UsageError(
+            "give exactly one of --sparsity, --num-heads, --keep-flops, --kv-cache, --max-loss or --plan"
+        )
     plan = read_plan(plan_file) if plan_file else None
     selection.update({k: v for k, v in budgets.items() if v is not None} or {"sparsity": 0.0})
     steps = config_fields(RecoveryConfig, opts)
@@ -304,7 +308,8 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
         report.to_dict(),
         opts["as_json"],
         lambda: (
-            f"removed {report.summary()['heads']['removed']} heads{heldout_line(report)}{kv_cache_line(report)}"
+            f"removed {report.summary()['heads']['removed']} heads{max_loss_line(report)}{heldout_line(report)}"
+            f"{kv_cache_line(report)}"
             f"{calibration_line(report)}; saved the pruned model to {output}" + asked_line(selection, report)
         ),
     )

@@ -241,6 +241,18 @@ def calibration_line(report) -> str:
     return "" if written is None else f"; calibrated on {written}, no --data"
 
 
+def max_loss_line(report) -> str:
+    """The depth a loss bound chose, with the refitted rise it measured there."""
+    depth = (report.meta.get("heldout") or {}).get("max_loss")
+    if depth is None:
+        return ""
+    rise = dict((heads, value) for heads, value in depth["rises"]).get(depth["heads"], 0.0)  # 0 heads: none
+    return (
+        f", the most within --max-loss {100 * depth['bound']:g}% of {len(depth['rises'])} depths measured "
+        f"(refitted, before tuning: {100 * rise:+.1f}%)"
+    )
+
+
 def kv_cache_line(report) -> str:
     """The pruned model's KV cache, where a KV-cache budget set the depth."""
     kv = report.meta.get("kv_cache")

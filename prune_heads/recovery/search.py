@@ -144,11 +144,13 @@ def searched_scores(scores: HeadScores, order: list[Unit]) -> HeadScores:
 
 @dataclass
 class Searched:
-    """The searched plan (None where it was not tried), its counted work, and a note for the report."""
+    """The searched plan (None where it was not tried), its counted work, a note for the report, and the units
+    the plan removes in the order the search took them (each prefix of it a plan of its own)."""
 
     plan: Plan | None
     work: float
     note: str | None = None
+    order: list[Unit] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -188,9 +190,10 @@ def searched_plan(
     trial.gated.restore()
     spent = sum(n * search.unit_price(p) for p, n in enumerate(priced)) + search.proof + search.kept_outputs()
     try:
-        return Searched(select_heads(searched_scores(scores, order), budget), spent, note)
+        plan = select_heads(searched_scores(scores, order), budget)
     except PlanError as error:
         return Searched(None, spent, f"search not tried: {error}")
+    return Searched(plan, spent, note, [(n, u) for n, u in order if set(u) <= set(plan.get(n, ()))])
 
 
 def _first_examples(calib: list[dict], examples: int) -> list[dict]:

@@ -1,0 +1,34 @@
+import math
+
+import pytest
+
+from prune_heads.recovery.depth import deepest_within, prefix_plan
+
+
+@pytest.mark.parametrize("threshold", [0, 1, 7, 29, 30])
+def test_the_longest_prefix_within_the_bound_in_a_logarithmic_number_of_measurements(threshold):
+    asked = []
+
+    def rise(count: int) -> float:
+        asked.append(count)
+        return 0.01 * count if count <= threshold else 0.5 + count
+
+    count, measured = deepest_within(30, rise, bound=0.3)
+    assert count == threshold and measured.get(count, 0.0) <= 0.3
+    assert threshold == 30 or measured[count + 1] > 0.3  # the next one measured, above the bound
+    assert len(asked) <= math.ceil(math.log2(30)) + 1 and len(set(asked)) == len(asked)
+
+
+def test_rises_that_are_not_monotone_still_end_at_a_prefix_within_the_bound_next_to_one_above():
+    rises = [0.0, -0.01, 0.02, 0.5, 0.01, 0.6, 0.7, 0.02, 0.9]
+    count, measured = deepest_within(8, rises.__getitem__, bound=0.05)
+    assert measured[count] <= 0.05 and measured[count + 1] > 0.05
+    assert deepest_within(0, rises.__getitem__, 0.05) == (0, {})
+
+
+def test_each_prefix_plan_holds_the_shorter_ones():
+    order = [("a", (2, 3)), ("b", (0, 1)), ("a", (0, 1)), ("c", (4,))]
+    plans = [prefix_plan(order, k) for k in range(len(order) + 1)]
+    assert plans[0] == {} and plans[3] == {"a": [0, 1, 2, 3], "b": [0, 1]}
+    for shorter, longer in zip(plans, plans[1:]):
+        assert all(set(heads) <= set(longer[name]) for name, heads in shorter.items())
