@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from ..config import CHOICES, RecoveryConfig, ScoringConfig, SelectionConfig
+from ..config import BUDGETS, CHOICES, RecoveryConfig, ScoringConfig, SelectionConfig
 from ..export.persistence import load_pruned
 from ..model.layers import scan_required
 from ..recipes import load_recipe, recipe_path, shipped_recipes
@@ -282,7 +282,7 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
     from ..pipeline import run
 
     selection = config_fields(SelectionConfig, opts)
-    budgets = {k: selection.pop(k) for k in ("sparsity", "num_heads", "flops", "kv_cache", "max_loss")}
+    budgets = {k: selection.pop(k) for k in BUDGETS if k in selection}  # the command's: keep_per_layer is not
     if sum(v is not None for v in budgets.values()) + (plan_file is not None) != 1:
         raise click.UsageError(
             "give exactly one of --sparsity, --num-heads, --keep-flops, --kv-cache, --max-loss or --plan"

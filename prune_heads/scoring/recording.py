@@ -28,10 +28,11 @@ _PACKED: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {} 
 
 
 def _upper(width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The upper triangle's row and column indices on `device` (made there once, not sent with every batch)."""
+    """The upper triangle's row and column indices on `device` (made there once, not sent with every batch; int32:
+    half the bytes of the default)."""
     if (width, device) not in _PACKED:
         rows, cols = torch.triu_indices(width, width, device=device)
-        _PACKED[width, device] = rows, cols
+        _PACKED[width, device] = rows.int(), cols.int()
     return _PACKED[width, device]
 
 
@@ -66,7 +67,7 @@ class Moments:
         """The Gram matrix [width + 1, width + 1] of [x, 1], float64, on `device` (needs full=True)."""
         rows, cols = _upper(self.width, self.device)
         gram = torch.zeros(self.width, self.width, dtype=torch.float64, device=self.device)
-        gram[rows, cols] = self.values.to(self.device).double()
+        gram[rows.long(), cols.long()] = self.values.to(self.device).double()
         return gram + gram.triu(1).T
 
     def means_and_squares(self) -> tuple[torch.Tensor, torch.Tensor]:
