@@ -2,8 +2,9 @@
 default path, whole attention blocks (`granularity="layer"`), query heads only (the same share, even per KV
 group, KV cache kept), the default path capped at one pass of tuning work (`tuning_budget: 1.0`: what the
 held-out stop's extra work buys), the default path with text the model writes itself beside the calibration
-(`generated_share` 3/8, on two draws: scoring seeds 0 and 1) and FLAP, each against the unpruned model on the
-same windows and documents:
+(`generated_share` 3/8, on two draws: scoring seeds 0 and 1), the default with a frontier of 1/6, 1/3 and 1/2
+measured in the same run (`--depths`, tweet-snippets validation[:250] as its second text) and FLAP, each
+against the unpruned model on the same windows and documents:
 
 - perplexity on movie-snippets test[:1000] (the calibration's domain) and tweet-snippets test[:1000] (another),
   change with its 95% paired interval over windows;
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -53,6 +55,7 @@ from prune_heads.recovery.generated import SHARE
 OUT = Path(__file__).resolve().parent / ".frontier"
 DEPTHS = {"1/6": 1 / 6, "1/3": 1 / 3, "1/2": 1 / 2}
 TASKS = {"sentence_endings": "acc_norm", "review_sentiment": "acc"}
+SECOND: dict[str, ph.TaskData] = {}  # the frontier cell's second text, windows of the model's tokenizer
 DOCUMENTS = 400  # of each task (the first, in lm-eval's order; the same for every cell): about 8 minutes a model
 
 
@@ -71,13 +74,15 @@ def gemma3():
 MODELS = {"smollm2": smollm2, "gemma3": gemma3}
 
 
-def default(model, data, num_heads: int | None, recovery: dict | None = None, seed: int = 0, **selection) -> dict:
+def default(
+    model, data, num_heads: int | None, recovery: dict | None = None, seed: int = 0, second=None, **selection
+) -> dict:
     config = ph.PruneConfig(
         selection=ph.SelectionConfig(num_heads=num_heads, **selection),
         scoring=ph.ScoringConfig(seed=seed),
         recovery=ph.RecoveryConfig(**(recovery or {})),
     )
-    result = ph.prune_model(model, data, config, progress=False)
+    result = ph.prune_model(model, data, config, progress=False, eval_data=second)
     work = result.work
     spent = sum(work.get(k, 0.0) for k in (*BEFORE_TUNING, "tuning")) + work["calibration_pass"]
     tried = next((e["tried"] for e in result.recovery if e.get("step") == "selection"), {})
@@ -87,6 +92,9 @@ def default(model, data, num_heads: int | None, recovery: dict | None = None, se
         groups = sum(len(h) for h in result.plan.values()) / ph.find_attention(model)[0].group_size
         change = result.heldout["perplexity_change"]
         found.update(max_loss=result.heldout["max_loss"], chosen=f"{groups:.0f} groups", heldout_change=change)
+    if result.frontier:  # every depth measured: the work beside the default's is the frontier's measurements
+        found["frontier"] = [dataclasses.asdict(depth) for depth in result.frontier]
+        found["with_frontier"] = found["fisher_passes"] + work["frontier"] / work["calibration_pass"]
     return found
 
 
@@ -107,6 +115,10 @@ METHODS = {  # (model, data, heads to remove, the selection a KV group needs) ->
     ),
     # the depth from a quality bound (`--max-loss 3`): the depth asked is not used, the cell says what it chose
     "default, max-loss 3%": lambda model, data, n, groups: default(model, data, None, max_loss=3.0, **groups),
+    # the frontier (`--depths 1/6,1/3,1/2`, tweets as the second text) beside the default at the cell's depth
+    "default, frontier": lambda model, data, n, groups: default(
+        model, data, n, depths="1/6,1/3,1/2", second=SECOND["tweets"], **groups
+    ),
     "FLAP": lambda model, data, n, groups: {
         "plan": {k: len(v) for k, v in flap(model, data.batches, num_heads=n).items()}
     },
@@ -163,6 +175,7 @@ def run(args) -> None:
     base.to(args.device)
     calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
     test, other = (windows(tokenizer, source, "test[:1000]") for source in ("movie-snippets", "tweet-snippets"))
+    SECOND["tweets"] = windows(tokenizer, "tweet-snippets", "validation[:250]")
     cached = out / f"{args.model}_unpruned.dill"  # per-example statistics (closures: dill, not pickle)
     if cached.exists():
         unpruned = dill.loads(cached.read_bytes())

@@ -46,12 +46,13 @@ from llm import GGUF, perplexity, smollm2_folder, windows
 from transformers import AutoTokenizer
 
 import prune_heads as ph
+from prune_heads.export.gguf.speed import GGML_CACHE_TYPES, llama_speed
 
 OUT = Path(__file__).resolve().parent / ".gguf"
 RATIOS = {"1/6 of KV groups": 45, "1/3 of KV groups": 90, "1/2 of KV groups": 135}
 CONTEXTS = (512, 2048, 8192)
-CACHE_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # llama.cpp's KV-cache types (--cache-type-k/-v) as ggml type ids
-THREADS, DECODE_TOKENS, REPEATS = 2, 32, 3
+CACHE_TYPES = ("f16", "q8_0", "q4_0")  # llama.cpp's KV-cache types measured (--cache-type-k/-v)
+THREADS, REPEATS = 2, 3
 
 
 def _path(stem: str, gguf_type: str | None, extension: str = "gguf") -> Path:
@@ -154,24 +155,16 @@ class _Log:
 
 def _llama(path: Path, cache_type: str, **options) -> Llama:
     """llama.cpp on `path` with THREADS threads, flash attention and the KV cache in `cache_type`."""
-    kind = CACHE_TYPES[cache_type]
+    kind = GGML_CACHE_TYPES[cache_type]
     return Llama(model_path=str(path), n_threads=THREADS, flash_attn=True, type_k=kind, type_v=kind, **options)
 
 
 def speed(path: Path, context: int, log: _Log, ids: list[int], cache_type: str = "f16") -> dict:
-    """Prompt tokens/s for `context` - DECODE_TOKENS tokens, then decode tokens/s for DECODE_TOKENS more, with
-    the KV cache in `cache_type`."""
+    """Prompt and decode tokens/s at `context` tokens (`ph`'s llama.cpp speed run) with the KV cache in
+    `cache_type`, and the KV cache's bytes as llama.cpp allocated them."""
     log.lines.clear()
-    llm = _llama(path, cache_type, n_ctx=context, n_batch=512, n_ubatch=512, n_threads_batch=THREADS, verbose=True)
-    prompt = ids[: context - DECODE_TOKENS]
-    tick = time.perf_counter()
-    llm.eval(prompt)
-    prompt_seconds = time.perf_counter() - tick
-    tick = time.perf_counter()
-    for token in ids[context - DECODE_TOKENS : context]:
-        llm.eval([token])
-    decode_seconds = time.perf_counter() - tick
-    return {"prompt": len(prompt) / prompt_seconds, "decode": DECODE_TOKENS / decode_seconds, "kv": log.kv_bytes()}
+    found = llama_speed(path, ids, context, cache_type, THREADS, verbose=True)
+    return {"prompt": found.prompt, "decode": found.decode, "kv": log.kv_bytes()}
 
 
 def llama_perplexity(path: Path, test: ph.TaskData, cache_type: str = "f16") -> float:

@@ -5,6 +5,7 @@ the YAML recipes and the CLI fill in. Each field carries its one line of documen
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from .errors import ConfigError
@@ -19,6 +20,7 @@ from .task_data import TASKS
 
 DTYPES = ("float32", "float16", "bfloat16")
 BUDGETS = ("sparsity", "num_heads", "keep_per_layer", "flops", "kv_cache", "max_loss")  # how many go: one of them
+FRONTIER = ("depths", "context")  # what a frontier measures beside the budget, not how heads go
 FORMATS = ("safetensors", "gguf")  # a transformers folder, or one GGUF file for llama.cpp
 
 
@@ -71,6 +73,15 @@ class SelectionConfig:
         "language model's held-out perplexity by at most this many percent (the deepest prefix of one searched "
         "order).",
     )
+    depths: str | None = option(
+        None,
+        "Also measure these depths along the searched order, as shares of the heads ('1/6,1/3,1/2'): the held-out "
+        "(and --eval-data) perplexity change with its interval, the KV cache and the parameters of each, in the "
+        "report's frontier; the model written is the budget's (or --max-loss's) depth.",
+    )
+    context: int = option(
+        8192, "Context length (tokens) the frontier's KV-cache sizes and llama.cpp speeds (GGUF out) are given at."
+    )
     scope: str = option("global", "'global' ranks heads across layers; 'layer' removes the share from each layer.")
     min_heads_per_layer: int = option(1, "Heads every layer keeps at least (0 lets a layer lose them all).")
     gqa: str = option(
@@ -90,10 +101,24 @@ class SelectionConfig:
             KvCacheBudget.parse(self.kv_cache)
         if self.max_loss is not None and not self.max_loss > 0:
             raise ConfigError(f"selection.max_loss is {self.max_loss}; give a percentage above 0 (3 for +3%)")
+        if self.depths is not None:
+            self.fractions()
+        if self.context < 1:
+            raise ConfigError(f"selection.context is {self.context}; give a number of tokens above 0")
+
+    def fractions(self) -> list[float]:
+        """`depths` as shares of the heads, shallowest first (refused unless each is in (0, 1))."""
+        try:
+            found = sorted(float(Fraction(part.strip())) for part in str(self.depths).split(","))
+        except (ValueError, ZeroDivisionError):
+            found = []
+        if not found or not all(0 < f < 1 for f in found):
+            raise ConfigError(f"selection.depths is {self.depths!r}; give shares of the heads, e.g. '1/6,1/3,1/2'")
+        return found
 
     def constraints(self) -> dict[str, Any]:
         """The fields that say how heads go (not how many), as `HeadBudget` keywords."""
-        return {k: v for k, v in vars(self).items() if k not in (*BUDGETS, "round") and v != []}
+        return {k: v for k, v in vars(self).items() if k not in (*BUDGETS, *FRONTIER, "round") and v != []}
 
     def budget(self, heads: int | None = None) -> HeadBudget:
         """The `select_heads` budget this section sets; a FLOPs, KV-cache or loss budget needs the model, so the

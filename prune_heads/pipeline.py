@@ -6,8 +6,9 @@ import contextlib
 import copy
 import importlib.util
 import json
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 import yaml
 from torch import nn
 
+from .budgets import selection_budget
 from .config import PruneConfig
 from .errors import ConfigError
 from .evaluation.confidence import compare as compare_paired
@@ -22,7 +24,7 @@ from .evaluation.lm_eval import lm_eval
 from .evaluation.report import Report, compare
 from .evaluation.speed import benchmark
 from .evaluation.task import Evaluation, embed, evaluation
-from .export.gguf import check_gguf, save_gguf
+from .export.gguf import check_gguf, llama_cpp_installed, llama_speed, save_gguf
 from .export.persistence import (
     ModelNotFoundError,
     ensure_file_free,
@@ -36,10 +38,11 @@ from .model.layers import find_attention, require_attention
 from .model.onload import check_offload
 from .model.probe import prune
 from .model.surgery import PlanError, normalize_plan
-from .pruner import PruneResult, prune_model, selection_budget
+from .pruner import FRONTIER_CACHE_TYPES, FRONTIER_RULE, PruneResult, prune_model
 from .recipes import Recipe, recipe_to_dict
 from .recovery.generated import WRITTEN_EXAMPLES, written_batches
-from .scoring.kv_cache import KvCacheBudget, kv_cache_size
+from .runtime.progress import progress_bar
+from .scoring.kv_cache import KvCacheBudget, fits_cache, kv_cache_size
 from .task_data import DataError, TaskData, load_task_data
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -231,13 +234,14 @@ def measure_speed(models: list[nn.Module], recipe: Recipe) -> list[dict[str, Any
 @dataclass
 class _Data:
     """A run's data: the scoring batches (None where a plan is applied and nothing trains on them), the
-    evaluation batches, an embedding model's training split for its task metrics and its unpruned embeddings
-    of the evaluation batches."""
+    evaluation batches, an embedding model's training split for its task metrics, its unpruned embeddings
+    of the evaluation batches and the frontier's second text."""
 
     score: TaskData | None
     evaluation: TaskData | None
     train: TaskData | None
     reference: Any
+    second: TaskData | None = None  # the frontier's second text
 
 
 def run(
@@ -270,16 +274,45 @@ def run(
     data = _data(recipe, model, processor, plan, evaluate, progress)
     before, evaluated = measure(model, data.evaluation, recipe, data.reference, data.train, processor, progress)
     timed = evaluate and recipe.evaluation.speed is not None
-    original = copy.deepcopy(model) if timed else None  # timed beside the pruned one, in turns
-    found, examples = _prune(model, data.score, config, plan, progress)
+    in_llama = _frontier_in_llama_cpp(recipe, plan)
+    original = copy.deepcopy(model) if timed or in_llama else None  # timed beside the pruned one, in turns
+    found, examples = _prune(model, data, config, plan, progress)
     after, evaluated_after = measure(model, data.evaluation, recipe, data.reference, data.train, processor, progress)
-    if original is not None:
+    if timed and original is not None:
         before["speed"], after["speed"] = measure_speed([original, model], recipe)
+    speeds = _llama_speeds(recipe, original, found, processor, data.score, progress) if in_llama else None
     del original
     changed = changes(evaluated, evaluated_after, recipe.scoring.seed)
-    report = _report(recipe, found, examples, before, after, changed, _kv_cache(recipe, model))
+    report = _report(recipe, found, examples, before, after, changed, _kv_cache(recipe, model), speeds)
     _write(recipe, model, processor, found, report, target, force)
     return report
+
+
+def _frontier_in_llama_cpp(recipe: Recipe, plan: dict | None) -> bool:
+    """Whether the frontier's depths are timed in llama.cpp: GGUF out, depths asked, llama-cpp-python here."""
+    return plan is None and recipe.written.format == "gguf" and bool(recipe.selection.depths) and llama_cpp_installed()
+
+
+def _llama_speeds(
+    recipe: Recipe, original: Any, found: PruneResult, processor: Any, score: TaskData | None, progress: bool
+) -> list[dict[str, dict[str, float]]]:
+    """llama.cpp's prompt and decode speed at the frontier's context per cache type at each depth (the first
+    the unpruned model): its plan removed from `original` in place, depth after depth (the plans are nested, and
+    the speed depends on the shapes, not on the refitted values), each file written as the output is."""
+    assert score is not None  # scored whenever the frontier is measured
+    ids = [int(i) for b in score.batches for i in b["input_ids"][b["attention_mask"].bool()]]
+    caches = [c for c in FRONTIER_CACHE_TYPES if fits_cache(find_attention(original), c)]
+    speeds = []
+    runs = len(found.frontier) * len(caches)
+    with tempfile.TemporaryDirectory() as tmp, progress_bar(None, "llama.cpp", runs, progress) as bar:
+        for depth in found.frontier:  # the unpruned model first
+            present = {layer.name: layer.heads for layer in find_attention(original)}
+            prune(original, {n: [h for h in heads if h in present[n]] for n, heads in depth.plan.items()})
+            file = Path(tmp) / "depth.gguf"
+            save_gguf(original, file, tokenizer=processor, tensor_type=recipe.written.gguf_type, overwrite=True)
+            speeds.append({c: asdict(llama_speed(file, ids, recipe.selection.context, c)) for c in caches})
+            bar.update(len(caches))
+    return speeds
 
 
 def _check_budget(recipe: Recipe, model: nn.Module, config: PruneConfig, plan: dict | None) -> None:
@@ -324,7 +357,16 @@ def _data(recipe: Recipe, model: nn.Module, processor: Any, plan: dict | None, e
     reference = None
     if evaluation is not None and recipe.task == "feature-extraction":
         reference = embed(model, evaluation, progress)
-    return _Data(score, evaluation, train, reference)
+    return _Data(score, evaluation, train, reference, _second_text(recipe, model, processor))
+
+
+def _second_text(recipe: Recipe, model: nn.Module, processor: Any) -> TaskData | None:
+    """The frontier's second text (`data.frontier_source`, its score split) where depths are measured."""
+    d = recipe.data
+    if d.frontier_source is None or recipe.selection.depths is None:
+        return None
+    second = replace(recipe, data=replace(d, source=d.frontier_source))
+    return task_data(second, model, processor, d.score_split, d.score_examples)
 
 
 def _score_data(recipe: Recipe, model: nn.Module, processor: Any, progress: bool) -> TaskData:
@@ -350,12 +392,13 @@ def _written_note(recipe: Recipe) -> str:
 
 
 def _prune(
-    model: nn.Module, score: TaskData | None, config: PruneConfig, plan: dict | None, progress: bool
+    model: nn.Module, data: _Data, config: PruneConfig, plan: dict | None, progress: bool
 ) -> tuple[PruneResult, int]:
     """The default path on the scoring batches, or the given plan applied; and the examples scored."""
     if plan is None:
-        assert score is not None  # loaded whenever no plan is given
-        return prune_model(model, score, config, progress=progress), score.num_examples
+        assert data.score is not None  # loaded whenever no plan is given
+        found = prune_model(model, data.score, config, progress=progress, eval_data=data.second)
+        return found, data.score.num_examples
     tick = time.perf_counter()
     prune(model, plan)
     return PruneResult(plan=plan, seconds=time.perf_counter() - tick), 0
@@ -384,6 +427,7 @@ def _report(
     after: dict,
     changed: Any,
     kv_cache: dict[str, Any] | None,
+    speeds: list[dict[str, Any]] | None = None,
 ) -> Report:
     """The report: before and after, the plan, the scores, the recovery's decisions and what they cost (and
     the KV cache a KV-cache budget asked for)."""
@@ -399,6 +443,7 @@ def _report(
         "asked_heads": found.asked,
         "work": found.work,
         **({"kv_cache": kv_cache} if kv_cache else {}),
+        **({"frontier": _frontier(recipe, found, speeds)} if found.frontier else {}),
         **({"calibration": _written_note(recipe)} if examples and recipe.data.source is None else {}),
     }
     return compare(
@@ -411,6 +456,20 @@ def _report(
         recovery=found.recovery,
         changes=changed,
     )
+
+
+def _frontier(recipe: Recipe, found: PruneResult, speeds: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The report's frontier: each depth measured, the context its KV cache is given at, the rule, and where
+    measured llama.cpp's speeds."""
+    depths = [asdict(depth) for depth in found.frontier]
+    for depth, speed in zip(depths, speeds or []):
+        depth["llama_cpp"] = speed
+    return {
+        "context": recipe.selection.context,
+        "second_text": recipe.data.frontier_source,
+        "rule": FRONTIER_RULE,
+        "depths": depths,
+    }
 
 
 def _write(

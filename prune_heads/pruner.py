@@ -20,10 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .budgets import depth_heads, selection_budget
 from .config import PruneConfig, RecoveryConfig
 from .errors import ConfigError
+from .evaluation.confidence import perplexity_change
 from .export.persistence import output_biases_load
-from .model.layers import require_attention
+from .model.layers import parameters_after, require_attention
 from .model.onload import onload_offloaded
 from .model.probe import probe_layers
 from .recovery.candidates import (
@@ -36,23 +38,23 @@ from .recovery.candidates import (
     heldout_summary,
     unpruned_heldout,
 )
-from .recovery.depth import deepest_within, prefix_plan
+from .recovery.depth import Depth, deepest_within, prefix_length, prefix_plan
 from .recovery.gated import GatedModel
 from .recovery.generated import token_batches, with_generated, writes_text
-from .recovery.holdout import mean_token_nll, one_standard_error, split_holdout
+from .recovery.holdout import SequenceNLL, one_standard_error, sequence_nll, split_holdout
 from .recovery.reconstruction import refit_flops
-from .recovery.search import ROUNDS, Searched, SearchSchedule, searched_plan
+from .recovery.search import ROUNDS, Searched, SearchSchedule, Unit, searched_plan
 from .recovery.tuning import Schedule, tune
 from .runtime.devices import input_device, to_device
 from .runtime.progress import progress_bar
 from .runtime.work import Budget, Work
 from .scoring.head_scores import HeadScores
 from .scoring.iterative import prune_iteratively
-from .scoring.kv_cache import KvCacheBudget, heads_for_kv_cache
+from .scoring.kv_cache import fits_cache, kv_cache_size
 from .scoring.methods import score_heads
 from .scoring.objective import Objective, frozen
 from .scoring.recording import Recorder, record
-from .scoring.selection import HeadBudget, check_budget, heads_for_flops, requested_heads
+from .scoring.selection import HeadBudget, check_budget, requested_heads
 from .task_data import DataError, TaskData, with_targets, without_labels
 
 BEFORE_TUNING = ("generation", "recording", "search", "depth", "selection")  # recovery's work before tuning
@@ -60,6 +62,12 @@ MAX_LOSS_RULE = (
     "the longest prefix of the searched order whose held-out perplexity rise (point estimate), each pruned layer "
     "refitted, is at most the bound; another candidate plan or tuning is kept only where the rise stays within it"
 )
+FRONTIER_RULE = (
+    "each depth is the prefix of one searched order (to the deepest asked) with each pruned layer refitted, "
+    "before tuning; the change is the perplexity's against the unpruned model's on the same sequences, with a 95% "
+    "paired bootstrap interval over them"
+)
+FRONTIER_CACHE_TYPES = ("f16", "q8_0")  # llama.cpp's default KV cache and its 8-bit one
 
 
 @dataclass
@@ -68,8 +76,8 @@ class PruneResult:
     the per-step history of iterative pruning, each recovery decision (`recovery`: what was tried, its
     held-out divergence from the unpruned model, what was kept, seconds), the held-out summary, the heads the
     budget asked for (`asked`; `heads_removed` differs only with `selection.round`), the work of each stage
-    in counted FLOPs with the tuning's budget (`work`: what limits the flow, never a clock) and the seconds
-    per stage (informative only)."""
+    in counted FLOPs with the tuning's budget (`work`: what limits the flow, never a clock), the seconds
+    per stage (informative only) and each depth `selection.depths` asked for measured (`frontier`)."""
 
     plan: dict[str, list[int]]
     scores: HeadScores | None = None
@@ -80,37 +88,12 @@ class PruneResult:
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     work: dict[str, float] = field(default_factory=dict)
+    frontier: list[Depth] = field(default_factory=list)
 
     @property
     def heads_removed(self) -> int:
         """Heads the plan removed."""
         return sum(len(h) for h in self.plan.values())
-
-
-def selection_budget(model: nn.Module, config: PruneConfig, seq_len: int = 128) -> HeadBudget:
-    """The `select_heads` budget of `config.selection`, checked against the model's structure
-    before any data is read (a FLOPs or KV-cache budget becomes the smallest reachable number of heads that
-    meets it).
-    Raises PlanError naming the nearest reachable budgets when the structure cannot meet the request."""
-    selection = config.selection
-    heads = None
-    if selection.flops is not None:
-        heads = heads_for_flops(model, selection.flops, seq_len=seq_len)
-    if selection.kv_cache is not None:
-        heads = heads_for_kv_cache(model, KvCacheBudget.parse(selection.kv_cache), **selection.constraints())
-    if selection.max_loss is not None:
-        heads = _deepest(model, config)
-    budget = selection.budget(heads)
-    if config.scoring.steps > 1:
-        if config.recovery.enabled:
-            raise ConfigError(
-                "iterative pruning (scoring.steps > 1) re-scores the pruned model, which recovery "
-                "cannot follow; turn recovery off (--no-recovery, or recovery: off in a recipe)"
-            )
-        if budget.sparsity is None:
-            raise ConfigError("iterative pruning (scoring.steps > 1) needs selection.sparsity")
-    check_budget(model, budget)
-    return budget
 
 
 @dataclass
@@ -136,7 +119,10 @@ class Run:
     summary: dict[str, Any] = field(default_factory=dict)
     work: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    unpruned_nll: float | None = None  # a language model's on the held-out batches
+    unpruned: SequenceNLL | None = None  # a language model's on the held-out batches
+    depths: list[tuple[float, int]] = field(default_factory=list)  # the frontier's shares and their heads
+    second: list[dict] = field(default_factory=list)  # the frontier's second text, batches with labels
+    frontier: list[Depth] = field(default_factory=list)
 
     def result(self, plan: dict[str, list[int]], scores: HeadScores) -> PruneResult:
         """What the run did, once the plan is removed."""
@@ -152,11 +138,16 @@ class Run:
             seconds=seconds,
             timings=timings,
             work=self.work,
+            frontier=self.frontier,
         )
 
 
 def prune_model(
-    model: nn.Module, data: TaskData | Iterable[dict], config: PruneConfig | None = None, progress: bool = True
+    model: nn.Module,
+    data: TaskData | Iterable[dict],
+    config: PruneConfig | None = None,
+    progress: bool = True,
+    eval_data: TaskData | Iterable[dict] | None = None,
 ) -> PruneResult:
     """Prune `model` in place, the whole flow in one call, and say what was done.
 
@@ -168,7 +159,8 @@ def prune_model(
     (`prune_heads.recovery.candidates`) and the tuning after it are kept only when they lower the divergence
     from the unpruned model there, so the result is never worse on held-out data than the plain selection
     (docs/recovery.md). No copy of the model is made: candidates and tuning run on the model itself through
-    gates, then folded in.
+    gates, then folded in. With `selection.depths`, each depth is measured along the searched order
+    (`PruneResult.frontier`), also on `eval_data` (a second text with labels) where given.
     """
     config = config or PruneConfig()
     start = time.perf_counter()
@@ -182,12 +174,13 @@ def prune_model(
         found = prune_iteratively(model, batches, budget, s.steps, s.method, seed=s.seed, progress=progress)
         return PruneResult(found.plan, found.scores, found.history, asked=asked, seconds=time.perf_counter() - start)
     run = _start(model, batches, generated, budget, asked, config, start, progress)
+    run.depths, run.second = _frontier_asked(model, config, eval_data)
     scores, recorder, recorded = _score(run)
     gated = GatedModel(model, run.layers)
     with frozen(model), gated:
         pricing = _price(run, gated, recorded)
         trial = _trial(run, gated, recorder)
-        run.unpruned_nll = _heldout_nll(run, gated)
+        run.unpruned = _heldout_nll(run, gated)
         decision = _choose(run, trial, scores, pricing)
     gated.prove(decision.plan, run.calib[0])  # before tuning, the flow's peak, so the originals can go
     if recorder is not None:
@@ -303,8 +296,12 @@ def _choose(run: Run, trial: Trial, scores: HeadScores, work: Work) -> Decision:
     searched prefix where the one kept raises the held-out perplexity beyond it)."""
     tick, r = time.perf_counter(), run.recovery
     searched = _search(run, trial, scores, work)
+    if run.depths:
+        run.frontier = _frontier(run, trial, searched, work)
     if run.config.selection.max_loss is not None:
         searched = _within_loss(run, trial, searched)
+    elif run.depths:
+        searched = _at_budget(run, searched)
     plans, notes = candidate_plans(scores, trial.calibration, run.layers, run.budget, r.rearrange, r.reconstruction)
     run.notes += notes
     if searched.plan is not None:
@@ -326,7 +323,7 @@ def _choose(run: Run, trial: Trial, scores: HeadScores, work: Work) -> Decision:
 def _search(run: Run, trial: Trial, scores: HeadScores, work: Work) -> Searched:
     """The searched plan where the search runs (`search_rounds`; by default where the outputs are per
     position) and its counted work fits in what the tuning budget has left after the passes before it (with a
-    loss bound, whatever it costs: the depth comes from its order)."""
+    loss bound or a frontier, whatever it costs, to the deepest depth asked: the depths come from its order)."""
     r, none = run.recovery, Searched(None, 0.0)
     if not (r.rearrange and r.reconstruction and trial.calibration is not None and trial.reference is not None):
         return none
@@ -336,35 +333,18 @@ def _search(run: Run, trial: Trial, scores: HeadScores, work: Work) -> Searched:
     if not rounds:
         return none
     spent = sum(run.work.get(k, 0.0) for k in BEFORE_TUNING)  # the writing and the recording
-    limit = math.inf
-    if r.tuning_budget is not None and run.config.selection.max_loss is None:
+    limit, budget = math.inf, run.budget
+    if run.depths:
+        deepest = max([heads for _, heads in run.depths] + [check_budget(run.model, budget)])
+        budget = dataclasses.replace(budget, sparsity=None, num_heads=deepest, round=None)
+    elif r.tuning_budget is not None and run.config.selection.max_loss is None:
         limit = r.tuning_budget * run.work["calibration_pass"] - spent
     schedule = SearchSchedule(rounds, r.search_examples, r.search_screen)
-    searched = searched_plan(trial, scores, run.budget, run.calib, schedule, work, limit)
+    searched = searched_plan(trial, scores, budget, run.calib, schedule, work, limit)
     run.work["search"] = searched.work
     if searched.note is not None:
         run.notes.append(searched.note)
     return searched
-
-
-def _deepest(model: nn.Module, config: PruneConfig) -> int:
-    """The most heads the structure lets go, where a loss bound (`selection.max_loss`) can be measured: a
-    language model, recovery on with held-out batches and the search, units taken one at a time. Refused
-    otherwise, before any data is read."""
-    selection, r = config.selection, config.recovery
-    if not writes_text(model):
-        raise ConfigError(
-            "selection.max_loss bounds a language model's held-out perplexity; this model writes no text: "
-            "give num_heads, sparsity or flops"
-        )
-    if not (r.enabled and r.holdout > 0 and r.reconstruction and r.rearrange and r.search_rounds != 0):
-        raise ConfigError(
-            "selection.max_loss measures each depth on held-out batches along the search's order: it needs "
-            "recovery on with holdout above 0, reconstruction, rearrange and search_rounds other than 0"
-        )
-    if selection.uniform or selection.scope == "layer":
-        raise ConfigError("selection.max_loss takes units one at a time: not with uniform or scope 'layer'")
-    return check_budget(model, HeadBudget(num_heads=10**9, round="down", **selection.constraints()))
 
 
 def _within_loss(run: Run, trial: Trial, searched: Searched) -> Searched:
@@ -372,7 +352,7 @@ def _within_loss(run: Run, trial: Trial, searched: Searched) -> Searched:
     (before tuning), is within `selection.max_loss`: the budget becomes its heads and the searched plan that
     prefix. The rises measured go to the held-out summary (`max_loss`)."""
     percent = run.config.selection.max_loss
-    if searched.plan is None or run.unpruned_nll is None or percent is None:
+    if searched.plan is None or run.unpruned is None or percent is None:
         raise ConfigError(f"selection.max_loss measures along the searched order, and there is none: {searched.note}")
     bound = percent / 100
 
@@ -392,22 +372,22 @@ def _within_loss(run: Run, trial: Trial, searched: Searched) -> Searched:
     return dataclasses.replace(searched, plan=plan, order=searched.order[:count])
 
 
-def _heldout_nll(run: Run, forward: Any, work: str = "perplexity") -> float | None:
-    """A language model's mean next-token NLL on the held-out batches (None for other tasks), its pass counted
-    as `work`."""
+def _heldout_nll(run: Run, forward: Any, work: str = "perplexity") -> SequenceNLL | None:
+    """A language model's next-token NLL per held-out sequence (None for other tasks), its pass counted as
+    `work`."""
     if not (run.heldout and writes_text(run.model) and all("labels" in b for b in run.heldout)):
         return None
     run.work[work] = run.work.get(work, 0.0) + run.work["heldout_pass"]
-    return mean_token_nll(forward, run.heldout, input_device(run.model))
+    return sequence_nll(forward, run.heldout, input_device(run.model))
 
 
 def _rise(run: Run, forward: Any, work: str = "perplexity") -> float:
     """The held-out perplexity's relative change from the unpruned model's under `forward`, its pass counted
     as `work`."""
-    assert run.unpruned_nll is not None
+    assert run.unpruned is not None
     pruned = _heldout_nll(run, forward, work)
     assert pruned is not None  # the same batches as the unpruned model's
-    return math.exp(pruned - run.unpruned_nll) - 1
+    return math.exp(pruned.mean - run.unpruned.mean) - 1
 
 
 def _within_bound(run: Run, trial: Trial) -> bool:
@@ -425,9 +405,87 @@ def _searched_prefix(run: Run, trial: Trial, decision: Decision, tried: list) ->
     return dataclasses.replace(kept, tried=decision.tried)
 
 
+def _frontier_asked(
+    model: nn.Module, config: PruneConfig, eval_data: TaskData | Iterable[dict] | None
+) -> tuple[list[tuple[float, int]], list[dict]]:
+    """The depths a frontier measures (share, heads) and its second text's batches (none without depths)."""
+    if config.selection.depths is None:
+        return [], []
+    second = list(eval_data or [])
+    if not all("labels" in b for b in second):
+        raise DataError("the frontier's second text (eval_data) needs labels: load it as a causal-lm task")
+    return list(zip(config.selection.fractions(), depth_heads(model, config))), second
+
+
+def _frontier(run: Run, trial: Trial, searched: Searched, work: Work) -> list[Depth]:
+    """The unpruned model (depth 0), then each asked depth measured along the searched order: its prefix, each
+    pruned layer refitted, against the unpruned model on the held-out batches (and the second text), with its
+    KV cache and parameters."""
+    if searched.plan is None or run.unpruned is None:
+        raise ConfigError(f"selection.depths measures along the searched order, and there is none: {searched.note}")
+    trial.gated.use({})
+    second = _second_nll(run, trial.gated, work)
+    kv, parameters = _size(run, {})
+    same, interval = (0.0, (0.0, 0.0)) if second is not None else (None, None)  # the unpruned model against itself
+    found = [Depth(0.0, 0, 0, 0.0, (0.0, 0.0), same, interval, kv, parameters, {})]
+    with progress_bar(None, "frontier", len(run.depths), run.progress) as bar:
+        for share, heads in run.depths:
+            count = prefix_length(searched.order, heads)
+            assert count is not None  # units of one size, checked before any data
+            found.append(_depth(run, trial, share, searched.order[:count], second, work))
+            bar.update()
+    trial.gated.use({})
+    return found
+
+
+def _depth(run: Run, trial: Trial, share: float, prefix: list[Unit], second: SequenceNLL | None, work: Work) -> Depth:
+    """One depth: the `prefix`'s plan refitted on the gated model, measured on the held-out batches and the second
+    text."""
+    plan = prefix_plan(prefix, len(prefix))
+    trial.gated.use(plan, refits={name: trial.refit(name, heads) for name, heads in plan.items()})
+    run.work["frontier"] = run.work.get("frontier", 0.0) + refit_flops(run.layers, plan)
+    seed, heldout = run.config.scoring.seed, _heldout_nll(run, trial.gated, "frontier")
+    assert run.unpruned is not None and heldout is not None  # measured where the search ran
+    change, interval = perplexity_change(run.unpruned, heldout, seed)
+    eval_change = eval_interval = None
+    if second is not None:
+        pruned = _second_nll(run, trial.gated, work)
+        assert pruned is not None  # the same batches as the unpruned model's
+        eval_change, eval_interval = perplexity_change(second, pruned, seed)
+    heads, (kv, parameters) = sum(map(len, plan.values())), _size(run, plan)
+    return Depth(share, len(prefix), heads, change, interval, eval_change, eval_interval, kv, parameters, plan)
+
+
+def _size(run: Run, plan: dict[str, list[int]]) -> tuple[dict[str, int], int]:
+    """The KV cache at the frontier's context per cache type the head size fits, and the parameters, once
+    `plan` is removed."""
+    context = run.config.selection.context
+    caches = [c for c in FRONTIER_CACHE_TYPES if fits_cache(run.layers, c)]
+    return {c: kv_cache_size(run.model, context, c, plan) for c in caches}, parameters_after(run.model, plan)
+
+
+def _second_nll(run: Run, forward: Any, work: Work) -> SequenceNLL | None:
+    """The NLL per sequence of the frontier's second text under `forward` (None without one), its pass counted
+    as frontier work."""
+    if not run.second:
+        return None
+    run.work["frontier"] = run.work.get("frontier", 0.0) + work.forward(run.second)
+    return sequence_nll(forward, run.second, input_device(run.model))
+
+
+def _at_budget(run: Run, searched: Searched) -> Searched:
+    """The searched order's prefix that removes the budget's heads, the searched plan where the search went
+    deeper for a frontier."""
+    if searched.plan is None:
+        return searched
+    count = prefix_length(searched.order, check_budget(run.model, run.budget))
+    assert count is not None  # units of one size, checked before any data
+    return dataclasses.replace(searched, plan=prefix_plan(searched.order, count), order=searched.order[:count])
+
+
 def _perplexity_change(run: Run) -> None:
     """The held-out perplexity's relative change from the unpruned model's, into the held-out summary."""
-    if run.unpruned_nll is not None and run.summary:
+    if run.unpruned is not None and run.summary:
         run.summary["perplexity_change"] = _rise(run, lambda batch: run.model(**batch))
 
 

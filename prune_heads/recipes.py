@@ -47,6 +47,7 @@ class DataConfig:
     score_examples: int | None = None
     eval_examples: int | None = None
     stride: int | None = None
+    frontier_source: str | None = None  # a second text each of selection.depths is measured on (its score split)
 
 
 @dataclass(frozen=True)

@@ -551,3 +551,47 @@ def test_a_decoder_pruned_without_data_calibrates_on_text_it_writes(tmp_path):
     result = _invoke(["run", str(tmp_path / "bert.yaml"), "-o", str(tmp_path / "d")])
     assert result.exit_code == 2 and "--data is required for task classification" in result.output
     assert not (tmp_path / "d").exists()
+
+
+def test_a_frontier_reports_every_depth_and_writes_the_budgets(tmp_path):
+    """`--depths` on a tiny Llama: one table row per depth (units, heads, perplexity changes with intervals on
+    the held-out part and on --eval-data, KV cache, parameters), the same in the report; the model written is
+    the budget's depth, the searched order's prefix. Bad depths are refused before data, in one line."""
+    folder = _tiny_llama_folder(tmp_path)
+    (tmp_path / "data.txt").write_text("\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))))
+    (tmp_path / "other.txt").write_text("\n".join(" ".join(WORDS[::-1][i:]) for i in range(6)))
+    args = ["prune", str(folder), "--data", str(tmp_path / "data.txt"), "--text-column", "text", "--task"]
+    args += ["causal-lm", "--max-length", "12", "--batch-size", "4", "--sparsity", "0.1667"]
+    result = _invoke(
+        [*args, "--depths", "1/6,1/3", "--eval-data", str(tmp_path / "other.txt"), "-o", str(tmp_path / "out")]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    frontier = report["meta"]["frontier"]
+    assert [(d["units"], d["heads"]) for d in frontier["depths"]] == [(0, 0), (1, 2), (2, 4)]
+    assert [d["kv_cache"]["f16"] for d in frontier["depths"]] == [6 * 2**18, 5 * 2**18, 4 * 2**18]  # 256 KiB a group
+    assert frontier["second_text"] == str(tmp_path / "other.txt") and frontier["context"] == 8192
+    for depth in frontier["depths"]:
+        low, high = depth["interval"]
+        assert low <= depth["perplexity_change"] <= high and depth["eval_interval"][0] <= depth["eval_change"]
+    pruned = ph.load_pruned(tmp_path / "out")
+    assert sum(p.numel() for p in pruned.parameters()) >= frontier["depths"][1]["parameters"]  # plus output biases
+    assert report["summary"]["heads"]["removed"] == 2
+    table = result.output.split("\n\n", 1)[1].splitlines()
+    assert table[0].startswith("| depth | units removed | heads removed | held-out perplexity | perplexity on")
+    assert table[2].startswith("| none | 0 | 0 | +0.0% (+0.0 to +0.0) | +0.0% (+0.0 to +0.0) | 1.50 MiB | 36,064 |")
+    assert table[3].startswith("| 1/6 | 1 | 2 | ") and table[4].startswith("| 1/3 | 2 | 4 | ")
+    assert "| 1.00 MiB | 32,992 |" in table[4] and len(table) == 5
+    assert (tmp_path / "out" / "frontier.png").exists() and "| 1/3 | 2 | 4 |" in (
+        tmp_path / "out" / "report.md"
+    ).read_text()
+    for more, message in (
+        (["--depths", "1/4"], "selection.depths 1/4: cannot remove exactly sparsity 0.25"),
+        (["--depths", "1/3,2"], "give shares of the heads, e.g. '1/6,1/3,1/2'"),
+        (["--depths", "1/3", "--no-recovery"], "selection.depths measures each depth on held-out batches"),
+    ):
+        result = _invoke([*args, *more, "-o", str(tmp_path / "bad")])
+        assert result.exit_code == 2 and message in result.output and len(result.output.splitlines()) == 1, more
+        assert not (tmp_path / "bad").exists()
+    result = _invoke([*args, "--eval-data", str(tmp_path / "other.txt"), "-o", str(tmp_path / "bad")])
+    assert result.exit_code == 2 and "Error: --eval-data is the frontier's second text: give --depths" in result.output

@@ -3,7 +3,16 @@ import math
 import numpy as np
 import pytest
 
-from prune_heads.evaluation.confidence import compare, describe, mcnemar, mean_of, paired_interval, ratio_of
+from prune_heads.evaluation.confidence import (
+    compare,
+    describe,
+    mcnemar,
+    mean_of,
+    paired_interval,
+    perplexity_change,
+    ratio_of,
+)
+from prune_heads.recovery.holdout import SequenceNLL
 
 
 def test_mcnemar_is_the_exact_binomial_test_on_the_changed_examples():
@@ -46,3 +55,15 @@ def test_perplexity_statistic_weighs_windows_by_their_tokens():
     statistic = ratio_of(sums, counts, math.exp)
     assert statistic.value() == pytest.approx(math.exp(45 / 20))
     assert statistic(np.array([1, 1])) == pytest.approx(math.exp(3.0))
+
+
+def test_a_perplexity_change_and_its_paired_interval():
+    """Every token 0.1 nats worse: the change is exp(0.1) - 1 and, paired, the interval is that point; with
+    noise the interval is around the change."""
+    before = SequenceNLL(np.array([10.0, 20.0, 5.0]), np.array([10, 20, 5]))
+    after = SequenceNLL(before.nll + 0.1 * before.tokens, before.tokens)
+    change, (low, high) = perplexity_change(before, after)
+    assert change == pytest.approx(math.expm1(0.1)) and low == pytest.approx(change) and high == pytest.approx(change)
+    noisy = SequenceNLL(after.nll + np.array([1.0, -1.0, 0.5]), before.tokens)
+    change, (low, high) = perplexity_change(before, noisy)
+    assert low < change < high and change == pytest.approx(math.expm1(0.1 + 0.5 / 35))

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from prune_heads.recovery.depth import deepest_within, prefix_plan
+from prune_heads.recovery.depth import deepest_within, prefix_length, prefix_plan
 
 
 @pytest.mark.parametrize("threshold", [0, 1, 7, 29, 30])
@@ -32,3 +32,9 @@ def test_each_prefix_plan_holds_the_shorter_ones():
     assert plans[0] == {} and plans[3] == {"a": [0, 1, 2, 3], "b": [0, 1]}
     for shorter, longer in zip(plans, plans[1:]):
         assert all(set(heads) <= set(longer[name]) for name, heads in shorter.items())
+
+
+def test_the_prefix_that_removes_a_number_of_heads():
+    order = [("a", (0, 1)), ("b", (0, 1)), ("a", (2, 3))]
+    assert [prefix_length(order, heads) for heads in (0, 2, 4, 6)] == [0, 1, 2, 3]
+    assert prefix_length(order, 3) is None and prefix_length(order, 8) is None

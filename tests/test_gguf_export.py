@@ -411,6 +411,30 @@ def _invoke(args: list[str]):
     return CliRunner().invoke(main, args)
 
 
+@pytest.mark.llama_cpp
+def test_a_frontier_written_as_gguf_is_timed_in_llama_cpp(tmp_path, bpe_tokenizer):
+    """A tiny Llama (head size 32, so q8_0 holds it) and a frontier of 1 and 2 of its 6 KV groups, GGUF out:
+    the unpruned model and every depth run in llama.cpp with an f16 and a q8_0 KV cache, the speeds in the
+    report, the table and the plot; the file written is the budget's depth."""
+    tiny_llama(len(bpe_tokenizer), kv_heads=2, head_dim=32).save_pretrained(tmp_path / "llama")
+    bpe_tokenizer.save_pretrained(tmp_path / "llama")
+    (tmp_path / "data.txt").write_text("\n".join(demo_texts()[:40]))
+    args = ["prune", str(tmp_path / "llama"), "--task", "causal-lm", "--data", str(tmp_path / "data.txt")]
+    args += ["--text-column", "text", "--max-length", "32", "--batch-size", "8", "--epochs", "1"]
+    args += ["--num-heads", "2", "--depths", "1/6,1/3", "--context", "128", "--output-format", "gguf"]
+    result = _invoke([*args, "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    depths = json.loads((tmp_path / "out" / "report.json").read_text())["meta"]["frontier"]["depths"]
+    assert [(d["units"], d["heads"]) for d in depths] == [(0, 0), (1, 2), (2, 4)]
+    for depth in depths:
+        assert set(depth["llama_cpp"]) == {"f16", "q8_0"}, depth
+        assert all(speed["prompt"] > 0 and speed["decode"] > 0 for speed in depth["llama_cpp"].values())
+    assert "| llama.cpp prompt / decode tok/s at 128 tokens, q8_0 cache |" in result.output
+    assert "(1.00x) |" in result.output.splitlines()[-3]  # the unpruned row against itself
+    assert (tmp_path / "out" / "frontier.png").exists()
+    assert sum(gguf_heads(tmp_path / "out" / "model.gguf")["heads"]) == 12 - 2
+
+
 @pytest.mark.slow
 @pytest.mark.llama_cpp
 def test_prune_to_gguf_from_the_command_line_then_inspect(tmp_path, smollm2):

@@ -16,6 +16,7 @@ ORDER = [  # lowest first
     "evaluation",
     "export",
     "config",
+    "budgets",
     "pruner",
     "recipes",
     "pipeline",

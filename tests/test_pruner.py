@@ -64,12 +64,7 @@ def _labelled(name: str, n: int = 10) -> list[dict]:
 def test_a_loss_bound_removes_exactly_the_groups_that_cost_nothing_and_no_more():
     """A known answer: a tiny Llama whose second KV group writes nothing in layers 0 and 2 (its output columns
     zeroed) loses exactly those two groups under a bound of 0.001%, every deeper prefix measured above it."""
-    model = tm.build("llama")
-    layers = ph.find_attention(model)
-    silent = {layers[0].name: [2, 3], layers[2].name: [2, 3]}  # group 1: query heads 2 and 3 (head size 8)
-    with torch.no_grad():
-        for layer in (layers[0], layers[2]):
-            layer.module.o_proj.weight[:, 16:] = 0
+    model, silent = _silent_llama()
     config = ph.PruneConfig(selection=ph.SelectionConfig(max_loss=0.001))
     result = ph.prune_model(model, _labelled("llama"), config, progress=False)
     assert result.plan == silent and result.asked == 4
@@ -81,6 +76,49 @@ def test_a_loss_bound_removes_exactly_the_groups_that_cost_nothing_and_no_more()
     assert abs(result.heldout["perplexity_change"]) <= 1e-5  # after the whole flow, as measured there
     nothing = ph.prune_model(tm.build("llama"), _labelled("llama"), config, progress=False)  # every group counts
     assert nothing.plan == {} and nothing.heldout["max_loss"]["heads"] == 0
+
+
+def _silent_llama() -> tuple[torch.nn.Module, dict[str, list[int]]]:
+    """A tiny Llama whose second KV group writes nothing in layers 0 and 2 (its output columns zeroed), and
+    those groups' query heads (2 and 3, head size 8)."""
+    model = tm.build("llama")
+    layers = ph.find_attention(model)
+    with torch.no_grad():
+        for layer in (layers[0], layers[2]):
+            layer.module.o_proj.weight[:, 16:] = 0
+    return model, {layers[0].name: [2, 3], layers[2].name: [2, 3]}
+
+
+def test_a_frontier_measures_each_depth_of_one_order_and_keeps_the_budgets():
+    """A known answer: on the tiny Llama with two silent KV groups, the frontier at 1/6 and 1/3 of the heads
+    costs nothing (the silent groups lead the searched order) and 1/2 costs more; its rise at each depth is the
+    loss bound's at the same depth (one measurement); the model kept is the budget's depth; the KV cache
+    and parameters are those of the plan at each depth."""
+    model, silent = _silent_llama()
+    config = ph.PruneConfig(selection=ph.SelectionConfig(max_loss=0.001, depths="1/6,1/3,1/2"))
+    result = ph.prune_model(model, _labelled("llama"), config, progress=False, eval_data=_labelled("llama", 4))
+    assert result.plan == silent
+    expected = [(0.0, 0, 0), (1 / 6, 1, 2), (1 / 3, 2, 4), (1 / 2, 3, 6)]  # the unpruned model first
+    assert [(d.share, d.units, d.heads) for d in result.frontier] == expected
+    unpruned, shallow, middle, deep = result.frontier
+    assert unpruned.perplexity_change == unpruned.eval_change == 0 and unpruned.plan == {}
+    assert middle.plan == silent and shallow.plan.items() <= silent.items()
+    assert abs(shallow.perplexity_change) <= 1e-5 and abs(middle.perplexity_change) <= 1e-5
+    assert deep.perplexity_change > 1e-5 and deep.interval[0] <= deep.perplexity_change <= deep.interval[1]
+    assert abs(middle.eval_change) <= 1e-5 and deep.eval_change > 1e-5
+    rises = dict((heads, rise) for heads, rise in result.heldout["max_loss"]["rises"])
+    assert rises[6] == pytest.approx(deep.perplexity_change, rel=1e-9)
+    assert [d.kv_cache for d in result.frontier] == [
+        {"f16": 2 * 8192 * 8 * 2 * (6 - k)} for k in range(4)
+    ]  # key and value, f16
+    parameters = sum(p.numel() for p in tm.build("llama").parameters())
+    per_group = 2 * (32 * 8 + 8 * 32) + 2 * 8 * 32  # two query heads (q rows, o columns), a key and a value
+    assert [d.parameters for d in result.frontier] == [parameters - k * per_group for k in range(4)]
+    work = result.work
+    assert work["frontier"] > 3 * work["heldout_pass"] and "frontier" not in ph.pruner.BEFORE_TUNING
+    budget = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=2, depths="1/3"))
+    shallower = ph.prune_model(_silent_llama()[0], _labelled("llama"), budget, progress=False)
+    assert shallower.heads_removed == 2 and all(set(h) <= set(silent[n]) for n, h in shallower.plan.items())
 
 
 @pytest.mark.parametrize("name", ["bert", "llama", "gpt2"])

@@ -26,6 +26,7 @@ from .options import (
     config_option,
     data_options,
     emit,
+    frontier_lines,
     handle_errors,
     heldout_line,
     in_command_process,
@@ -212,6 +213,14 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
 @config_option(SelectionConfig, "flops", type=float)
 @config_option(SelectionConfig, "kv_cache")
 @config_option(SelectionConfig, "max_loss", type=float)
+@config_option(SelectionConfig, "depths")
+@click.option(
+    "--eval-data",
+    "frontier_source",
+    default=None,
+    help="A second text each of --depths is measured on (read as --data is, its --split).",
+)
+@config_option(SelectionConfig, "context", type=click.IntRange(min=1))
 @click.option(
     "--plan",
     "plan_file",
@@ -288,6 +297,10 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
             "give exactly one of --sparsity, --num-heads, --keep-flops, --kv-cache, --max-loss or --plan"
         )
     plan = read_plan(plan_file) if plan_file else None
+    if opts["frontier_source"] and not selection.get("depths"):
+        raise click.UsageError("--eval-data is the frontier's second text: give --depths with it")
+    if plan is not None and selection.get("depths"):
+        raise click.UsageError("--depths measures the searched order, and --plan applies a plan without one")
     selection.update({k: v for k, v in budgets.items() if v is not None} or {"sparsity": 0.0})
     steps = config_fields(RecoveryConfig, opts)
     kept = {k: steps[k] for k in ("holdout", "epochs", "generated_share")}  # checked with recovery off too
@@ -302,6 +315,7 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
         standalone=opts["standalone"],
         recovery=recovery_section,
         output={"path": output, "format": fmt, "gguf_type": opts["gguf_type"]},
+        data={"frontier_source": opts["frontier_source"]},
     )
     report = run(recipe, output=output, force=opts["force"], plan=plan, evaluate=False)
     emit(
@@ -310,7 +324,9 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
         lambda: (
             f"removed {report.summary()['heads']['removed']} heads{max_loss_line(report)}{heldout_line(report)}"
             f"{kv_cache_line(report)}"
-            f"{calibration_line(report)}; saved the pruned model to {output}" + asked_line(selection, report)
+            f"{calibration_line(report)}; saved the pruned model to {output}"
+            + asked_line(selection, report)
+            + frontier_lines(report)
         ),
     )
 

@@ -15,6 +15,7 @@ import click
 
 from ..config import CHOICES, ScoringConfig
 from ..errors import PruneHeadsError
+from ..evaluation.report import frontier_table
 from ..model.surgery import PlanError
 from ..recipes import parse_recipe
 from ..runtime.memory import map_large_blocks
@@ -251,6 +252,12 @@ def max_loss_line(report) -> str:
         f", the most within --max-loss {100 * depth['bound']:g}% of {len(depth['rises'])} depths measured "
         f"(refitted, before tuning: {100 * rise:+.1f}%)"
     )
+
+
+def frontier_lines(report) -> str:
+    """The frontier's table under the prune line, where --depths asked for one."""
+    frontier = report.meta.get("frontier")
+    return "" if frontier is None else "\n\n" + "\n".join(frontier_table(frontier))
 
 
 def kv_cache_line(report) -> str:

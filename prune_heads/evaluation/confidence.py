@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..recovery.holdout import SequenceNLL
+
 RESAMPLES = 1000
 LEVEL = 0.95
 
@@ -68,6 +70,13 @@ def paired_interval(
     )
     tail = (1 - level) / 2
     return float(np.quantile(deltas, tail)), float(np.quantile(deltas, 1 - tail))
+
+
+def perplexity_change(before: SequenceNLL, after: SequenceNLL, seed: int = 0) -> tuple[float, tuple[float, float]]:
+    """The relative perplexity change from `before` to `after` on the same sequences, and its paired bootstrap
+    interval (of the mean token NLL's difference, whose exp less 1 is the change)."""
+    low, high = paired_interval(ratio_of(before.nll, before.tokens), ratio_of(after.nll, after.tokens), seed)
+    return math.expm1(after.mean - before.mean), (math.expm1(low), math.expm1(high))
 
 
 def mcnemar(correct_before, correct_after) -> float:

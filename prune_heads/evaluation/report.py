@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from ..scoring.head_scores import HeadScores
+from ..scoring.kv_cache import size_text
 from .confidence import RESAMPLES, describe
 
 
@@ -141,7 +143,7 @@ class Report:
         s = self.summary()
         lines = [f"# Pruning report: {self.meta.get('model', '')}", ""]
         if self.meta:
-            hidden = ("model", "heldout", "timings", "work")
+            hidden = ("model", "heldout", "timings", "work", "frontier")
             lines += [", ".join(f"{k}: {v}" for k, v in self.meta.items() if k not in hidden), ""]
         lines += ["| | before | after | change |", "|---|---|---|---|"]
         for key, m in s["metrics"].items():
@@ -155,6 +157,8 @@ class Report:
         lines += self._speed_lines(s.get("speed"))
         lines += self._changes_lines()
         lines += self._recovery_lines()
+        if "frontier" in self.meta:
+            lines += ["", *frontier_table(self.meta["frontier"])]
         lines += ["", "| layer | heads kept |", "|---|---|"]
         for name, kept in self.after.get("heads", {}).items():
             lines.append(f"| {name} | {kept} / {self.before['heads'].get(name, kept)} |")
@@ -267,7 +271,42 @@ class Report:
         )
         if len(self.history) > 1:
             paths["curve"] = curve(self.history, folder / "curve.png")
+        if "frontier" in self.meta:
+            paths["frontier"] = frontier_plot(self.meta["frontier"], folder / "frontier.png")
         return paths
+
+
+def frontier_table(frontier: dict[str, Any]) -> list[str]:
+    """The report's frontier as Markdown lines: per depth (the first the unpruned model) the units and heads
+    gone, the perplexity changes with their intervals, the KV cache per cache type at the frontier's context,
+    the parameters and, where measured, llama.cpp's prompt and decode speed per cache type (decode against the
+    unpruned model's in f16)."""
+    depths, context = frontier["depths"], f"{frontier['context']:,} tokens"
+    caches = list(depths[0]["kv_cache"])
+    timed = list(depths[0].get("llama_cpp", {}))
+    head = ["depth", "units removed", "heads removed", "held-out perplexity"]
+    head += ["perplexity on the second text"] if frontier.get("second_text") else []
+    head += [f"KV cache at {context} ({' / '.join(caches)})", "parameters"]
+    head += [f"llama.cpp prompt / decode tok/s at {context}, {cache} cache" for cache in timed]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for d in depths:
+        row = [str(Fraction(d["share"]).limit_denominator(1000)) if d["units"] else "none", str(d["units"])]
+        row += [str(d["heads"]), _change(d["perplexity_change"], d["interval"])]
+        row += [_change(d["eval_change"], d["eval_interval"])] if frontier.get("second_text") else []
+        row += [" / ".join(size_text(size) for size in d["kv_cache"].values()), f"{d['parameters']:,}"]
+        row += [_speed(d["llama_cpp"][cache], depths[0]["llama_cpp"][timed[0]]) for cache in timed]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _change(change: float, interval: list[float] | tuple[float, float]) -> str:
+    """A relative change with its interval, in percent."""
+    return f"{100 * change:+.1f}% ({100 * interval[0]:+.1f} to {100 * interval[1]:+.1f})"
+
+
+def _speed(speed: dict[str, float], unpruned: dict[str, float]) -> str:
+    """Prompt and decode tokens a second, and the decode speed against the unpruned model's."""
+    return f"{speed['prompt']:,.0f} / {speed['decode']:,.1f} ({speed['decode'] / unpruned['decode']:.2f}x)"
 
 
 def _number(value: float | None) -> str:
@@ -314,6 +353,35 @@ def curve(history: list[dict], path: Path) -> Path:
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
     fig.suptitle("Iterative pruning", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def frontier_plot(frontier: dict[str, Any], path: Path) -> Path:
+    """Quality against speed: each depth's perplexity change (95% interval as a bar) against llama.cpp's decode
+    speed in an f16 cache where measured, else against the KV cache (f16) it keeps."""
+    plt = _pyplot()
+    depths = frontier["depths"]
+    timed = "llama_cpp" in depths[0] and "f16" in depths[0]["llama_cpp"]
+    x = [d["llama_cpp"]["f16"]["decode"] if timed else d["kv_cache"]["f16"] / 2**20 for d in depths]
+    series = [("held-out", "perplexity_change", "interval"), ("second text", "eval_change", "eval_interval")]
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for label, change, interval in series[: 2 if frontier.get("second_text") else 1]:
+        y = [100 * d[change] for d in depths]
+        error = [
+            [y_ - 100 * d[interval][0] for y_, d in zip(y, depths)],
+            [100 * d[interval][1] - y_ for y_, d in zip(y, depths)],
+        ]
+        ax.errorbar(x, y, yerr=error, marker="o", capsize=3, label=label)
+    for x_, d in zip(x, depths):
+        ax.annotate(str(Fraction(d["share"]).limit_denominator(1000)) if d["units"] else "none", (x_, 0), fontsize=8)
+    context = f"{frontier['context']:,} tokens"
+    ax.set_xlabel(f"llama.cpp decode tok/s at {context}" if timed else f"KV cache MiB at {context} (f16)")
+    ax.set_ylabel("perplexity change %")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

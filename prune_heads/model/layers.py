@@ -250,6 +250,38 @@ def qkv_parts(module: nn.Module, spec: AttentionSpec, num_heads: int, head_dim: 
     return parts, parts["k"].projection.features("out") // head_dim
 
 
+def kv_groups_left(layer: AttentionLayer, removed: list[int]) -> int:
+    """KV groups `layer` keeps once its query heads `removed` (original indices) go: a group goes with its last
+    query head."""
+    gone = set(removed)
+    return len({h // layer.group_size for h in layer.heads if h not in gone})
+
+
+def head_parameters(layer: AttentionLayer) -> tuple[int, int]:
+    """Weights and biases one query head of `layer` holds (its query features and its columns of the output
+    projection) and one KV group (its key and value features)."""
+    parts, _ = qkv_parts(layer.module, layer.spec, layer.num_heads, layer.head_dim)
+
+    def per_feature(name: str) -> int:
+        projection = parts[name].projection
+        return projection.features("in") + (projection.module.bias is not None)
+
+    query = parts["q"].blocks * layer.head_dim * per_feature("q")
+    return query + layer.head_dim * output_projection(layer).features("out"), layer.head_dim * (
+        per_feature("k") + per_feature("v")
+    )
+
+
+def parameters_after(model: nn.Module, plan: dict[str, list[int]]) -> int:
+    """The model's parameters once `plan` (original head indices per layer name) is removed."""
+    gone = 0
+    for layer in require_attention(model):
+        removed = plan.get(layer.name, [])
+        query, group = head_parameters(layer)
+        gone += len(removed) * query + (layer.num_kv_heads - kv_groups_left(layer, removed)) * group
+    return sum(p.numel() for p in model.parameters()) - gone
+
+
 def describe(module: nn.Module, spec: AttentionSpec, name: str, index: int) -> AttentionLayer:
     """Read head counts from the weights of one attention module (no config is trusted)."""
     head_dim = head_dim_of(module, spec)

@@ -1,12 +1,43 @@
-"""The depth a quality bound allows (`selection.max_loss`): along one nested order of units (the search's, each
-prefix a plan of its own), the most units whose measured rise stays within the bound, found by bisection over
-the prefix lengths, so a handful of held-out passes price every depth instead of a prune per depth."""
+"""Depths along one nested order of units (the search's, each prefix a plan of its own): the most units a
+quality bound allows (`selection.max_loss`), found by bisection over the prefix lengths, and the frontier of
+asked depths (`selection.depths`), each measured once, so a handful of held-out passes price every depth
+instead of a prune per depth."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from .search import Unit
+
+
+@dataclass(frozen=True)
+class Depth:
+    """One depth of a frontier: the share of heads asked, the units and heads its prefix removes (each pruned
+    layer refitted, before tuning), the held-out perplexity change with its 95% interval (and on a second
+    text where one was given), the KV cache in bytes per llama.cpp cache type, the parameters left and the
+    plan (original head indices per layer)."""
+
+    share: float
+    units: int
+    heads: int
+    perplexity_change: float
+    interval: tuple[float, float]
+    eval_change: float | None
+    eval_interval: tuple[float, float] | None
+    kv_cache: dict[str, int]
+    parameters: int
+    plan: dict[str, list[int]]
+
+
+def prefix_length(order: list[Unit], heads: int) -> int | None:
+    """How many units of `order` remove exactly `heads` heads (None where no prefix does)."""
+    removed = 0
+    for count, (_, unit) in enumerate(order):
+        if removed == heads:
+            return count
+        removed += len(unit)
+    return len(order) if removed == heads else None
 
 
 def prefix_plan(order: list[Unit], count: int) -> dict[str, list[int]]:

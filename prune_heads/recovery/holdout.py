@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..runtime.devices import to_device
@@ -57,19 +59,39 @@ def one_standard_error(values: dict[str, torch.Tensor]) -> str:
     return best
 
 
+@dataclass(frozen=True)
+class SequenceNLL:
+    """Each held-out sequence's summed next-token negative log-likelihood and its labelled tokens: their
+    ratio is the mean token NLL (its exp the perplexity), and per sequence they give a paired interval."""
+
+    nll: np.ndarray
+    tokens: np.ndarray
+
+    @property
+    def mean(self) -> float:
+        return float(self.nll.sum() / self.tokens.sum())
+
+
 @torch.no_grad()
-def mean_token_nll(forward: Callable[[dict], Any], batches: list[dict], device: torch.device) -> float | None:
-    """The mean negative log-likelihood of every labelled next token of `batches` (labels as transformers'
-    causal language models take them, shifted inside), from `forward(batch)`'s logits: its exp is the held-out
-    perplexity. None where the batches hold no labels."""
-    total, count = 0.0, 0
+def sequence_nll(forward: Callable[[dict], Any], batches: list[dict], device: torch.device) -> SequenceNLL | None:
+    """Every labelled next token's negative log-likelihood of `batches` (labels as transformers' causal language
+    models take them, shifted inside), from `forward(batch)`'s logits, summed per sequence. None where the
+    batches hold no labels or no labelled token."""
+    sums, counts = [], []
     for batch in batches:
         if "labels" not in batch:
             return None
         logits = forward(to_device(without_labels(batch), device)).logits[:, :-1].float()
         labels = batch["labels"][:, 1:].to(logits.device)
-        nll = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-        )
-        total, count = total + float(nll), count + int((labels != -100).sum())
-    return total / count if count else None
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
+        sums.append(nll.double().sum(-1).cpu())
+        counts.append((labels != -100).sum(-1).cpu())
+    found = SequenceNLL(torch.cat(sums).numpy(), torch.cat(counts).numpy())
+    return found if found.tokens.sum() else None
+
+
+def mean_token_nll(forward: Callable[[dict], Any], batches: list[dict], device: torch.device) -> float | None:
+    """The mean negative log-likelihood of every labelled next token of `batches`: its exp is the held-out
+    perplexity. None where the batches hold no labels."""
+    found = sequence_nll(forward, batches, device)
+    return None if found is None else found.mean

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from ..model.layers import AttentionLayer, require_attention
+from ..model.layers import AttentionLayer, kv_groups_left, require_attention
 from ..model.surgery import PlanError
 from .selection import HeadBudget, check_budget
 
@@ -86,9 +86,20 @@ def group_bytes(layer: AttentionLayer, context: int, cache_type: str) -> int:
     return 2 * tokens * layer.head_dim // block * size
 
 
-def kv_cache_size(model: nn.Module, context: int, cache_type: str = "f16") -> int:
-    """Bytes of the model's KV cache at `context` tokens in `cache_type` (llama.cpp's names), as it is now."""
-    return sum(l.num_kv_heads * group_bytes(l, context, cache_type) for l in require_attention(model))
+def fits_cache(layers: list[AttentionLayer], cache_type: str) -> bool:
+    """Whether every layer's head size splits into `cache_type`'s blocks (llama.cpp quantizes per head)."""
+    return all(l.head_dim % CACHE_TYPES[cache_type][0] == 0 for l in layers)
+
+
+def kv_cache_size(
+    model: nn.Module, context: int, cache_type: str = "f16", plan: dict[str, list[int]] | None = None
+) -> int:
+    """Bytes of the model's KV cache at `context` tokens in `cache_type` (llama.cpp's names), as it is now or
+    once `plan` (original head indices per layer name) is removed."""
+    plan = plan or {}
+    return sum(
+        kv_groups_left(l, plan.get(l.name, [])) * group_bytes(l, context, cache_type) for l in require_attention(model)
+    )
 
 
 def heads_for_kv_cache(model: nn.Module, target: KvCacheBudget, **constraints: Any) -> int:

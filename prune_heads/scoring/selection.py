@@ -315,6 +315,13 @@ def check_budget(model: nn.Module, budget: HeadBudget | None = None, **options: 
     return wanted if isinstance(wanted, int) else sum(wanted.values())
 
 
+def unit_sizes(model: nn.Module, budget: HeadBudget) -> set[int]:
+    """The sizes, in heads, of the units `budget`'s constraints remove together (a head, a KV group, a layer)
+    in the layers it may prune."""
+    s = _structure(_layers_of_model(model), budget)
+    return {len(unit) for layer in s.selectable for unit in layer.units(budget.gqa, budget.granularity)}
+
+
 def requested_heads(model: nn.Module, budget: HeadBudget) -> int:
     """How many more heads a budget asks for, before any rounding to what the structure allows."""
     layers = _layers_of_model(model)

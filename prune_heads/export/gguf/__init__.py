@@ -25,6 +25,7 @@ model has.
 
 from .architectures import ARCHITECTURES, FILE_TYPES, GGUF_TYPES, GgufArch, GgufError
 from .inspect import gguf_heads
+from .speed import LlamaSpeed, llama_cpp_installed, llama_speed
 from .tokenizer import tokenizer_model
 from .writer import check_gguf, save_gguf
 
@@ -36,6 +37,9 @@ __all__ = [
     "GgufError",
     "check_gguf",
     "gguf_heads",
+    "LlamaSpeed",
+    "llama_cpp_installed",
+    "llama_speed",
     "save_gguf",
     "tokenizer_model",
 ]

@@ -1,0 +1,89 @@
+"""The budget a `PruneConfig` sets, checked against the model's structure before any data is read: how many
+heads go (a FLOPs, KV-cache or loss budget turned into heads), and the depths a frontier measures."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from torch import nn
+
+from .config import PruneConfig
+from .errors import ConfigError
+from .model.surgery import PlanError
+from .recovery.generated import writes_text
+from .scoring.kv_cache import KvCacheBudget, heads_for_kv_cache
+from .scoring.selection import HeadBudget, check_budget, heads_for_flops, unit_sizes
+
+
+def selection_budget(model: nn.Module, config: PruneConfig, seq_len: int = 128) -> HeadBudget:
+    """The `select_heads` budget of `config.selection`, checked against the model's structure
+    before any data is read (a FLOPs or KV-cache budget becomes the smallest reachable number of heads that
+    meets it).
+    Raises PlanError naming the nearest reachable budgets when the structure cannot meet the request."""
+    selection = config.selection
+    heads = None
+    if selection.flops is not None:
+        heads = heads_for_flops(model, selection.flops, seq_len=seq_len)
+    if selection.kv_cache is not None:
+        heads = heads_for_kv_cache(model, KvCacheBudget.parse(selection.kv_cache), **selection.constraints())
+    if selection.max_loss is not None:
+        heads = deepest(model, config, "selection.max_loss")
+    if selection.depths is not None:
+        depth_heads(model, config)
+    budget = selection.budget(heads)
+    if config.scoring.steps > 1:
+        if config.recovery.enabled:
+            raise ConfigError(
+                "iterative pruning (scoring.steps > 1) re-scores the pruned model, which recovery "
+                "cannot follow; turn recovery off (--no-recovery, or recovery: off in a recipe)"
+            )
+        if budget.sparsity is None:
+            raise ConfigError("iterative pruning (scoring.steps > 1) needs selection.sparsity")
+    check_budget(model, budget)
+    return budget
+
+
+def deepest(model: nn.Module, config: PruneConfig, asked: str) -> int:
+    """The most heads the structure lets go, where depths along the search's order can be measured (`asked`:
+    a loss bound or a frontier): a language model, recovery on with held-out batches and the search, units
+    taken one at a time. Refused otherwise, before any data is read."""
+    selection, r = config.selection, config.recovery
+    if not writes_text(model):
+        raise ConfigError(
+            f"{asked} measures a language model's held-out perplexity; this model writes no text: "
+            "give num_heads, sparsity or flops alone"
+        )
+    if not (r.enabled and r.holdout > 0 and r.reconstruction and r.rearrange and r.search_rounds != 0):
+        raise ConfigError(
+            f"{asked} measures each depth on held-out batches along the search's order: it needs "
+            "recovery on with holdout above 0, reconstruction, rearrange and search_rounds other than 0"
+        )
+    if selection.uniform or selection.scope == "layer" or selection.keep_per_layer is not None:
+        raise ConfigError(f"{asked} takes units one at a time: not with uniform, scope 'layer' or keep_per_layer")
+    return check_budget(model, HeadBudget(num_heads=10**9, round="down", **selection.constraints()))
+
+
+def depth_heads(model: nn.Module, config: PruneConfig) -> list[int]:
+    """The heads each of `selection.depths` removes, checked before any data is read: measurable (as for a loss
+    bound), exact under the constraints, and reached by a prefix of one order (units of one size)."""
+    selection = config.selection
+    deepest(model, config, "selection.depths")
+    constraints = selection.constraints()
+    sizes = unit_sizes(model, HeadBudget(num_heads=0, **constraints))
+    if len(sizes) > 1:
+        raise PlanError(
+            f"selection.depths measures prefixes of one order of units, and this model's units differ in size "
+            f"({sorted(sizes)} heads): give one budget without depths"
+        )
+    shares = selection.fractions()
+    return [
+        _depth_heads(model, share, HeadBudget(sparsity=share, round=selection.round, **constraints)) for share in shares
+    ]
+
+
+def _depth_heads(model: nn.Module, share: float, budget: HeadBudget) -> int:
+    """The heads one depth of a frontier removes, its refusal naming the depth."""
+    try:
+        return check_budget(model, budget)
+    except PlanError as error:
+        raise PlanError(f"selection.depths {Fraction(share).limit_denominator(1000)}: {error}") from None
