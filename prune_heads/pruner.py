@@ -357,9 +357,7 @@ def _within_loss(run: Run, trial: Trial, searched: Searched) -> Searched:
     bound = percent / 100
 
     def rise(count: int) -> float:
-        plan = prefix_plan(searched.order, count)
-        trial.gated.use(plan, refits={name: trial.refit(name, heads) for name, heads in plan.items()})
-        run.work["depth"] = run.work.get("depth", 0.0) + refit_flops(run.layers, plan)
+        _refitted(run, trial, prefix_plan(searched.order, count), "depth")
         return _rise(run, trial.gated, "depth")
 
     count, rises = deepest_within(len(searched.order), rise, bound)
@@ -370,6 +368,12 @@ def _within_loss(run: Run, trial: Trial, searched: Searched) -> Searched:
     measured = [[sum(len(u) for _, u in searched.order[:k]), rises[k]] for k in sorted(rises)]
     run.summary["max_loss"] = {"bound": bound, "heads": heads, "rises": measured, "rule": MAX_LOSS_RULE}
     return dataclasses.replace(searched, plan=plan, order=searched.order[:count])
+
+
+def _refitted(run: Run, trial: Trial, plan: dict[str, list[int]], work: str) -> None:
+    """Put `plan` on the gated model with each pruned layer refitted, the refits counted as `work`."""
+    trial.gated.use(plan, refits={name: trial.refit(name, heads) for name, heads in plan.items()})
+    run.work[work] = run.work.get(work, 0.0) + refit_flops(run.layers, plan)
 
 
 def _heldout_nll(run: Run, forward: Any, work: str = "perplexity") -> SequenceNLL | None:
@@ -442,8 +446,7 @@ def _depth(run: Run, trial: Trial, share: float, prefix: list[Unit], second: Seq
     """One depth: the `prefix`'s plan refitted on the gated model, measured on the held-out batches and the second
     text."""
     plan = prefix_plan(prefix, len(prefix))
-    trial.gated.use(plan, refits={name: trial.refit(name, heads) for name, heads in plan.items()})
-    run.work["frontier"] = run.work.get("frontier", 0.0) + refit_flops(run.layers, plan)
+    _refitted(run, trial, plan, "frontier")
     seed, heldout = run.config.scoring.seed, _heldout_nll(run, trial.gated, "frontier")
     assert run.unpruned is not None and heldout is not None  # measured where the search ran
     change, interval = perplexity_change(run.unpruned, heldout, seed)

@@ -8,7 +8,7 @@ import torch
 
 import prune_heads as ph
 from prune_heads.recovery.gated import GatedModel
-from prune_heads.recovery.holdout import mean_token_nll, split_holdout
+from prune_heads.recovery.holdout import sequence_nll, split_holdout
 from prune_heads.recovery.tuning import Schedule, tune
 from prune_heads.runtime.work import Budget, Work
 from prune_heads.scoring.methods import score_heads
@@ -50,7 +50,7 @@ def test_a_language_model_reports_its_heldout_perplexity_change():
     original = copy.deepcopy(model)
     result = ph.prune_model(model, data, ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4)), progress=False)
     _, heldout = split_holdout(data, 0.2)
-    nll = [mean_token_nll(lambda b, m=m: m(**b), heldout, torch.device("cpu")) for m in (original, model)]
+    nll = [sequence_nll(lambda b, m=m: m(**b), heldout, torch.device("cpu")).mean for m in (original, model)]
     assert result.heldout["perplexity_change"] == pytest.approx(math.exp(nll[1] - nll[0]) - 1, rel=1e-5, abs=1e-7)
     assert result.work["perplexity"] == 2 * result.work["heldout_pass"]
     bert = ph.prune_model(tm.build("bert"), tm.batches("bert"), ph.PruneConfig(), progress=False)

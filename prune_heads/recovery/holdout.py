@@ -88,10 +88,3 @@ def sequence_nll(forward: Callable[[dict], Any], batches: list[dict], device: to
         counts.append((labels != -100).sum(-1).cpu())
     found = SequenceNLL(torch.cat(sums).numpy(), torch.cat(counts).numpy())
     return found if found.tokens.sum() else None
-
-
-def mean_token_nll(forward: Callable[[dict], Any], batches: list[dict], device: torch.device) -> float | None:
-    """The mean negative log-likelihood of every labelled next token of `batches`: its exp is the held-out
-    perplexity. None where the batches hold no labels."""
-    found = sequence_nll(forward, batches, device)
-    return None if found is None else found.mean

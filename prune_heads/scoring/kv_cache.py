@@ -76,7 +76,7 @@ def group_bytes(layer: AttentionLayer, context: int, cache_type: str) -> int:
     """Bytes one KV group of `layer` caches at `context` tokens: a key and a value of the head size per token
     held (a sliding-window layer holds its window), in `cache_type`'s blocks."""
     block, size = CACHE_TYPES[cache_type]
-    if layer.head_dim % block:
+    if not fits_cache([layer], cache_type):
         raise PlanError(
             f"{layer.name}'s head size {layer.head_dim} does not split into {cache_type}'s blocks of {block}; "
             "give another cache type (f16, bf16, f32)"
