@@ -68,6 +68,7 @@ FRONTIER_RULE = (
     "paired bootstrap interval over them"
 )
 FRONTIER_CACHE_TYPES = ("f16", "q8_0")  # llama.cpp's default KV cache and its 8-bit one
+SEARCHED = "search + reconstruction"  # the candidate whose state a loss bound measures along the searched order
 
 
 @dataclass
@@ -302,18 +303,20 @@ def _choose(run: Run, trial: Trial, scores: HeadScores, work: Work) -> Decision:
         searched = _within_loss(run, trial, searched)
     elif run.depths:
         searched = _at_budget(run, searched)
-    plans, notes = candidate_plans(scores, trial.calibration, run.layers, run.budget, r.rearrange, r.reconstruction)
+    plans, notes, costed = candidate_plans(
+        scores, trial.calibration, run.layers, run.budget, r.rearrange, r.reconstruction
+    )
     run.notes += notes
     if searched.plan is not None:
         plans["search"] = searched.plan
     tried = candidates(plans, r.reconstruction, r.bias_compensation, trial.calibration is not None)
     decision = choose(trial, tried, fallback(plans, r.reconstruction, r.bias_compensation))
-    if not _within_bound(run, trial):
+    if decision.label != SEARCHED and not _within_bound(run, trial):  # the searched prefix was measured within
         decision = _searched_prefix(run, trial, decision, tried)
     trial.release()
     run.notes += trial.notes
     run.work["reconstruction"] = trial.refit_work
-    run.work["selection"] = (len(decision.tried) + 1) * run.work["heldout_pass"] + trial.refit_work
+    run.work["selection"] = (len(decision.tried) + 1) * run.work["heldout_pass"] + trial.refit_work + costed
     run.steps.append(decision.entry(round(time.perf_counter() - tick, 3)))
     run.summary = {**run.summary, **heldout_summary(decision, trial.batches)}
     run.timings["selection"] = time.perf_counter() - tick
@@ -403,7 +406,7 @@ def _within_bound(run: Run, trial: Trial) -> bool:
 def _searched_prefix(run: Run, trial: Trial, decision: Decision, tried: list) -> Decision:
     """The searched prefix with its reconstruction, the state whose rise chose the depth, in place of the
     candidate `decision` kept (the others' held-out values stay in the report)."""
-    searched = [c for c in tried if c.name == "search" and c.step == "reconstruction"]
+    searched = [c for c in tried if c.label == SEARCHED]
     kept = choose(trial, searched, searched[0].label)
     run.notes.append(f"{decision.label} raised the held-out perplexity beyond max_loss; kept {kept.label}")
     return dataclasses.replace(kept, tried=decision.tried)

@@ -113,7 +113,7 @@ def test_scoring_leaves_the_model_where_it_was():
 
 
 def test_the_statistics_algebra_runs_on_the_gpu_and_gives_the_cpus_results():
-    from prune_heads.recovery.reconstruction import refit, removal_cost
+    from prune_heads.recovery.reconstruction import RemovalCost, refit
     from prune_heads.scoring.objective import Objective
     from prune_heads.scoring.recording import record
 
@@ -126,7 +126,7 @@ def test_the_statistics_algebra_runs_on_the_gpu_and_gives_the_cpus_results():
         assert moments[0].matrix().device.type == torch.device(device).type  # solved where the tokens were
         fitted = refit(layers[0], [0, 1], moments[0], None)
         assert fitted.weight.device.type == "cpu"  # what the gated model swaps in, in CPU memory
-        found[str(device)] = fitted, removal_cost(layers, moments)(layers[0].name, (0, 1))
+        found[str(device)] = fitted, RemovalCost(layers, moments)(layers[0].name, (0, 1))
     (cpu_fit, cpu_cost), (gpu_fit, gpu_cost) = found.values()
     torch.testing.assert_close(gpu_fit.weight, cpu_fit.weight, rtol=1e-4, atol=1e-6)
     assert gpu_cost == pytest.approx(cpu_cost, rel=1e-4)

@@ -160,16 +160,16 @@ def test_each_candidate_is_measured_as_if_it_were_tried_alone(monkeypatch):
     seen = {}
 
     def candidates(*args, **kwargs):
-        plans, notes = real(*args, **kwargs)
+        plans, notes, work = real(*args, **kwargs)
         seen.update(plans)
-        return dict(seen), notes
+        return dict(seen), notes, work
 
     real = pruner.candidate_plans
     monkeypatch.setattr(pruner, "candidate_plans", candidates)
     tried = next(e for e in ph.prune_model(tm.build("llama"), tm.batches("llama"), config, False).recovery)["tried"]
     assert len(seen) >= 3
     for name, plan in seen.items():
-        monkeypatch.setattr(pruner, "candidate_plans", lambda *a, plan=plan, **k: ({"ranked": plan}, []))
+        monkeypatch.setattr(pruner, "candidate_plans", lambda *a, plan=plan, **k: ({"ranked": plan}, [], 0.0))
         alone = ph.prune_model(tm.build("llama"), tm.batches("llama"), config, False).recovery[0]["tried"]
         assert alone["ranked + reconstruction"] == pytest.approx(tried[f"{name} + reconstruction"], rel=1e-9)
 

@@ -416,15 +416,16 @@ def test_the_update_backward_sums_as_the_plain_product_at_a_real_model_size(dtyp
 
 def test_the_removal_cost_is_what_refitting_the_kept_columns_and_bias_cannot_recover():
     """Structured OBS from the inverse's side (Cholesky factors) equals the best least-squares fit from the kept
-    side on the same damped Gram matrix (the Schur complement), relative to the unpruned output's energy."""
-    from prune_heads.recovery.reconstruction import DAMPING, removal_cost
+    side on the same damped Gram matrix (the Schur complement), relative to the unpruned output's energy; its
+    work counts the layer's one inverse and each cost's solve."""
+    from prune_heads.recovery.reconstruction import DAMPING, RemovalCost
     from prune_heads.scoring.recording import Moments
 
     layer = ph.find_attention(tm.build("llama"))[0]
     width, d = layer.num_heads * layer.head_dim, layer.head_dim
     moments = Moments(width, True)
     moments.add(torch.randn(200, width, generator=torch.Generator().manual_seed(0)) + 0.3)
-    cost = removal_cost([layer], [moments])
+    cost = RemovalCost([layer], [moments])
     weight = output_projection(layer).matrix().detach().double()
     full = torch.cat([weight, torch.zeros(weight.shape[0], 1, dtype=torch.float64)], 1)  # Llama: no bias
     gram = moments.matrix()
@@ -436,6 +437,8 @@ def test_the_removal_cost_is_what_refitting_the_kept_columns_and_bias_cannot_rec
         recovered = torch.trace(across @ torch.linalg.solve(damped[kept][:, kept], across.T))
         expected = (torch.trace(full @ damped @ full.T) - recovered) / (full @ gram * full).sum()
         assert cost(layer.name, removed) == pytest.approx(float(expected), rel=1e-8)
+    solves = sum((len(r) * d) ** 3 / 3 + weight.shape[0] * (len(r) * d) ** 2 for r in [(0,), (1, 3), (0, 1, 2)])
+    assert cost.flops == pytest.approx(4 / 3 * (width + 1) ** 3 + solves)
 
 
 def test_a_matrix_short_of_positive_definite_is_inverted_as_the_pseudo_inverse():

@@ -26,7 +26,7 @@ from ..scoring.selection import HeadBudget, select_heads
 from ..task_data import batch_size
 from .gated import GatedModel
 from .holdout import one_standard_error
-from .reconstruction import Refit, refit, refit_flops, removal_cost
+from .reconstruction import Refit, RemovalCost, refit, refit_flops
 
 Plan = dict[str, list[int]]
 logger = logging.getLogger("prune_heads")
@@ -39,17 +39,18 @@ def candidate_plans(
     budget: HeadBudget,
     rearrange: bool,
     reconstruction: bool,
-) -> tuple[dict[str, Plan], list[str]]:
-    """The plans to try, by name, and a note for each that could not be made: the plain ranking and, with
-    `rearrange` and the unpruned model's statistics (`recorder`), the Fisher-block and FLAP plans and, with
-    `reconstruction`, the structured-OBS plan (what the kept heads can stand in for, refitted)."""
+) -> tuple[dict[str, Plan], list[str], float]:
+    """The plans to try, by name, a note for each that could not be made and the counted work of making them:
+    the plain ranking and, with `rearrange` and the unpruned model's statistics (`recorder`), the Fisher-block
+    and FLAP plans and, with `reconstruction`, the structured-OBS plan (what the kept heads can stand in for,
+    refitted; its removal costs are the work counted)."""
     plans = {"ranked": select_heads(scores, budget)}
     if recorder is None or not rearrange:
-        return plans, []
+        return plans, [], 0.0
     notes = []
     strategies: dict[str, Any] = {"interactions": "interactions"}
     if reconstruction:
-        strategies["OBS"] = removal_cost(layers, recorder.moments)
+        strategies["OBS"] = RemovalCost(layers, recorder.moments)
     for name, strategy in strategies.items():
         try:
             plans[name] = select_heads(scores, dataclasses.replace(budget, strategy=strategy))
@@ -58,7 +59,7 @@ def candidate_plans(
     groups = budget.gqa == "groups"
     fluct = head_scores("fluctuation", layers, fluctuation(layers, recorder.variances(), groups), scores.num_examples)
     plans["fluctuation"] = select_heads(fluct, budget)
-    return plans, notes
+    return plans, notes, strategies["OBS"].flops if reconstruction else 0.0
 
 
 @dataclass(frozen=True)

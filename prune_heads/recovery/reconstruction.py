@@ -6,7 +6,7 @@ write, in closed form.
   inputs that scoring recorded (`Moments`); the ridge pulls towards FLAP's bias compensation (its limit) and
   its strength is chosen per layer on the held-out tokens' Gram matrix (GRAIL, SlimGPT: a fit folded into
   o_proj).
-- `removal_cost`: structured OBS (SlimGPT; Kurtic et al. 2023's ZipLM): the increase of that fit's error when a
+- `RemovalCost`: structured OBS (SlimGPT; Kurtic et al. 2023's ZipLM): the increase of that fit's error when a
   set of heads goes and the others are refitted, in closed form, for a plan that removes what the others can
   stand in for.
 - `reconstruct`: `refit` for a pruned model beside a separately loaded unpruned copy.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,21 +98,21 @@ def refit(
     why."""
     fit = _Fit.of(layer, removed, calibration, heldout, bias)
     if not len(fit.kept):  # a layer that lost every head: the least-squares bias is the mean output, the prior
-        return fit.result(fit.prior, math.inf)
+        return fit.result(fit.prior, math.inf, fit.error(fit.prior))
     gram, tokens = fit.gram, calibration.tokens
     scale = float(gram.diagonal()[fit.kept].mean())
     if tokens < len(fit.columns):
         unknowns = len(fit.columns)
         why = f"the fit has {unknowns} unknowns per output and the calibration data gave {tokens} tokens"
-        return fit.result(fit.prior, math.inf, f"{why}; give at least {unknowns} tokens")
+        return fit.fallback(f"{why}; give at least {unknowns} tokens")
     if not scale > 0:
-        return fit.result(fit.prior, math.inf, "the kept heads' outputs carry no energy on the calibration tokens")
+        return fit.fallback("the kept heads' outputs carry no energy on the calibration tokens")
     ridges = RIDGES if fit.heldout else (RIDGE_WITHOUT_HOLDOUT,)
-    best = min(_ridge_fits(fit, gram, scale, ridges), key=lambda r: r.error, default=None)
-    if best is None or not math.isfinite(best.error):
-        why = "the least-squares system gave values that are not finite in the weights' dtype"
-        return fit.result(fit.prior, math.inf, why)
-    return best
+    best = min(_ridge_fits(fit, gram, scale, ridges), key=lambda f: f[0], default=None)
+    if best is None or not math.isfinite(best[0]):
+        return fit.fallback("the least-squares system gave values that are not finite in the weights' dtype")
+    error, ridge, theta = best
+    return fit.result(theta, ridge, error)
 
 
 @dataclass(frozen=True)
@@ -155,16 +155,25 @@ class _Fit:
         dtype = output_projection(layer).module.weight.dtype
         return cls(full, kept, columns, prior, gram, judge, _energy(full, judge), held, bias, old_bias, dtype)
 
-    def result(self, theta: torch.Tensor, ridge: float, fallback: str | None = None) -> Refit:
-        """The fit `theta` as written into the weights (their dtype: half the bytes), with its relative error,
-        in CPU memory."""
-        error = _squared_error(theta, self.full, self.columns, self.judge) / self.energy
+    def error(self, theta: torch.Tensor) -> float:
+        """The fit `theta`'s squared error relative to the unpruned output's energy, on the judging tokens."""
+        return _squared_error(theta, self.full, self.columns, self.judge) / self.energy
+
+    def result(self, theta: torch.Tensor, ridge: float, error: float, fallback: str | None = None) -> Refit:
+        """The fit `theta` as written into the weights (their dtype: half the bytes), in CPU memory."""
         weight = (theta[:, :-1] if self.bias else theta).to("cpu", self.dtype)
         return Refit(weight, (theta[:, -1] if self.bias else self.old_bias).cpu(), ridge, error, fallback)
 
+    def fallback(self, why: str) -> Refit:
+        """The ridge's prior (bias compensation) in place of a fit that cannot be trusted, saying `why`."""
+        return self.result(self.prior, math.inf, self.error(self.prior), why)
 
-def _ridge_fits(fit: _Fit, gram: torch.Tensor, scale: float, ridges: Iterable[float]) -> Iterator[Refit]:
-    """The fit at each ridge (infinite: the prior) whose values are finite in the weights' dtype."""
+
+def _ridge_fits(
+    fit: _Fit, gram: torch.Tensor, scale: float, ridges: Iterable[float]
+) -> Iterator[tuple[float, float, torch.Tensor]]:
+    """(relative error, ridge, fit) at each ridge (infinite: the prior) whose values are finite in the weights'
+    dtype, on the statistics' device: only the fit kept goes to CPU memory."""
     values, vectors = torch.linalg.eigh(gram[fit.columns][:, fit.columns])  # G_kk = V diag(values) V^T
     target = (fit.full @ gram[:, fit.columns]) @ vectors  # [W, b] G[:, k] V
     start = fit.prior @ vectors
@@ -172,7 +181,7 @@ def _ridge_fits(fit: _Fit, gram: torch.Tensor, scale: float, ridges: Iterable[fl
         damping = ridge * scale
         theta = fit.prior if math.isinf(ridge) else ((target + damping * start) / (values + damping)) @ vectors.T
         if torch.isfinite(theta).all() and torch.isfinite(theta.to(fit.dtype)).all():
-            yield fit.result(theta, ridge)
+            yield fit.error(theta), ridge, theta
 
 
 def refit_flops(layers: list[AttentionLayer], plan: dict[str, list[int]]) -> float:
@@ -188,35 +197,40 @@ def refit_flops(layers: list[AttentionLayer], plan: dict[str, list[int]]) -> flo
     return total
 
 
-def removal_cost(layers: list[AttentionLayer], moments: list[Moments]) -> Callable[[str, tuple[int, ...]], float]:
+class RemovalCost:
     """Structured OBS: `cost(layer name, removed heads)` is the increase of the squared error of the layer's
     output when those heads go and the output projection's other columns and bias are refitted, tr(W_R
     ((H^-1)_RR)^-1 W_R^T) with H the Gram matrix of [x, 1] (damped by DAMPING), relative to the unpruned output's
     energy so that layers compare. Inverses are made one layer at a time, as selection asks, on the device the
     statistics came from; both are Cholesky factorizations (H is positive definite once damped), a tenth of
-    an eigendecomposition's work."""
-    by_name = {layer.name: (layer, m) for layer, m in zip(layers, moments)}
-    cache: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+    an eigendecomposition's work. `flops` counts the work of the costs asked so far: per layer its inverse
+    (4/3 n^3 for n features), per cost the removed block's factor (g^3 / 3) and solve (out g^2)."""
 
-    def inverse(name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
-        if name not in cache:
-            cache.clear()
-            layer, m = by_name[name]
+    def __init__(self, layers: list[AttentionLayer], moments: list[Moments]) -> None:
+        self.by_name = {layer.name: (layer, m) for layer, m in zip(layers, moments)}
+        self.cached: tuple[str, torch.Tensor, torch.Tensor, float] | None = None
+        self.flops = 0.0
+
+    def __call__(self, name: str, removed: tuple[int, ...]) -> float:
+        full, inverted, energy = self._inverse(name)
+        _, gone = kept_and_removed(self.by_name[name][0], removed)
+        self.flops += len(gone) ** 3 / 3 + full.shape[0] * len(gone) ** 2
+        solved = _whitened(inverted[gone][:, gone], full[:, gone].T)
+        return float((solved * solved).sum()) / energy
+
+    def _inverse(self, name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Layer `name`'s unpruned [W, b], its damped Gram matrix's inverse and its output's energy (the last
+        layer's kept)."""
+        if self.cached is None or self.cached[0] != name:
+            layer, m = self.by_name[name]
             gram = m.matrix()
             full = _unpruned(layer, gram.device)
             inner = full.shape[1] - 1
             damped = gram.clone()
             damped.diagonal()[:inner] += DAMPING * float(gram.diagonal()[:inner].mean())
-            cache[name] = (full, _spd_inverse(damped), _energy(full, gram))
-        return cache[name]
-
-    def cost(name: str, removed: tuple[int, ...]) -> float:
-        full, inverted, energy = inverse(name)
-        _, gone = kept_and_removed(by_name[name][0], removed)
-        solved = _whitened(inverted[gone][:, gone], full[:, gone].T)
-        return float((solved * solved).sum()) / energy
-
-    return cost
+            self.cached = (name, full, _spd_inverse(damped), _energy(full, gram))
+            self.flops += 4 / 3 * gram.shape[0] ** 3
+        return self.cached[1:]
 
 
 def _spd_inverse(matrix: torch.Tensor) -> torch.Tensor:

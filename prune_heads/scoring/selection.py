@@ -438,7 +438,7 @@ def select_heads(scores: HeadScores, budget: HeadBudget | None = None, **options
     "fisher") picks each layer's set with its Fisher block, so interactions between heads count (Kwon et al.
     2022's mask rearrangement, solved exactly per layer); a function `strategy(layer name, removed heads) ->
     cost` picks each layer's cheapest sets by that cost (structured OBS,
-    `prune_heads.recovery.reconstruction.removal_cost`). The plan removes exactly what was asked; when the
+    `prune_heads.recovery.reconstruction.RemovalCost`). The plan removes exactly what was asked; when the
     structure cannot, PlanError names the nearest counts that it can, unless `round` says to take one of them.
     """
     budget = head_budget(budget, **options)
