@@ -19,7 +19,8 @@ Run: .venv/bin/python benchmarks/in_llama_cpp.py --build   (the pruned files, de
      add --gguf-type Q4_K_M (any `ph.save_gguf` file type) to each: the same files, the unpruned and the
      attention-free one too, written whole in that type by llama.cpp's quantizer (`ph.save_gguf(...,
      tensor_type=...)`) and measured in a run of their own (ratios only within one run); --ratio 1/2 (repeatable)
-     builds only those depths. Their transformers perplexity is the float model's, before llama.cpp quantizes.
+     builds only those depths (the files of the others built before stay in the table). Their transformers
+     perplexity is the float model's, before llama.cpp quantizes.
      --cache-types f16,q8_0,q4_0: every file with llama.cpp's KV cache in each type (its own quantization of
      keys and values, the peer of removing KV groups), speeds against the unpruned file with the same cache
      type and decode at 8,192 tokens against the unpruned file's f16 cache, and llama.cpp's perplexity with
@@ -61,9 +62,10 @@ def _path(stem: str, gguf_type: str | None, extension: str = "gguf") -> Path:
 
 
 def build(gguf_type: str | None = None, ratios: list[str] | None = None) -> None:
-    """The default path at each ratio on the llm.py calibration windows, each written as GGUF (the source's
-    tensors copied, or the whole file in `gguf_type`); transformers' perplexity of every model on the movie test
-    windows goes beside them (cache.json, or cache-TYPE.json)."""
+    """The default path at each ratio (`ratios`: only those, the files of others built before kept) on the llm.py
+    calibration windows, each written as GGUF (the source's tensors copied, or the whole file in `gguf_type`);
+    transformers' perplexity of every model on the movie test windows goes beside them (cache.json, or
+    cache-TYPE.json)."""
     OUT.mkdir(exist_ok=True)
     folder = smollm2_folder()
     source, tokenizer = (
@@ -75,9 +77,13 @@ def build(gguf_type: str | None = None, ratios: list[str] | None = None) -> None
     unpruned = source.config.gguf_source
     if gguf_type:
         unpruned = ph.save_gguf(source, _path("smollm2", gguf_type), tensor_type=gguf_type, overwrite=True).path
+    saved = _path("cache", gguf_type, "json")
+    built = json.loads(saved.read_text()) if ratios and saved.exists() else {}
     cache = {"unpruned": {"file": str(unpruned), "transformers": perplexity(source, test)}}
     for name, heads in RATIOS.items():
         if ratios and not any(name.startswith(r + " ") for r in ratios):
+            if name in built:
+                cache[name] = built[name]
             continue
         model = ph.load_pruned(folder, gguf_file=GGUF).eval()
         tick = time.perf_counter()
@@ -96,7 +102,7 @@ def build(gguf_type: str | None = None, ratios: list[str] | None = None) -> None
         }
         print(name, cache[name], flush=True)
     reference(gguf_type)
-    _path("cache", gguf_type, "json").write_text(json.dumps(cache, indent=1))
+    saved.write_text(json.dumps(cache, indent=1))
 
 
 def reference(gguf_type: str | None = None) -> Path:
