@@ -1,5 +1,6 @@
 """The budget a `PruneConfig` sets, checked against the model's structure before any data is read: how many
-heads go (a FLOPs, KV-cache or loss budget turned into heads), and the depths a frontier measures."""
+heads go (a FLOPs, KV-cache or loss budget turned into heads, or a plan given whole), and the depths a frontier
+measures."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from torch import nn
 
 from .config import PruneConfig
 from .errors import ConfigError
-from .model.surgery import PlanError
+from .model.layers import find_attention
+from .model.surgery import PlanError, normalize_plan
 from .recovery.generated import writes_text
 from .scoring.kv_cache import KvCacheBudget, heads_for_kv_cache
 from .scoring.selection import HeadBudget, check_budget, heads_for_flops, unit_sizes
@@ -41,6 +43,24 @@ def selection_budget(model: nn.Module, config: PruneConfig, seq_len: int = 128) 
             raise ConfigError("iterative pruning (scoring.steps > 1) needs selection.sparsity")
     check_budget(model, budget)
     return budget
+
+
+def given_plan(model: nn.Module, config: PruneConfig, plan: dict) -> tuple[dict[str, list[int]], HeadBudget]:
+    """A plan given whole (`{layer index or name: [heads]}`, such as a frontier depth's), checked against the
+    model's structure and the config before any data is read: its heads by layer name, and the budget of
+    exactly that many heads. A plan replaces the search, so a loss bound, depths or iterative scoring with it
+    are refused."""
+    check_given(config)
+    named = normalize_plan(find_attention(model), plan)
+    return {n: h for n, h in named.items() if h}, HeadBudget(num_heads=sum(map(len, named.values())))
+
+
+def check_given(config: PruneConfig) -> None:
+    """Refuse what chooses a plan beside a plan given whole: a loss bound, depths, iterative scoring."""
+    asked = [k for k, v in {"max_loss": config.selection.max_loss, "depths": config.selection.depths}.items() if v]
+    if asked or config.scoring.steps > 1:
+        wanted = ", ".join(f"selection.{k}" for k in asked) or "scoring.steps > 1"
+        raise ConfigError(f"{wanted} chooses the plan, and a plan was given: leave out one of them")
 
 
 def deepest(model: nn.Module, config: PruneConfig, asked: str) -> int:

@@ -16,7 +16,7 @@ import torch
 import yaml
 from torch import nn
 
-from .budgets import selection_budget
+from .budgets import check_given, selection_budget
 from .config import PruneConfig
 from .errors import ConfigError
 from .evaluation.confidence import compare as compare_paired
@@ -35,7 +35,7 @@ from .export.persistence import (
     write_model,
 )
 from .model.layers import find_attention, require_attention
-from .model.onload import check_offload
+from .model.onload import check_offload, onload_offloaded
 from .model.probe import prune
 from .model.surgery import PlanError, normalize_plan
 from .pruner import FRONTIER_CACHE_TYPES, FRONTIER_RULE, PruneResult, prune_model
@@ -268,15 +268,16 @@ def run(
     config = PruneConfig.from_recipe(recipe)
     check_offload(model)
     _check_budget(recipe, model, config, plan)
+    recovers = _recovers(recipe, plan)
     processor = load_processor(recipe)
     if recipe.written.format == "gguf":
-        _check_gguf(recipe, model, config, processor, plan is None, target, force)
-    data = _data(recipe, model, processor, plan, evaluate, progress)
+        _check_gguf(recipe, model, config, processor, recovers, target, force)
+    data = _data(recipe, model, processor, recovers, evaluate, progress)
     before, evaluated = measure(model, data.evaluation, recipe, data.reference, data.train, processor, progress)
     timed = evaluate and recipe.evaluation.speed is not None
     in_llama = _frontier_in_llama_cpp(recipe, plan)
     original = copy.deepcopy(model) if timed or in_llama else None  # timed beside the pruned one, in turns
-    found, examples = _prune(model, data, config, plan, progress)
+    found, examples = _prune(model, data, config, plan, recovers, progress)
     after, evaluated_after = measure(model, data.evaluation, recipe, data.reference, data.train, processor, progress)
     if timed and original is not None:
         before["speed"], after["speed"] = measure_speed([original, model], recipe)
@@ -286,6 +287,12 @@ def run(
     report = _report(recipe, found, examples, before, after, changed, _kv_cache(recipe, model), speeds)
     _write(recipe, model, processor, found, report, target, force)
     return report
+
+
+def _recovers(recipe: Recipe, plan: dict | None) -> bool:
+    """Whether the run scores or recovers on calibration data: always without a plan; with one, where data is
+    given and recovery on (else the plan is applied as it is)."""
+    return plan is None or recipe.data.source is not None and recipe.recovery.enabled
 
 
 def _frontier_in_llama_cpp(recipe: Recipe, plan: dict | None) -> bool:
@@ -321,6 +328,7 @@ def _check_budget(recipe: Recipe, model: nn.Module, config: PruneConfig, plan: d
     if plan is None:
         selection_budget(model, config, seq_len=length)
     else:
+        check_given(config)
         check_minimum(model, plan, recipe.selection.min_heads_per_layer)
 
 
@@ -341,12 +349,13 @@ def _check_gguf(
     )
 
 
-def _data(recipe: Recipe, model: nn.Module, processor: Any, plan: dict | None, evaluate: bool, progress: bool) -> _Data:
-    """The batches the run reads: scoring's (also an embedding model's training split for its task metrics)
-    and, when it evaluates, the evaluation split's with an embedding model's unpruned embeddings of it."""
+def _data(recipe: Recipe, model: nn.Module, processor: Any, recovers: bool, evaluate: bool, progress: bool) -> _Data:
+    """The batches the run reads: scoring's where it `recovers` (also an embedding model's training split for
+    its task metrics) and, when it evaluates, the evaluation split's with an embedding model's unpruned
+    embeddings of it."""
     d = recipe.data
     embedding_labels = recipe.task == "feature-extraction" and d.label_column is not None
-    wanted = plan is None or embedding_labels and evaluate
+    wanted = recovers or embedding_labels and evaluate
     score = _score_data(recipe, model, processor, progress) if wanted else None
     train = score if embedding_labels else None
     evaluation = (
@@ -392,14 +401,17 @@ def _written_note(recipe: Recipe) -> str:
 
 
 def _prune(
-    model: nn.Module, data: _Data, config: PruneConfig, plan: dict | None, progress: bool
+    model: nn.Module, data: _Data, config: PruneConfig, plan: dict | None, recovers: bool, progress: bool
 ) -> tuple[PruneResult, int]:
-    """The default path on the scoring batches, or the given plan applied; and the examples scored."""
-    if plan is None:
-        assert data.score is not None  # loaded whenever no plan is given
-        found = prune_model(model, data.score, config, progress=progress, eval_data=data.second)
+    """The default path on the scoring batches where the run `recovers` (a given plan with its recovery), else
+    the given plan applied as it is; and the examples scored."""
+    if recovers:
+        assert data.score is not None  # loaded whenever the run recovers
+        found = prune_model(model, data.score, config, progress=progress, eval_data=data.second, plan=plan)
         return found, data.score.num_examples
+    assert plan is not None  # a run without a plan always recovers
     tick = time.perf_counter()
+    onload_offloaded(model)  # a plan's layers are cut where their weights are
     prune(model, plan)
     return PruneResult(plan=plan, seconds=time.perf_counter() - tick), 0
 
@@ -489,6 +501,9 @@ def _write(
             write_model(model, tmp, processor, standalone=recipe.standalone)
         report.write(tmp)
         (tmp / "plan.json").write_text(json.dumps(found.plan, indent=1))
+        for depth in found.frontier[1:]:  # after the unpruned model: each depth's plan, to write it with --plan
+            (tmp / depth.plan_file).parent.mkdir(exist_ok=True)
+            (tmp / depth.plan_file).write_text(json.dumps(depth.plan, indent=1))
         if found.scores is not None:
             found.scores.save(tmp / "scores.json")
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .budgets import depth_heads, selection_budget
+from .budgets import depth_heads, given_plan, selection_budget
 from .config import PruneConfig, RecoveryConfig
 from .errors import ConfigError
 from .evaluation.confidence import perplexity_change
@@ -124,8 +124,9 @@ class Run:
     depths: list[tuple[float, int]] = field(default_factory=list)  # the frontier's shares and their heads
     second: list[dict] = field(default_factory=list)  # the frontier's second text, batches with labels
     frontier: list[Depth] = field(default_factory=list)
+    given: dict[str, list[int]] | None = None  # a plan given whole, in place of scores and search
 
-    def result(self, plan: dict[str, list[int]], scores: HeadScores) -> PruneResult:
+    def result(self, plan: dict[str, list[int]], scores: HeadScores | None) -> PruneResult:
         """What the run did, once the plan is removed."""
         steps = [{"step": "notes", "notes": self.notes}, *self.steps] if self.notes else self.steps
         timings = {k: round(v, 3) for k, v in self.timings.items()}
@@ -149,6 +150,7 @@ def prune_model(
     config: PruneConfig | None = None,
     progress: bool = True,
     eval_data: TaskData | Iterable[dict] | None = None,
+    plan: dict | None = None,
 ) -> PruneResult:
     """Prune `model` in place, the whole flow in one call, and say what was done.
 
@@ -161,20 +163,27 @@ def prune_model(
     from the unpruned model there, so the result is never worse on held-out data than the plain selection
     (docs/recovery.md). No copy of the model is made: candidates and tuning run on the model itself through
     gates, then folded in. With `selection.depths`, each depth is measured along the searched order
-    (`PruneResult.frontier`), also on `eval_data` (a second text with labels) where given.
+    (`PruneResult.frontier`), also on `eval_data` (a second text with labels) where given. With `plan`
+    (`{layer: [heads]}`, such as a frontier depth's), that plan goes with the same recovery: no scoring, no
+    search, no other candidate.
     """
     config = config or PruneConfig()
     start = time.perf_counter()
     batches = _batches(data, config)
-    budget = selection_budget(model, config, _seq_len(batches))
-    asked = requested_heads(model, budget)
+    given = None
+    if plan is None:
+        budget = selection_budget(model, config, _seq_len(batches))
     onload_offloaded(model)  # after the budget's check: weights offloaded to the CPU, cut there, run on the device
+    if plan is not None:  # checked on the weights
+        given, budget = given_plan(model, config, plan)
+    asked = requested_heads(model, budget)
     batches, generated = _with_written_text(model, batches, config)
     if config.scoring.steps > 1:
         s = config.scoring
         found = prune_iteratively(model, batches, budget, s.steps, s.method, seed=s.seed, progress=progress)
         return PruneResult(found.plan, found.scores, found.history, asked=asked, seconds=time.perf_counter() - start)
     run = _start(model, batches, generated, budget, asked, config, start, progress)
+    run.given = given
     run.depths, run.second = _frontier_asked(model, config, eval_data)
     scores, recorder, recorded = _score(run)
     gated = GatedModel(model, run.layers)
@@ -251,16 +260,20 @@ def _start(
     return run
 
 
-def _score(run: Run) -> tuple[HeadScores, Recorder | None, bool]:
-    """The heads' scores and, for recovery, the unpruned model's statistics and outputs on the calibration
-    batches (moved to the model's device, labels dropped): recorded while scoring, or in a no-grad pass of
-    their own where the Gram matrices are needed (a share of the weights, not beside the scoring's
-    activations). Also whether that pass ran."""
+def _score(run: Run) -> tuple[HeadScores | None, Recorder | None, bool]:
+    """The heads' scores (none for a given plan) and, for recovery, the unpruned model's statistics and outputs
+    on the calibration batches (moved to the model's device, labels dropped): recorded while scoring, or in a
+    no-grad pass of their own where the Gram matrices are needed (a share of the weights, not beside the
+    scoring's activations). Also whether that pass ran."""
     tick, s, r = time.perf_counter(), run.config.scoring, run.recovery
-    during = r.enabled and not r.reconstruction
+    during = r.enabled and not r.reconstruction and run.given is None
     with Recorder(run.model, run.layers, run.objective) if during else nullcontext() as recorder:
-        scores = score_heads(
-            run.model, run.calib, method=s.method, normalize=s.normalize, seed=s.seed, progress=run.progress
+        scores = (
+            score_heads(
+                run.model, run.calib, method=s.method, normalize=s.normalize, seed=s.seed, progress=run.progress
+            )
+            if run.given is None
+            else None
         )
     run.calib = [to_device(without_labels(b), input_device(run.model)) for b in run.calib]
     recorded = r.enabled and (recorder is None or recorder.calls != len(run.calib))  # no plain pass per batch
@@ -291,21 +304,20 @@ def _trial(run: Run, gated: GatedModel, recorder: Recorder | None) -> Trial:
     return Trial(gated, run.objective, recorder, reference, heldout, bias, run.progress)
 
 
-def _choose(run: Run, trial: Trial, scores: HeadScores, work: Work) -> Decision:
+def _choose(run: Run, trial: Trial, scores: HeadScores | None, work: Work) -> Decision:
     """The searched plan where the search runs (with a loss bound, the depth from its order), the other
-    candidate plans at that budget, then the candidate kept on the held-out batches (with a loss bound, the
-    searched prefix where the one kept raises the held-out perplexity beyond it)."""
+    candidate plans at that budget (a given plan alone, without scores), then the candidate kept on the
+    held-out batches (with a loss bound, the searched prefix where the one kept raises the held-out perplexity
+    beyond it)."""
     tick, r = time.perf_counter(), run.recovery
-    searched = _search(run, trial, scores, work)
+    searched = _search(run, trial, scores, work) if scores is not None else Searched(None, 0.0)
     if run.depths:
         run.frontier = _frontier(run, trial, searched, work)
     if run.config.selection.max_loss is not None:
         searched = _within_loss(run, trial, searched)
     elif run.depths:
         searched = _at_budget(run, searched)
-    plans, notes, costed = candidate_plans(
-        scores, trial.calibration, run.layers, run.budget, r.rearrange, r.reconstruction
-    )
+    plans, notes, costed = _candidate_plans(run, trial, scores)
     run.notes += notes
     if searched.plan is not None:
         plans["search"] = searched.plan
@@ -321,6 +333,14 @@ def _choose(run: Run, trial: Trial, scores: HeadScores, work: Work) -> Decision:
     run.summary = {**run.summary, **heldout_summary(decision, trial.batches)}
     run.timings["selection"] = time.perf_counter() - tick
     return decision
+
+
+def _candidate_plans(run: Run, trial: Trial, scores: HeadScores | None) -> tuple[dict, list[str], float]:
+    """The candidate plans at the budget, a note for each not made and their counted work (a given plan alone)."""
+    r = run.recovery
+    if scores is None:
+        return {"given": run.given or {}}, [], 0.0
+    return candidate_plans(scores, trial.calibration, run.layers, run.budget, r.rearrange, r.reconstruction)
 
 
 def _search(run: Run, trial: Trial, scores: HeadScores, work: Work) -> Searched:

@@ -556,7 +556,8 @@ def test_a_decoder_pruned_without_data_calibrates_on_text_it_writes(tmp_path):
 def test_a_frontier_reports_every_depth_and_writes_the_budgets(tmp_path):
     """`--depths` on a tiny Llama: one table row per depth (units, heads, perplexity changes with intervals on
     the held-out part and on --eval-data, KV cache, parameters), the same in the report; the model written is
-    the budget's depth, the searched order's prefix. Bad depths are refused before data, in one line."""
+    the budget's depth, the searched order's prefix; each depth's plan is written, and --plan with the same data
+    writes that depth recovered. Bad depths are refused before data, in one line."""
     folder = _tiny_llama_folder(tmp_path)
     (tmp_path / "data.txt").write_text("\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))))
     (tmp_path / "other.txt").write_text("\n".join(" ".join(WORDS[::-1][i:]) for i in range(6)))
@@ -577,7 +578,8 @@ def test_a_frontier_reports_every_depth_and_writes_the_budgets(tmp_path):
     pruned = ph.load_pruned(tmp_path / "out")
     assert sum(p.numel() for p in pruned.parameters()) >= frontier["depths"][1]["parameters"]  # plus output biases
     assert report["summary"]["heads"]["removed"] == 2
-    table = result.output.split("\n\n", 1)[1].splitlines()
+    table = result.output.split("\n\n")[1].splitlines()
+    assert f"each depth's plan is in {tmp_path / 'out'}/frontier/: --plan FILE" in result.output
     assert table[0].startswith("| depth | units removed | heads removed | held-out perplexity | perplexity on")
     assert table[2].startswith("| none | 0 | 0 | +0.0% (+0.0 to +0.0) | +0.0% (+0.0 to +0.0) | 1.50 MiB | 36,064 |")
     assert table[3].startswith("| 1/6 | 1 | 2 | ") and table[4].startswith("| 1/3 | 2 | 4 | ")
@@ -595,3 +597,15 @@ def test_a_frontier_reports_every_depth_and_writes_the_budgets(tmp_path):
         assert not (tmp_path / "bad").exists()
     result = _invoke([*args, "--eval-data", str(tmp_path / "other.txt"), "-o", str(tmp_path / "bad")])
     assert result.exit_code == 2 and "Error: --eval-data is the frontier's second text: give --depths" in result.output
+    depth = json.loads((tmp_path / "out" / "frontier" / "plan-1-3.json").read_text())
+    assert sum(map(len, depth.values())) == 4 and (tmp_path / "out" / "frontier" / "plan-1-6.json").exists()
+    plan_args = [a for a in args if a not in ("--sparsity", "0.1667")]
+    result = _invoke(
+        [*plan_args, "--plan", str(tmp_path / "out" / "frontier" / "plan-1-3.json"), "-o", str(tmp_path / "d")]
+    )
+    assert result.exit_code == 0, result.output
+    assert "removed 4 heads (held-out divergence from the unpruned model" in result.output
+    assert "plain selection" not in result.output
+    report = json.loads((tmp_path / "d" / "report.json").read_text())
+    kept = {s["step"]: s for s in report["recovery"]}["selection"]["kept"]
+    assert kept == "given + reconstruction" and report["plan"] == depth

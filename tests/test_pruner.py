@@ -78,6 +78,25 @@ def test_a_loss_bound_removes_exactly_the_groups_that_cost_nothing_and_no_more()
     assert nothing.plan == {} and nothing.heldout["max_loss"]["heads"] == 0
 
 
+def test_a_given_plan_gets_the_recovery_the_default_path_gives_it():
+    """A plan given whole (a frontier depth's, say) is removed with the default recovery and no scoring, search
+    or other candidate: where the default path kept its own plan with its reconstruction, the given plan
+    reproduces that model exactly, for less work. A loss bound or depths beside a plan are refused."""
+    data, config = _labelled("llama"), ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4))
+    default_model, given_model = tm.build("llama"), tm.build("llama")
+    default = ph.prune_model(default_model, data, config, progress=False)
+    assert next(s for s in default.recovery if s["step"] == "selection")["kept"].endswith(" + reconstruction")
+    given = ph.prune_model(given_model, data, progress=False, plan=default.plan)
+    assert given.plan == default.plan and given.scores is None and "search" not in given.work
+    assert next(s for s in given.recovery if s["step"] == "selection")["kept"] == "given + reconstruction"
+    a, b = default_model.state_dict(), given_model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert sum(given.work.values()) < sum(default.work.values())
+    for selection in (ph.SelectionConfig(max_loss=3.0), ph.SelectionConfig(depths="1/3")):
+        with pytest.raises(ph.ConfigError, match="a plan was given: leave out one of them"):
+            ph.prune_model(tm.build("llama"), data, ph.PruneConfig(selection=selection), plan=default.plan)
+
+
 def _silent_llama() -> tuple[torch.nn.Module, dict[str, list[int]]]:
     """A tiny Llama whose second KV group writes nothing in layers 0 and 2 (its output columns zeroed), and
     those groups' query heads (2 and 3, head size 8)."""

@@ -226,7 +226,8 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
     "plan_file",
     type=click.Path(exists=True, dir_okay=False),
     default=None,
-    help="JSON {layer: [heads]} to apply instead of scoring (no --data needed).",
+    help="JSON {layer: [heads]} (such as a frontier depth's, frontier/plan-1-3.json) removed instead of "
+    "scoring and the search: with --data, recovered as the default path recovers; without, as it is.",
 )
 @config_option(ScoringConfig, "method", type=click.Choice(sorted(METHODS)))
 @config_option(ScoringConfig, "steps", type=int)
@@ -326,7 +327,7 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
             f"{kv_cache_line(report)}"
             f"{calibration_line(report)}; saved the pruned model to {output}"
             + asked_line(selection, report)
-            + frontier_lines(report)
+            + frontier_lines(report, output)
         ),
     )
 

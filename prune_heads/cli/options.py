@@ -225,7 +225,8 @@ def heldout_line(report) -> str:
     final, plain = heldout["final"], heldout["plain"]
     change = heldout.get("perplexity_change")
     perplexity = "" if change is None else f"; held-out perplexity {100 * change:+.1f}%"
-    return f" (held-out divergence from the unpruned model {final:.4g}; the plain selection's {plain:.4g}{perplexity})"
+    beside = "" if plain is None else f"; the plain selection's {plain:.4g}"  # none for a plan given whole
+    return f" (held-out divergence from the unpruned model {final:.4g}{beside}{perplexity})"
 
 
 def asked_line(selection: dict, report) -> str:
@@ -254,10 +255,21 @@ def max_loss_line(report) -> str:
     )
 
 
-def frontier_lines(report) -> str:
-    """The frontier's table under the prune line, where --depths asked for one."""
+def frontier_lines(report, output: str) -> str:
+    """The frontier's table under the prune line, where --depths asked for one, and where each depth's plan is
+    (in an output folder)."""
     frontier = report.meta.get("frontier")
-    return "" if frontier is None else "\n\n" + "\n".join(frontier_table(frontier))
+    if frontier is None:
+        return ""
+    plans = (
+        ""
+        if output.endswith(".gguf")
+        else (
+            f"\n\neach depth's plan is in {output}/frontier/: --plan FILE with the same --data writes that depth, "
+            "recovered as this one was, without scoring or the search"
+        )
+    )
+    return "\n\n" + "\n".join(frontier_table(frontier)) + plans
 
 
 def kv_cache_line(report) -> str:

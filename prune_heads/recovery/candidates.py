@@ -96,7 +96,7 @@ def candidates(
 
 def fallback(plans: dict[str, Plan], reconstruction: bool, bias_compensation: bool) -> str:
     """The label kept where there is no held-out data to choose on: every enabled step, as configured."""
-    name = "OBS" if "OBS" in plans else "interactions" if "interactions" in plans else "ranked"
+    name = "OBS" if "OBS" in plans else "interactions" if "interactions" in plans else next(iter(plans))
     step = " + reconstruction" if reconstruction else " + bias compensation" if bias_compensation else ""
     return name + step
 
@@ -251,7 +251,7 @@ def heldout_summary(decision: Decision, batches: list[dict]) -> dict[str, Any]:
     return {
         "batches": len(batches),
         "examples": sum(batch_size(b) for b in batches),
-        "plain": decision.tried["ranked"],
+        "plain": decision.tried.get("ranked"),  # none for a plan given whole
         "selected": decision.value,
         "final": decision.value,
     }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 from .search import Unit
 
@@ -28,6 +29,12 @@ class Depth:
     kv_cache: dict[str, int]
     parameters: int
     plan: dict[str, list[int]]
+
+    @property
+    def plan_file(self) -> str:
+        """Where its plan is written beside the pruned model (frontier/plan-1-3.json), for `--plan`."""
+        share = Fraction(self.share).limit_denominator(1000)
+        return f"frontier/plan-{share.numerator}-{share.denominator}.json"
 
 
 def prefix_length(order: list[Unit], heads: int) -> int | None:
