@@ -3,8 +3,9 @@ default path, whole attention blocks (`granularity="layer"`), query heads only (
 group, KV cache kept), the default path capped at one pass of tuning work (`tuning_budget: 1.0`: what the
 held-out stop's extra work buys), the default path with text the model writes itself beside the calibration
 (`generated_share` 3/8, on two draws: scoring seeds 0 and 1), the default with a frontier of 1/6, 1/3 and 1/2
-measured in the same run (`--depths`, tweet-snippets validation[:250] as its second text) and FLAP, each
-against the unpruned model on the same windows and documents:
+measured in the same run (`--depths`, tweet-snippets validation[:250] as its second text), that frontier's
+plan at a shallower depth written again with the default recovery (`--plan` with the depth's file and the same
+data: no scoring, no search) and FLAP, each against the unpruned model on the same windows and documents:
 
 - perplexity on movie-snippets test[:1000] (the calibration's domain) and tweet-snippets test[:1000] (another),
   change with its 95% paired interval over windows;
@@ -56,6 +57,7 @@ OUT = Path(__file__).resolve().parent / ".frontier"
 DEPTHS = {"1/6": 1 / 6, "1/3": 1 / 3, "1/2": 1 / 2}
 TASKS = {"sentence_endings": "acc_norm", "review_sentiment": "acc"}
 SECOND: dict[str, ph.TaskData] = {}  # the frontier cell's second text, windows of the model's tokenizer
+FRONTIER: dict[str, Path] = {}  # the model's frontier cell at 1/2, whose depths' plans are written again
 DOCUMENTS = 400  # of each task (the first, in lm-eval's order; the same for every cell): about 8 minutes a model
 
 
@@ -75,16 +77,24 @@ MODELS = {"smollm2": smollm2, "gemma3": gemma3}
 
 
 def default(
-    model, data, num_heads: int | None, recovery: dict | None = None, seed: int = 0, second=None, **selection
+    model,
+    data,
+    num_heads: int | None,
+    recovery: dict | None = None,
+    seed: int = 0,
+    second=None,
+    plan: dict | None = None,
+    **selection,
 ) -> dict:
     config = ph.PruneConfig(
         selection=ph.SelectionConfig(num_heads=num_heads, **selection),
         scoring=ph.ScoringConfig(seed=seed),
         recovery=ph.RecoveryConfig(**(recovery or {})),
     )
-    result = ph.prune_model(model, data, config, progress=False, eval_data=second)
+    result = ph.prune_model(model, data, config, progress=False, eval_data=second, plan=plan)
     work = result.work
-    spent = sum(work.get(k, 0.0) for k in (*BEFORE_TUNING, "tuning")) + work["calibration_pass"]
+    scoring = work["calibration_pass"] if plan is None else 0.0  # a given plan is not scored
+    spent = sum(work.get(k, 0.0) for k in (*BEFORE_TUNING, "tuning")) + scoring
     tried = next((e["tried"] for e in result.recovery if e.get("step") == "selection"), {})
     kept = [e.get("kept") for e in result.recovery if e.get("step") != "notes"]
     found = {"fisher_passes": spent / work["calibration_pass"], "kept": kept, "heldout_kl": tried, "work": work}
@@ -119,10 +129,23 @@ METHODS = {  # (model, data, heads to remove, the selection a KV group needs) ->
     "default, frontier": lambda model, data, n, groups: default(
         model, data, n, depths="1/6,1/3,1/2", second=SECOND["tweets"], **groups
     ),
+    # the frontier cell's plan at this depth written again with the default recovery (`--plan` with the depth's
+    # file and the same data): no scoring pass, no search
+    "the frontier's plan, recovered": lambda model, data, n, groups: default(
+        model, data, n, plan=frontier_plan(n), **groups
+    ),
     "FLAP": lambda model, data, n, groups: {
         "plan": {k: len(v) for k, v in flap(model, data.batches, num_heads=n).items()}
     },
 }
+
+
+def frontier_plan(heads: int) -> dict:
+    """The plan of the frontier cell's depth that removes `heads` heads."""
+    if not FRONTIER["cell"].exists():
+        raise SystemExit(f"run the frontier cell first: --only 'default, frontier' --depth 1/2 ({FRONTIER['cell']})")
+    depths = json.loads(FRONTIER["cell"].read_text())["frontier"]
+    return next(d["plan"] for d in depths if d["heads"] == heads)
 
 
 def measured(model, tokenizer, test, other) -> dict:
@@ -176,6 +199,7 @@ def run(args) -> None:
     calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
     test, other = (windows(tokenizer, source, "test[:1000]") for source in ("movie-snippets", "tweet-snippets"))
     SECOND["tweets"] = windows(tokenizer, "tweet-snippets", "validation[:250]")
+    FRONTIER["cell"] = cell_file(out, args.model, "default, frontier", "1/2")
     cached = out / f"{args.model}_unpruned.dill"  # per-example statistics (closures: dill, not pickle)
     if cached.exists():
         unpruned = dill.loads(cached.read_bytes())
