@@ -225,8 +225,7 @@ def heldout_line(report) -> str:
     final, plain = heldout["final"], heldout["plain"]
     change = heldout.get("perplexity_change")
     perplexity = "" if change is None else f"; held-out perplexity {100 * change:+.1f}%"
-    beside = "" if plain is None else f"; the plain selection's {plain:.4g}"  # none for a plan given whole
-    return f" (held-out divergence from the unpruned model {final:.4g}{beside}{perplexity})"
+    return f" (held-out divergence from the unpruned model {final:.4g}; the plain selection's {plain:.4g}{perplexity})"
 
 
 def asked_line(selection: dict, report) -> str:

@@ -80,12 +80,12 @@ class Candidate:
 def candidates(
     plans: dict[str, Plan], reconstruction: bool, bias_compensation: bool, recorded: bool
 ) -> list[Candidate]:
-    """The candidates in order of preference: the plain ranking as it is, then each plan with its
-    reconstruction (or bias compensation, or as it is where neither is on); the steps need the unpruned
-    model's statistics (`recorded`)."""
+    """The candidates in order of preference: the first plan (the plain ranking, or a plan given whole) as it
+    is, then each plan with its reconstruction (or bias compensation, or as it is where neither is on); the
+    steps need the unpruned model's statistics (`recorded`)."""
     found = []
-    for name, plan in plans.items():
-        if name == "ranked" or not reconstruction:
+    for i, (name, plan) in enumerate(plans.items()):
+        if i == 0 or not reconstruction:
             found.append(Candidate(name, plan))
         if recorded and reconstruction:
             found.append(Candidate(name, plan, "reconstruction"))
@@ -251,7 +251,7 @@ def heldout_summary(decision: Decision, batches: list[dict]) -> dict[str, Any]:
     return {
         "batches": len(batches),
         "examples": sum(batch_size(b) for b in batches),
-        "plain": decision.tried.get("ranked"),  # none for a plan given whole
+        "plain": next(iter(decision.tried.values())),  # the first plan as it is
         "selected": decision.value,
         "final": decision.value,
     }
