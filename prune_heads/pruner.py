@@ -10,6 +10,7 @@ removed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Iterable
@@ -25,7 +26,7 @@ from .config import PruneConfig, RecoveryConfig
 from .errors import ConfigError
 from .evaluation.confidence import perplexity_change
 from .export.persistence import output_biases_load
-from .model.layers import parameters_after, require_attention
+from .model.layers import parameters_after, require_attention, unmeasured_long_range
 from .model.onload import onload_offloaded
 from .model.probe import probe_layers
 from .recovery.candidates import (
@@ -68,6 +69,7 @@ FRONTIER_RULE = (
     "paired bootstrap interval over them"
 )
 FRONTIER_CACHE_TYPES = ("f16", "q8_0")  # llama.cpp's default KV cache and its 8-bit one
+logger = logging.getLogger("prune_heads")
 SEARCHED = "search + reconstruction"  # the candidate whose state a loss bound measures along the searched order
 
 
@@ -326,13 +328,20 @@ def _choose(run: Run, trial: Trial, scores: HeadScores | None, work: Work) -> De
     if decision.label != SEARCHED and not _within_bound(run, trial):  # the searched prefix was measured within
         decision = _searched_prefix(run, trial, decision, tried)
     trial.release()
-    run.notes += trial.notes
+    run.notes += trial.notes + _warned(unmeasured_long_range(run.layers, decision.plan, _seq_len(run.calib)))
     run.work["reconstruction"] = trial.refit_work
     run.work["selection"] = (len(decision.tried) + 1) * run.work["heldout_pass"] + trial.refit_work + costed
     run.steps.append(decision.entry(round(time.perf_counter() - tick, 3)))
     run.summary = {**run.summary, **heldout_summary(decision, trial.batches)}
     run.timings["selection"] = time.perf_counter() - tick
     return decision
+
+
+def _warned(note: str | None) -> list[str]:
+    """`note` (if any) as the report's notes take it, said on the terminal too."""
+    if note is not None:
+        logger.warning(note)
+    return [] if note is None else [note]
 
 
 def _candidate_plans(run: Run, trial: Trial, scores: HeadScores | None) -> tuple[dict, list[str], float]:

@@ -242,3 +242,23 @@ def test_saving_a_model_with_tied_blocks_keeps_them_tied(tmp_path):
     assert num_layers and sum(p.numel() for p in loaded.parameters()) == sum(p.numel() for p in model.parameters())
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-5)
+
+
+def test_cutting_a_full_attention_layer_calibrated_inside_the_sliding_window_is_noted():
+    """A Gemma 3 with a full-attention layer among sliding ones (window 4): a plan that cuts the full layer,
+    calibrated on sequences no longer than the window, gets a note naming it; longer sequences, a plan of
+    sliding layers only, or a model without windows get none."""
+    from transformers import Gemma3ForCausalLM
+
+    from prune_heads.model.layers import unmeasured_long_range
+
+    config = tm.build("gemma3").config
+    config.layer_types = ["sliding_attention", "sliding_attention", "full_attention"]
+    layers = ph.find_attention(Gemma3ForCausalLM(config))
+    full, sliding = layers[2].name, layers[0].name
+    note = unmeasured_long_range(layers, {full: [0, 1], sliding: [0, 1]}, 4)
+    assert note is not None and f"1 full-attention layers lose heads ({full})" in note and "(4 tokens)" in note
+    assert unmeasured_long_range(layers, {full: [0, 1]}, 5) is None
+    assert unmeasured_long_range(layers, {sliding: [0, 1]}, 4) is None
+    llama = ph.find_attention(tm.build("llama"))
+    assert unmeasured_long_range(llama, {llama[0].name: [0, 1]}, 4) is None

@@ -282,6 +282,21 @@ def parameters_after(model: nn.Module, plan: dict[str, list[int]]) -> int:
     return sum(p.numel() for p in model.parameters()) - gone
 
 
+def unmeasured_long_range(layers: list[AttentionLayer], plan: dict[str, list[int]], tokens: int) -> str | None:
+    """A note where the plan cuts full-attention layers of a model with sliding-window layers while the
+    calibration sequences (`tokens` long) fit in the window: there a full-attention layer attends as a sliding
+    one does, so what it does beyond the window was never measured (None otherwise)."""
+    windows = [w for w in (getattr(l.module, "sliding_window", None) for l in layers) if w]
+    full = [l.name for l in layers if plan.get(l.name) and not getattr(l.module, "sliding_window", None)]
+    if not windows or not full or tokens > min(windows):
+        return None
+    return (
+        f"{len(full)} full-attention layers lose heads ({', '.join(full)}) though the calibration's {tokens}-token "
+        f"sequences fit in the sliding window ({min(windows)} tokens): what those layers do beyond it was not "
+        "measured; calibrate on longer sequences (--max-length) to measure it, or keep them (selection.ignore)"
+    )
+
+
 def describe(module: nn.Module, spec: AttentionSpec, name: str, index: int) -> AttentionLayer:
     """Read head counts from the weights of one attention module (no config is trusted)."""
     head_dim = head_dim_of(module, spec)
