@@ -145,6 +145,8 @@ def frontier_plan(heads: int) -> dict:
     if not FRONTIER["cell"].exists():
         raise SystemExit(f"run the frontier cell first: --only 'default, frontier' --depth 1/2 ({FRONTIER['cell']})")
     depths = json.loads(FRONTIER["cell"].read_text())["frontier"]
+    if "plan" not in depths[-1]:
+        raise SystemExit(f"{FRONTIER['cell']} was saved before the depths' plans were kept: run that cell again")
     return next(d["plan"] for d in depths if d["heads"] == heads)
 
 
