@@ -260,15 +260,13 @@ def frontier_lines(report, output: str) -> str:
     frontier = report.meta.get("frontier")
     if frontier is None:
         return ""
-    plans = (
-        ""
-        if output.endswith(".gguf")
-        else (
-            f"\n\neach depth's plan is in {output}/frontier/: --plan FILE with the same --data writes that depth, "
-            "recovered as this one was, without scoring or the search"
-        )
+    table = "\n\n" + "\n".join(frontier_table(frontier))
+    if output.endswith(".gguf"):  # one file out: no folder holds the plans
+        return table
+    return (
+        f"{table}\n\neach depth's plan is in {output}/frontier/: --plan FILE with the same --data writes that "
+        "depth, recovered as this one was, without scoring or the search"
     )
-    return "\n\n" + "\n".join(frontier_table(frontier)) + plans
 
 
 def kv_cache_line(report) -> str:

@@ -282,12 +282,17 @@ def parameters_after(model: nn.Module, plan: dict[str, list[int]]) -> int:
     return sum(p.numel() for p in model.parameters()) - gone
 
 
+def sliding_window(layer: AttentionLayer) -> int | None:
+    """The tokens `layer` attends back over where it is a sliding-window layer (None where it sees them all)."""
+    return getattr(layer.module, "sliding_window", None) or None
+
+
 def unmeasured_long_range(layers: list[AttentionLayer], plan: dict[str, list[int]], tokens: int) -> str | None:
     """A note where the plan cuts full-attention layers of a model with sliding-window layers while the
     calibration sequences (`tokens` long) fit in the window: there a full-attention layer attends as a sliding
     one does, so what it does beyond the window was never measured (None otherwise)."""
-    windows = [w for w in (getattr(l.module, "sliding_window", None) for l in layers) if w]
-    full = [l.name for l in layers if plan.get(l.name) and not getattr(l.module, "sliding_window", None)]
+    windows = [w for w in map(sliding_window, layers) if w]
+    full = [l.name for l in layers if plan.get(l.name) and not sliding_window(l)]
     if not windows or not full or tokens > min(windows):
         return None
     return (

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from ..model.layers import AttentionLayer, kv_groups_left, require_attention
+from ..model.layers import AttentionLayer, kv_groups_left, require_attention, sliding_window
 from ..model.surgery import PlanError
 from .selection import HeadBudget, check_budget
 
@@ -81,7 +81,7 @@ def group_bytes(layer: AttentionLayer, context: int, cache_type: str) -> int:
             f"{layer.name}'s head size {layer.head_dim} does not split into {cache_type}'s blocks of {block}; "
             "give another cache type (f16, bf16, f32)"
         )
-    window = getattr(layer.module, "sliding_window", None)
+    window = sliding_window(layer)
     tokens = min(context, window) if window else context
     return 2 * tokens * layer.head_dim // block * size
 
