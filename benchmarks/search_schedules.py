@@ -31,7 +31,7 @@ from common import markdown_table
 from llm import windows
 
 import prune_heads as ph
-import prune_heads.pruner as pruner
+import prune_heads.pruner.flow as pruner
 from prune_heads.recovery import search
 from prune_heads.recovery.candidates import Candidate
 from prune_heads.task_data import batch_size

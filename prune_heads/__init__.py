@@ -2,7 +2,7 @@
 
 The public API, gathered from the wings: `model` (what heads are and how they are cut), `scoring` (how much each
 head matters and which go), `recovery` (what is rebuilt after removal), `evaluation` (what changed) and `export`
-(where the model goes); `prune_model` (pruner.py) runs the whole flow, `PruneConfig` (config.py) describes it.
+(where the model goes); `prune_model` (pruner/) runs the whole flow, `PruneConfig` (config.py) describes it.
 """
 
 from .config import PruneConfig, RecoveryConfig, ScoringConfig, SelectionConfig

@@ -516,7 +516,7 @@ def test_export_a_saved_folder_copies_from_the_recorded_source(tmp_path, smollm2
 def test_gguf_bad_input_is_one_line_before_any_scoring(
     tmp_path, bpe_tokenizer, fixture_model_path, fixture_data_path, monkeypatch
 ):
-    import prune_heads.pruner as pruner
+    import prune_heads.pruner.flow as pruner
 
     monkeypatch.setattr(pruner, "score_heads", lambda *a, **k: pytest.fail("scored before refusing"))
     qwen = tiny_llama(len(bpe_tokenizer), 2, model_type="qwen2")
@@ -753,7 +753,7 @@ def test_qwen3_uneven_plans_and_output_biases_are_refused_naming_the_flags(tmp_p
     add_output_bias(model, {l.name: torch.ones(64) for l in ph.find_attention(model)})
     with pytest.raises(ph.GgufError, match="no attention output bias"):
         ph.save_gguf(model, tmp_path / "biased.gguf", tokenizer=bpe_tokenizer)
-    import prune_heads.pruner as pruner
+    import prune_heads.pruner.flow as pruner
 
     monkeypatch.setattr(pruner, "score_heads", lambda *a, **k: pytest.fail("scored before refusing"))
     tiny_qwen3(len(bpe_tokenizer), 16).save_pretrained(tmp_path / "qwen3")

@@ -175,7 +175,7 @@ def test_prune_model_result_is_the_gated_state_it_measured():
 @pytest.mark.slow
 def test_each_candidate_is_measured_as_if_it_were_tried_alone(monkeypatch):
     """A candidate's reconstruction is fitted to the unpruned weights, not to the one tried before it."""
-    from prune_heads import pruner
+    from prune_heads.pruner import flow as pruner
 
     config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(epochs=0))
     seen = {}
@@ -238,7 +238,7 @@ def test_tuning_runs_without_what_only_the_choice_needed(monkeypatch):
     originals back)."""
     import gc
 
-    from prune_heads import pruner
+    from prune_heads.pruner import flow as pruner
     from prune_heads.recovery.reconstruction import Refit
     from prune_heads.scoring.recording import Moments
 
@@ -269,7 +269,7 @@ def test_budget_is_refused_before_any_scoring(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("scored before checking the budget")
 
-    monkeypatch.setattr("prune_heads.pruner.score_heads", boom)
+    monkeypatch.setattr("prune_heads.pruner.flow.score_heads", boom)
     llama = tm.build("llama")  # 3 layers x 4 heads in KV groups of 2
     with pytest.raises(ph.PlanError, match=r"exactly 1 heads.* 0 heads .* or 2 heads"):
         ph.prune_model(llama, tm.batches("llama"), ph.PruneConfig(selection=ph.SelectionConfig(num_heads=1)))
@@ -550,8 +550,8 @@ def test_no_recovery_records_nothing_and_equals_plain_prune(monkeypatch, method)
     def boom(*args, **kwargs):
         raise AssertionError("recorded without recovery")
 
-    monkeypatch.setattr("prune_heads.pruner.Recorder.__init__", boom)
-    monkeypatch.setattr("prune_heads.pruner.record", boom)
+    monkeypatch.setattr("prune_heads.pruner.flow.Recorder.__init__", boom)
+    monkeypatch.setattr("prune_heads.pruner.flow.record", boom)
     model, plain = tm.build("bert"), tm.build("bert")
     config = ph.PruneConfig(
         selection=ph.SelectionConfig(num_heads=5),

@@ -10,26 +10,23 @@ removed.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import time
 from collections.abc import Iterable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from .budgets import depth_heads, given_plan, selection_budget
-from .config import PruneConfig, RecoveryConfig
-from .errors import ConfigError
-from .evaluation.confidence import perplexity_change
-from .export.persistence import output_biases_load
-from .model.layers import parameters_after, require_attention, unmeasured_long_range
-from .model.onload import onload_offloaded
-from .model.probe import probe_layers
-from .recovery.candidates import (
+from ..budgets import given_plan, selection_budget
+from ..config import PruneConfig, RecoveryConfig
+from ..errors import ConfigError
+from ..export.persistence import output_biases_load
+from ..model.layers import require_attention, unmeasured_long_range
+from ..model.onload import onload_offloaded
+from ..model.probe import probe_layers
+from ..recovery.candidates import (
     Decision,
     Trial,
     candidate_plans,
@@ -39,111 +36,23 @@ from .recovery.candidates import (
     heldout_summary,
     unpruned_heldout,
 )
-from .recovery.depth import Depth, deepest_within, prefix_length, prefix_plan
-from .recovery.gated import GatedModel
-from .recovery.generated import token_batches, with_generated, writes_text
-from .recovery.holdout import SequenceNLL, one_standard_error, sequence_nll, split_holdout
-from .recovery.reconstruction import refit_flops
-from .recovery.search import ROUNDS, Searched, SearchSchedule, Unit, searched_plan
-from .recovery.tuning import Schedule, tune
-from .runtime.devices import input_device, to_device
-from .runtime.progress import progress_bar
-from .runtime.work import Budget, Work
-from .scoring.head_scores import HeadScores
-from .scoring.iterative import prune_iteratively
-from .scoring.kv_cache import fits_cache, kv_cache_size
-from .scoring.methods import score_heads
-from .scoring.objective import Objective, frozen
-from .scoring.recording import Recorder, record
-from .scoring.selection import HeadBudget, check_budget, requested_heads
-from .task_data import DataError, TaskData, with_targets, without_labels
-
-BEFORE_TUNING = ("generation", "recording", "search", "depth", "selection")  # recovery's work before tuning
-MAX_LOSS_RULE = (
-    "the longest prefix of the searched order whose held-out perplexity rise (point estimate), each pruned layer "
-    "refitted, is at most the bound; another candidate plan or tuning is kept only where the rise stays within it"
-)
-FRONTIER_RULE = (
-    "each depth is the prefix of one searched order (to the deepest asked) with each pruned layer refitted, "
-    "before tuning; the change is the perplexity's against the unpruned model's on the same sequences, with a 95% "
-    "paired bootstrap interval over them"
-)
-FRONTIER_CACHE_TYPES = ("f16", "q8_0")  # llama.cpp's default KV cache and its 8-bit one
-logger = logging.getLogger("prune_heads")
-SEARCHED = "search + reconstruction"  # the candidate whose state a loss bound measures along the searched order
-
-
-@dataclass
-class PruneResult:
-    """What `prune_model` did: the plan (original head indices per layer), the scores it was chosen from,
-    the per-step history of iterative pruning, each recovery decision (`recovery`: what was tried, its
-    held-out divergence from the unpruned model, what was kept, seconds), the held-out summary, the heads the
-    budget asked for (`asked`; `heads_removed` differs only with `selection.round`), the work of each stage
-    in counted FLOPs with the tuning's budget (`work`: what limits the flow, never a clock), the seconds
-    per stage (informative only) and each depth `selection.depths` asked for measured (`frontier`)."""
-
-    plan: dict[str, list[int]]
-    scores: HeadScores | None = None
-    history: list[dict] = field(default_factory=list)
-    recovery: list[dict] = field(default_factory=list)
-    heldout: dict[str, Any] = field(default_factory=dict)
-    asked: int | None = None
-    seconds: float = 0.0
-    timings: dict[str, float] = field(default_factory=dict)
-    work: dict[str, float] = field(default_factory=dict)
-    frontier: list[Depth] = field(default_factory=list)
-
-    @property
-    def heads_removed(self) -> int:
-        """Heads the plan removed."""
-        return sum(len(h) for h in self.plan.values())
-
-
-@dataclass
-class Run:
-    """One `prune_model` call: what its steps read (the model, its layers and objective, the budget, the
-    recovery as it runs, the batches) and what they report (notes, recovery steps, the held-out summary,
-    counted work, seconds per stage)."""
-
-    model: nn.Module
-    config: PruneConfig
-    recovery: RecoveryConfig
-    budget: HeadBudget
-    asked: int
-    calib: list[dict]
-    heldout: list[dict]
-    generated: list[dict]
-    layers: list
-    objective: Objective
-    start: float
-    progress: bool
-    notes: list[str] = field(default_factory=list)
-    steps: list[dict] = field(default_factory=list)
-    summary: dict[str, Any] = field(default_factory=dict)
-    work: dict[str, float] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    unpruned: SequenceNLL | None = None  # a language model's on the held-out batches
-    depths: list[tuple[float, int]] = field(default_factory=list)  # the frontier's shares and their heads
-    second: list[dict] = field(default_factory=list)  # the frontier's second text, batches with labels
-    frontier: list[Depth] = field(default_factory=list)
-    given: dict[str, list[int]] | None = None  # a plan given whole, in place of scores and search
-
-    def result(self, plan: dict[str, list[int]], scores: HeadScores | None) -> PruneResult:
-        """What the run did, once the plan is removed."""
-        steps = [{"step": "notes", "notes": self.notes}, *self.steps] if self.notes else self.steps
-        timings = {k: round(v, 3) for k, v in self.timings.items()}
-        seconds = time.perf_counter() - self.start
-        return PruneResult(
-            plan,
-            scores,
-            recovery=steps,
-            heldout=self.summary,
-            asked=self.asked,
-            seconds=seconds,
-            timings=timings,
-            work=self.work,
-            frontier=self.frontier,
-        )
+from ..recovery.gated import GatedModel
+from ..recovery.generated import token_batches, with_generated, writes_text
+from ..recovery.holdout import one_standard_error, split_holdout
+from ..recovery.search import ROUNDS, Searched, SearchSchedule, searched_plan
+from ..recovery.tuning import Schedule, tune
+from ..runtime.devices import input_device, to_device
+from ..runtime.progress import progress_bar
+from ..runtime.work import Budget, Work
+from ..scoring.head_scores import HeadScores
+from ..scoring.iterative import prune_iteratively
+from ..scoring.methods import score_heads
+from ..scoring.objective import Objective, frozen
+from ..scoring.recording import Recorder, record
+from ..scoring.selection import HeadBudget, check_budget, requested_heads
+from ..task_data import DataError, TaskData, with_targets, without_labels
+from .depths import SEARCHED, at_budget, frontier, frontier_asked, searched_prefix, within_bound, within_loss
+from .run import BEFORE_TUNING, PruneResult, Run, heldout_nll, logger, rise
 
 
 def prune_model(
@@ -186,13 +95,13 @@ def prune_model(
         return PruneResult(found.plan, found.scores, found.history, asked=asked, seconds=time.perf_counter() - start)
     run = _start(model, batches, generated, budget, asked, config, start, progress)
     run.given = given
-    run.depths, run.second = _frontier_asked(model, config, eval_data)
+    run.depths, run.second = frontier_asked(model, config, eval_data)
     scores, recorder, recorded = _score(run)
     gated = GatedModel(model, run.layers)
     with frozen(model), gated:
         pricing = _price(run, gated, recorded)
         trial = _trial(run, gated, recorder)
-        run.unpruned = _heldout_nll(run, gated)
+        run.unpruned = heldout_nll(run, gated)
         decision = _choose(run, trial, scores, pricing)
     gated.prove(decision.plan, run.calib[0])  # before tuning, the flow's peak, so the originals can go
     if recorder is not None:
@@ -314,19 +223,19 @@ def _choose(run: Run, trial: Trial, scores: HeadScores | None, work: Work) -> De
     tick, r = time.perf_counter(), run.recovery
     searched = _search(run, trial, scores, work) if scores is not None else Searched(None, 0.0)
     if run.depths:
-        run.frontier = _frontier(run, trial, searched, work)
+        run.frontier = frontier(run, trial, searched, work)
     if run.config.selection.max_loss is not None:
-        searched = _within_loss(run, trial, searched)
+        searched = within_loss(run, trial, searched)
     elif run.depths:
-        searched = _at_budget(run, searched)
+        searched = at_budget(run, searched)
     plans, notes, costed = _candidate_plans(run, trial, scores)
     run.notes += notes
     if searched.plan is not None:
         plans["search"] = searched.plan
     tried = candidates(plans, r.reconstruction, r.bias_compensation, trial.calibration is not None)
     decision = choose(trial, tried, fallback(plans, r.reconstruction, r.bias_compensation))
-    if decision.label != SEARCHED and not _within_bound(run, trial):  # the searched prefix was measured within
-        decision = _searched_prefix(run, trial, decision, tried)
+    if decision.label != SEARCHED and not within_bound(run, trial):  # the searched prefix was measured within
+        decision = searched_prefix(run, trial, decision, tried)
     trial.release()
     run.notes += trial.notes + _warned(unmeasured_long_range(run.layers, decision.plan, _seq_len(run.calib)))
     run.work["reconstruction"] = trial.refit_work
@@ -347,8 +256,9 @@ def _warned(note: str | None) -> list[str]:
 def _candidate_plans(run: Run, trial: Trial, scores: HeadScores | None) -> tuple[dict, list[str], float]:
     """The candidate plans at the budget, a note for each not made and their counted work (a given plan alone)."""
     r = run.recovery
-    if scores is None:
-        return {"given": run.given or {}}, [], 0.0
+    if run.given is not None:
+        return {"given": run.given}, [], 0.0
+    assert scores is not None  # scored wherever no plan was given
     return candidate_plans(scores, trial.calibration, run.layers, run.budget, r.rearrange, r.reconstruction)
 
 
@@ -379,149 +289,10 @@ def _search(run: Run, trial: Trial, scores: HeadScores, work: Work) -> Searched:
     return searched
 
 
-def _within_loss(run: Run, trial: Trial, searched: Searched) -> Searched:
-    """The longest prefix of the searched order whose held-out perplexity rise, each pruned layer refitted
-    (before tuning), is within `selection.max_loss`: the budget becomes its heads and the searched plan that
-    prefix. The rises measured go to the held-out summary (`max_loss`)."""
-    percent = run.config.selection.max_loss
-    if searched.plan is None or run.unpruned is None or percent is None:
-        raise ConfigError(f"selection.max_loss measures along the searched order, and there is none: {searched.note}")
-    bound = percent / 100
-
-    def rise(count: int) -> float:
-        _refitted(run, trial, prefix_plan(searched.order, count), "depth")
-        return _rise(run, trial.gated, "depth")
-
-    count, rises = deepest_within(len(searched.order), rise, bound)
-    trial.gated.use({})
-    plan = prefix_plan(searched.order, count)
-    heads = sum(len(h) for h in plan.values())
-    run.budget, run.asked = dataclasses.replace(run.budget, num_heads=heads, round=None), heads
-    measured = [[sum(len(u) for _, u in searched.order[:k]), rises[k]] for k in sorted(rises)]
-    run.summary["max_loss"] = {"bound": bound, "heads": heads, "rises": measured, "rule": MAX_LOSS_RULE}
-    return dataclasses.replace(searched, plan=plan, order=searched.order[:count])
-
-
-def _refitted(run: Run, trial: Trial, plan: dict[str, list[int]], work: str) -> None:
-    """Put `plan` on the gated model with each pruned layer refitted, the refits counted as `work`."""
-    trial.gated.use(plan, refits={name: trial.refit(name, heads) for name, heads in plan.items()})
-    run.work[work] = run.work.get(work, 0.0) + refit_flops(run.layers, plan)
-
-
-def _heldout_nll(run: Run, forward: Any, work: str = "perplexity") -> SequenceNLL | None:
-    """A language model's next-token NLL per held-out sequence (None for other tasks), its pass counted as
-    `work`."""
-    if not (run.heldout and writes_text(run.model) and all("labels" in b for b in run.heldout)):
-        return None
-    run.work[work] = run.work.get(work, 0.0) + run.work["heldout_pass"]
-    return sequence_nll(forward, run.heldout, input_device(run.model))
-
-
-def _rise(run: Run, forward: Any, work: str = "perplexity") -> float:
-    """The held-out perplexity's relative change from the unpruned model's under `forward`, its pass counted
-    as `work`."""
-    assert run.unpruned is not None
-    pruned = _heldout_nll(run, forward, work)
-    assert pruned is not None  # the same batches as the unpruned model's
-    return math.exp(pruned.mean - run.unpruned.mean) - 1
-
-
-def _within_bound(run: Run, trial: Trial) -> bool:
-    """Whether the gated model's held-out perplexity rise is within `selection.max_loss` (always without one)."""
-    percent = run.config.selection.max_loss
-    return percent is None or _rise(run, trial.gated, "depth") <= percent / 100
-
-
-def _searched_prefix(run: Run, trial: Trial, decision: Decision, tried: list) -> Decision:
-    """The searched prefix with its reconstruction, the state whose rise chose the depth, in place of the
-    candidate `decision` kept (the others' held-out values stay in the report)."""
-    searched = [c for c in tried if c.label == SEARCHED]
-    kept = choose(trial, searched, searched[0].label)
-    run.notes.append(f"{decision.label} raised the held-out perplexity beyond max_loss; kept {kept.label}")
-    return dataclasses.replace(kept, tried=decision.tried)
-
-
-def _frontier_asked(
-    model: nn.Module, config: PruneConfig, eval_data: TaskData | Iterable[dict] | None
-) -> tuple[list[tuple[float, int]], list[dict]]:
-    """The depths a frontier measures (share, heads) and its second text's batches (none without depths)."""
-    if config.selection.depths is None:
-        return [], []
-    second = list(eval_data or [])
-    if not all("labels" in b for b in second):
-        raise DataError("the frontier's second text (eval_data) needs labels: load it as a causal-lm task")
-    return list(zip(config.selection.fractions(), depth_heads(model, config))), second
-
-
-def _frontier(run: Run, trial: Trial, searched: Searched, work: Work) -> list[Depth]:
-    """The unpruned model (depth 0), then each asked depth measured along the searched order: its prefix, each
-    pruned layer refitted, against the unpruned model on the held-out batches (and the second text), with its
-    KV cache and parameters."""
-    if searched.plan is None or run.unpruned is None:
-        raise ConfigError(f"selection.depths measures along the searched order, and there is none: {searched.note}")
-    trial.gated.use({})
-    second = _second_nll(run, trial.gated, work)
-    kv, parameters = _size(run, {})
-    same, interval = (0.0, (0.0, 0.0)) if second is not None else (None, None)  # the unpruned model against itself
-    found = [Depth(0.0, 0, 0, 0.0, (0.0, 0.0), same, interval, kv, parameters, {})]
-    with progress_bar(None, "frontier", len(run.depths), run.progress) as bar:
-        for share, heads in run.depths:
-            count = prefix_length(searched.order, heads)
-            assert count is not None  # units of one size, checked before any data
-            found.append(_depth(run, trial, share, searched.order[:count], second, work))
-            bar.update()
-    trial.gated.use({})
-    return found
-
-
-def _depth(run: Run, trial: Trial, share: float, prefix: list[Unit], second: SequenceNLL | None, work: Work) -> Depth:
-    """One depth: the `prefix`'s plan refitted on the gated model, measured on the held-out batches and the second
-    text."""
-    plan = prefix_plan(prefix, len(prefix))
-    _refitted(run, trial, plan, "frontier")
-    seed, heldout = run.config.scoring.seed, _heldout_nll(run, trial.gated, "frontier")
-    assert run.unpruned is not None and heldout is not None  # measured where the search ran
-    change, interval = perplexity_change(run.unpruned, heldout, seed)
-    eval_change = eval_interval = None
-    if second is not None:
-        pruned = _second_nll(run, trial.gated, work)
-        assert pruned is not None  # the same batches as the unpruned model's
-        eval_change, eval_interval = perplexity_change(second, pruned, seed)
-    heads, (kv, parameters) = sum(map(len, plan.values())), _size(run, plan)
-    return Depth(share, len(prefix), heads, change, interval, eval_change, eval_interval, kv, parameters, plan)
-
-
-def _size(run: Run, plan: dict[str, list[int]]) -> tuple[dict[str, int], int]:
-    """The KV cache at the frontier's context per cache type the head size fits, and the parameters, once
-    `plan` is removed."""
-    context = run.config.selection.context
-    caches = [c for c in FRONTIER_CACHE_TYPES if fits_cache(run.layers, c)]
-    return {c: kv_cache_size(run.model, context, c, plan) for c in caches}, parameters_after(run.model, plan)
-
-
-def _second_nll(run: Run, forward: Any, work: Work) -> SequenceNLL | None:
-    """The NLL per sequence of the frontier's second text under `forward` (None without one), its pass counted
-    as frontier work."""
-    if not run.second:
-        return None
-    run.work["frontier"] = run.work.get("frontier", 0.0) + work.forward(run.second)
-    return sequence_nll(forward, run.second, input_device(run.model))
-
-
-def _at_budget(run: Run, searched: Searched) -> Searched:
-    """The searched order's prefix that removes the budget's heads, the searched plan where the search went
-    deeper for a frontier."""
-    if searched.plan is None:
-        return searched
-    count = prefix_length(searched.order, check_budget(run.model, run.budget))
-    assert count is not None  # units of one size, checked before any data
-    return dataclasses.replace(searched, plan=prefix_plan(searched.order, count), order=searched.order[:count])
-
-
 def _perplexity_change(run: Run) -> None:
     """The held-out perplexity's relative change from the unpruned model's, into the held-out summary."""
     if run.unpruned is not None and run.summary:
-        run.summary["perplexity_change"] = _rise(run, lambda batch: run.model(**batch))
+        run.summary["perplexity_change"] = rise(run, lambda batch: run.model(**batch))
 
 
 def _generated_share(model: nn.Module, batches: list[dict], r: RecoveryConfig) -> float:
@@ -580,7 +351,7 @@ def _tune(run: Run, trial: Trial, decision: Decision, work: Work) -> None:
     if history and decision.values is not None:  # kept only when it beats the untuned state by more than
         tuned = trial.divergences()  # one standard error (not on noise)
         better = one_standard_error({"untuned": decision.values, "tuned": tuned}) == "tuned"
-        entry["kept"] = better and _within_bound(run, trial)  # a loss bound holds after tuning too
+        entry["kept"] = better and within_bound(run, trial)  # a loss bound holds after tuning too
         run.summary["final"] = float((tuned if entry["kept"] else decision.values).mean())
         if not entry["kept"]:
             gated.untune(untuned)

@@ -1,0 +1,155 @@
+"""The depths along the searched order: the deepest within a quality bound (`selection.max_loss`) and the
+frontier of asked depths (`selection.depths`), each a prefix of that order with every pruned layer refitted,
+measured on the held-out batches (and a second text) against the unpruned model."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from ..budgets import depth_heads
+from ..config import PruneConfig
+from ..errors import ConfigError
+from ..evaluation.confidence import perplexity_change
+from ..model.layers import parameters_after
+from ..recovery.candidates import Decision, Trial, choose
+from ..recovery.depth import Depth, deepest_within, prefix_length, prefix_plan
+from ..recovery.holdout import SequenceNLL, sequence_nll
+from ..recovery.search import Searched, Unit
+from ..runtime.devices import input_device
+from ..runtime.progress import progress_bar
+from ..runtime.work import Work
+from ..scoring.kv_cache import fits_cache, kv_cache_size
+from ..scoring.selection import check_budget
+from ..task_data import DataError, TaskData
+from .run import Run, heldout_nll, refitted, rise
+
+MAX_LOSS_RULE = (
+    "the longest prefix of the searched order whose held-out perplexity rise (point estimate), each pruned layer "
+    "refitted, is at most the bound; another candidate plan or tuning is kept only where the rise stays within it"
+)
+FRONTIER_RULE = (
+    "each depth is the prefix of one searched order (to the deepest asked) with each pruned layer refitted, "
+    "before tuning; the change is the perplexity's against the unpruned model's on the same sequences, with a 95% "
+    "paired bootstrap interval over them"
+)
+FRONTIER_CACHE_TYPES = ("f16", "q8_0")  # llama.cpp's default KV cache and its 8-bit one
+SEARCHED = "search + reconstruction"  # the candidate whose state a loss bound measures along the searched order
+
+
+def within_loss(run: Run, trial: Trial, searched: Searched) -> Searched:
+    """The longest prefix of the searched order whose held-out perplexity rise, each pruned layer refitted
+    (before tuning), is within `selection.max_loss`: the budget becomes its heads and the searched plan that
+    prefix. The rises measured go to the held-out summary (`max_loss`)."""
+    percent = run.config.selection.max_loss
+    if searched.plan is None or run.unpruned is None or percent is None:
+        raise ConfigError(f"selection.max_loss measures along the searched order, and there is none: {searched.note}")
+    bound = percent / 100
+
+    def rise_at(count: int) -> float:
+        refitted(run, trial, prefix_plan(searched.order, count), "depth")
+        return rise(run, trial.gated, "depth")
+
+    count, rises = deepest_within(len(searched.order), rise_at, bound)
+    trial.gated.use({})
+    plan = prefix_plan(searched.order, count)
+    heads = sum(len(h) for h in plan.values())
+    run.budget, run.asked = dataclasses.replace(run.budget, num_heads=heads, round=None), heads
+    measured = [[sum(len(u) for _, u in searched.order[:k]), rises[k]] for k in sorted(rises)]
+    run.summary["max_loss"] = {"bound": bound, "heads": heads, "rises": measured, "rule": MAX_LOSS_RULE}
+    return dataclasses.replace(searched, plan=plan, order=searched.order[:count])
+
+
+def within_bound(run: Run, trial: Trial) -> bool:
+    """Whether the gated model's held-out perplexity rise is within `selection.max_loss` (always without one)."""
+    percent = run.config.selection.max_loss
+    return percent is None or rise(run, trial.gated, "depth") <= percent / 100
+
+
+def searched_prefix(run: Run, trial: Trial, decision: Decision, tried: list) -> Decision:
+    """The searched prefix with its reconstruction, the state whose rise chose the depth, in place of the
+    candidate `decision` kept (the others' held-out values stay in the report)."""
+    searched = [c for c in tried if c.label == SEARCHED]
+    kept = choose(trial, searched, searched[0].label)
+    run.notes.append(f"{decision.label} raised the held-out perplexity beyond max_loss; kept {kept.label}")
+    return dataclasses.replace(kept, tried=decision.tried)
+
+
+def frontier_asked(
+    model: nn.Module, config: PruneConfig, eval_data: TaskData | Iterable[dict] | None
+) -> tuple[list[tuple[float, int]], list[dict]]:
+    """The depths a frontier measures (share, heads) and its second text's batches (none without depths)."""
+    if config.selection.depths is None:
+        return [], []
+    second = list(eval_data or [])
+    if not all("labels" in b for b in second):
+        raise DataError("the frontier's second text (eval_data) needs labels: load it as a causal-lm task")
+    return list(zip(config.selection.fractions(), depth_heads(model, config))), second
+
+
+def frontier(run: Run, trial: Trial, searched: Searched, work: Work) -> list[Depth]:
+    """The unpruned model (depth 0), then each asked depth measured along the searched order: its prefix, each
+    pruned layer refitted, against the unpruned model on the held-out batches (and the second text), with its
+    KV cache and parameters."""
+    if searched.plan is None or run.unpruned is None:
+        raise ConfigError(f"selection.depths measures along the searched order, and there is none: {searched.note}")
+    trial.gated.use({})
+    second = _second_nll(run, trial.gated, work)
+    kv, parameters = _size(run, {})
+    same, interval = (0.0, (0.0, 0.0)) if second is not None else (None, None)  # the unpruned model against itself
+    found = [Depth(0.0, 0, 0, 0.0, (0.0, 0.0), same, interval, kv, parameters, {})]
+    with progress_bar(None, "frontier", len(run.depths), run.progress) as bar:
+        for share, heads in run.depths:
+            count = prefix_length(searched.order, heads)
+            assert count is not None  # units of one size, checked before any data
+            found.append(_depth(run, trial, share, searched.order[:count], second, work))
+            bar.update()
+    trial.gated.use({})
+    return found
+
+
+def _depth(run: Run, trial: Trial, share: float, prefix: list[Unit], second: SequenceNLL | None, work: Work) -> Depth:
+    """One depth: the `prefix`'s plan refitted on the gated model, measured on the held-out batches and the second
+    text."""
+    plan = prefix_plan(prefix, len(prefix))
+    refitted(run, trial, plan, "frontier")
+    seed, heldout = run.config.scoring.seed, heldout_nll(run, trial.gated, "frontier")
+    assert run.unpruned is not None and heldout is not None  # measured where the search ran
+    change, interval = perplexity_change(run.unpruned, heldout, seed)
+    eval_change = eval_interval = None
+    if second is not None:
+        pruned = _second_nll(run, trial.gated, work)
+        assert pruned is not None  # the same batches as the unpruned model's
+        eval_change, eval_interval = perplexity_change(second, pruned, seed)
+    heads, (kv, parameters) = sum(map(len, plan.values())), _size(run, plan)
+    return Depth(share, len(prefix), heads, change, interval, eval_change, eval_interval, kv, parameters, plan)
+
+
+def _size(run: Run, plan: dict[str, list[int]]) -> tuple[dict[str, int], int]:
+    """The KV cache at the frontier's context per cache type the head size fits, and the parameters, once
+    `plan` is removed."""
+    context = run.config.selection.context
+    caches = [c for c in FRONTIER_CACHE_TYPES if fits_cache(run.layers, c)]
+    return {c: kv_cache_size(run.model, context, c, plan) for c in caches}, parameters_after(run.model, plan)
+
+
+def _second_nll(run: Run, forward: Any, work: Work) -> SequenceNLL | None:
+    """The NLL per sequence of the frontier's second text under `forward` (None without one), its pass counted
+    as frontier work."""
+    if not run.second:
+        return None
+    run.work["frontier"] = run.work.get("frontier", 0.0) + work.forward(run.second)
+    return sequence_nll(forward, run.second, input_device(run.model))
+
+
+def at_budget(run: Run, searched: Searched) -> Searched:
+    """The searched order's prefix that removes the budget's heads, the searched plan where the search went
+    deeper for a frontier."""
+    if searched.plan is None:
+        return searched
+    count = prefix_length(searched.order, check_budget(run.model, run.budget))
+    assert count is not None  # units of one size, checked before any data
+    return dataclasses.replace(searched, plan=prefix_plan(searched.order, count), order=searched.order[:count])
