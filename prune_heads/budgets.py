@@ -13,6 +13,7 @@ from .errors import ConfigError
 from .model.layers import find_attention
 from .model.surgery import PlanError, normalize_plan
 from .recovery.generated import writes_text
+from .recovery.holdout import measures_loss
 from .scoring.kv_cache import KvCacheBudget, heads_for_kv_cache
 from .scoring.selection import HeadBudget, check_budget, heads_for_flops, unit_sizes
 
@@ -64,19 +65,20 @@ def check_given(config: PruneConfig) -> None:
 
 
 def deepest(model: nn.Module, config: PruneConfig, asked: str) -> int:
-    """The most heads the structure lets go, where depths along the search's order can be measured (`asked`:
-    a loss bound or a frontier): a language model, recovery on with held-out batches and the search, units
-    taken one at a time. Refused otherwise, before any data is read."""
+    """The most heads the structure lets go, where depths along one nested order can be measured (`asked`: a
+    loss bound or a frontier): a language model (a loss bound also takes a single-label classifier, on its
+    labels), recovery on with held-out batches and reconstruction, units taken one at a time. Refused
+    otherwise, before any data is read."""
     selection, r = config.selection, config.recovery
-    if not writes_text(model):
+    if not (writes_text(model) or asked == "selection.max_loss" and measures_loss(model)):
+        measured = "a language model's held-out perplexity"
+        if asked == "selection.max_loss":
+            measured = "a held-out loss on labels: a language model's perplexity or a single-label classifier's"
+        raise ConfigError(f"{asked} measures {measured}; this model has none: give num_heads, sparsity or flops alone")
+    if not (r.enabled and r.holdout > 0 and r.reconstruction):
         raise ConfigError(
-            f"{asked} measures a language model's held-out perplexity; this model writes no text: "
-            "give num_heads, sparsity or flops alone"
-        )
-    if not (r.enabled and r.holdout > 0 and r.reconstruction and r.rearrange and r.search_rounds != 0):
-        raise ConfigError(
-            f"{asked} measures each depth on held-out batches along the search's order: it needs "
-            "recovery on with holdout above 0, reconstruction, rearrange and search_rounds other than 0"
+            f"{asked} measures each depth on held-out batches, each pruned layer refitted: it needs recovery on "
+            "with holdout above 0 and reconstruction"
         )
     if selection.uniform or selection.scope == "layer" or selection.keep_per_layer is not None:
         raise ConfigError(f"{asked} takes units one at a time: not with uniform, scope 'layer' or keep_per_layer")

@@ -70,8 +70,8 @@ class SelectionConfig:
     max_loss: float | None = option(
         None,
         "Remove the most units (KV groups, heads or blocks) whose removal, each pruned layer refitted, raises a "
-        "language model's held-out perplexity by at most this many percent (the deepest prefix of one searched "
-        "order).",
+        "language model's held-out perplexity (a classifier's on its labels) by at most this many percent (the "
+        "deepest prefix of one order: the search's, else the ranking's).",
     )
     depths: str | None = option(
         None,

@@ -201,7 +201,7 @@ def test_a_budget_the_structure_cannot_meet_is_refused_before_data(tmp_path):
     for more, message in (
         (["--max-loss", "0"], "selection.max_loss is 0.0; give a percentage above 0"),
         (["--max-loss", "3", "--no-recovery"], "it needs recovery on with holdout above 0"),
-        (["--max-loss", "3", "--search-rounds", "0"], "it needs recovery on with holdout above 0"),
+        (["--max-loss", "3", "--no-reconstruction"], "it needs recovery on with holdout above 0 and reconstruction"),
         (["--max-loss", "3", "--uniform"], "takes units one at a time: not with uniform"),
     ):
         result = _invoke([*args, *more])
@@ -511,7 +511,8 @@ def test_a_kv_cache_budget_prunes_the_fewest_groups_and_says_the_size(tmp_path):
 
 def test_a_loss_bound_prunes_the_deepest_prefix_within_it_and_says_so(tmp_path):
     """`--max-loss` on a tiny Llama: the line names the bound and the rise measured at the depth it chose, the
-    report holds every rise measured, and a classifier is refused before its data (one line, exit 2)."""
+    report holds every rise measured, and a model with no loss on labels (an embedding model) is refused before
+    its data (one line, exit 2)."""
     folder = _tiny_llama_folder(tmp_path)
     (tmp_path / "data.txt").write_text("\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))))
     args = ["prune", str(folder), "--data", str(tmp_path / "data.txt"), "--text-column", "text"]
@@ -525,10 +526,25 @@ def test_a_loss_bound_prunes_the_deepest_prefix_within_it_and_says_so(tmp_path):
     rise = dict((heads, value) for heads, value in depth["rises"])[depth["heads"]]
     assert f"removed {depth['heads']} heads, the most within --max-loss 50% of " in result.output
     assert f"(refitted, before tuning: {100 * rise:+.1f}%)" in result.output and rise <= 0.5
-    tiny_models.build("bert").save_pretrained(tmp_path / "bert")
-    result = _invoke(["prune", str(tmp_path / "bert"), "--data", "missing.csv", "--max-loss", "3", "-o", "x"])
-    assert result.exit_code == 2 and "this model writes no text: give num_heads" in result.output
+    tiny_models.build("bert").bert.save_pretrained(tmp_path / "bert")
+    args = ["--data", "missing.csv", "--task", "feature-extraction", "--max-loss", "3", "-o", "x"]
+    result = _invoke(["prune", str(tmp_path / "bert"), *args])
+    assert result.exit_code == 2 and "this model has none: give num_heads" in result.output
     assert len(result.output.splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_a_loss_bound_on_a_classifier_keeps_its_held_out_label_perplexity_within_it(
+    tmp_path, fixture_model_path, fixture_data_path
+):
+    """`--max-loss` on the fine-tuned classifier: the depth is measured on the held-out examples' labels, the line
+    says the rise there as the label perplexity's, and it is within the bound."""
+    args = ["prune", str(fixture_model_path), "--data", str(fixture_data_path), "--split", "validation[:160]"]
+    result = _invoke([*args, "--max-loss", "3", "--epochs", "1", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    heldout = json.loads((tmp_path / "out" / "report.json").read_text())["meta"]["heldout"]
+    assert heldout["max_loss"]["heads"] > 0 and heldout["perplexity_change"] <= 0.03
+    assert f"held-out label perplexity {100 * heldout['perplexity_change']:+.1f}%" in result.output
 
 
 def test_a_decoder_pruned_without_data_calibrates_on_text_it_writes(tmp_path):

@@ -1,8 +1,10 @@
 import math
 
 import pytest
+import tiny_models as tm
 
-from prune_heads.recovery.depth import deepest_within, prefix_length, prefix_plan
+import prune_heads as ph
+from prune_heads.recovery.depth import deepest_within, prefix_length, prefix_plan, ranked_order
 
 
 @pytest.mark.parametrize("threshold", [0, 1, 7, 29, 30])
@@ -38,3 +40,21 @@ def test_the_prefix_that_removes_a_number_of_heads():
     order = [("a", (0, 1)), ("b", (0, 1)), ("a", (2, 3))]
     assert [prefix_length(order, heads) for heads in (0, 2, 4, 6)] == [0, 1, 2, 3]
     assert prefix_length(order, 3) is None and prefix_length(order, 8) is None
+
+
+def test_the_ranking_as_one_order_takes_at_each_length_what_the_ranking_selects():
+    """Each prefix of the plain ranking's order is the plan `select_heads` makes at that count, under a layer's
+    minimum of kept heads and with KV groups as units."""
+    scores = tm.make_scores([[0.5, 0.1, 0.9, 0.3], [0.2, 0.8, 0.05, 0.6], [0.4, 0.7, 0.15, 0.35]])
+    for budget in (ph.HeadBudget(num_heads=9, min_heads_per_layer=1), ph.HeadBudget(num_heads=4)):
+        order = ranked_order(scores, budget, budget.num_heads)
+        assert sum(len(unit) for _, unit in order) == budget.num_heads
+        for count in range(1, len(order) + 1):
+            heads = sum(len(unit) for _, unit in order[:count])
+            expected = ph.select_heads(
+                scores, ph.HeadBudget(num_heads=heads, min_heads_per_layer=budget.min_heads_per_layer)
+            )
+            assert prefix_plan(order, count) == {n: sorted(h) for n, h in expected.items() if h}
+    grouped = tm.make_scores([[0.5, 0.1, 0.9, 0.3], [0.2, 0.8, 0.05, 0.6]], group_sizes=[2, 2])
+    order = ranked_order(grouped, ph.HeadBudget(num_heads=4, min_heads_per_layer=0), 4)
+    assert [len(unit) for _, unit in order] == [2, 2]

@@ -78,6 +78,34 @@ def test_a_loss_bound_removes_exactly_the_groups_that_cost_nothing_and_no_more()
     assert nothing.plan == {} and nothing.heldout["max_loss"]["heads"] == 0
 
 
+def test_a_loss_bound_on_a_classifier_measures_its_labels_along_the_ranking():
+    """A known answer on a classifier, where no search runs: a tiny BERT whose fourth head writes nothing in
+    layers 0 and 2 loses exactly those two heads under a bound of 0.001% on its held-out label perplexity (the
+    exp of the mean cross-entropy), measured along the plain ranking's order; the rise is the cross-entropy's
+    measured by hand."""
+    model = tm.sensitive(tm.build("bert"))
+    layers = ph.find_attention(model)
+    with torch.no_grad():
+        for layer in (layers[0], layers[2]):
+            layer.module.output.dense.weight[:, 24:] = 0
+    original, data = copy.deepcopy(model), tm.batches("bert", n=10)
+    config = ph.PruneConfig(selection=ph.SelectionConfig(max_loss=0.001))
+    result = ph.prune_model(model, data, config, progress=False)
+    assert result.plan == {layers[0].name: [3], layers[2].name: [3]} and "search" not in result.work
+    rises = dict((heads, rise) for heads, rise in result.heldout["max_loss"]["rises"])
+    assert abs(rises[2]) <= 1e-5 and all(rise > 1e-5 for heads, rise in rises.items() if heads > 2)
+    assert "depths measured along the plain ranking's order (no search ran)" in result.recovery[0]["notes"]
+    _, heldout = split_holdout(data, 0.2)
+
+    def cross_entropy(m: torch.nn.Module) -> float:
+        with torch.no_grad():
+            losses = [torch.nn.functional.cross_entropy(m(**b).logits, b["labels"], reduction="sum") for b in heldout]
+        return float(sum(losses)) / sum(len(b["labels"]) for b in heldout)
+
+    change = math.exp(cross_entropy(model) - cross_entropy(original)) - 1
+    assert result.heldout["perplexity_change"] == pytest.approx(change, abs=1e-9)
+
+
 def test_a_given_plan_gets_the_recovery_the_default_path_gives_it():
     """A plan given whole (a frontier depth's, say) is removed with the default recovery and no scoring, search
     or other candidate: where the default path kept its own plan with its reconstruction, the given plan

@@ -25,7 +25,7 @@ def check(name: str, result: ph.PruneResult, model) -> None:
     tm.assert_close(found, json.loads(path.read_text()))
 
 
-CASES = {  # name: (family, labelled, heads to remove, recovery settings)
+CASES = {  # name: (family, labelled (a classifier, made sensitive), heads to remove, recovery settings)
     "tiny-llama": ("llama", False, 4, {}),
     "tiny-bert": ("bert", True, 4, {}),
     "tiny-gpt2": ("gpt2", False, 5, {}),
@@ -38,7 +38,7 @@ CASES = {  # name: (family, labelled, heads to remove, recovery settings)
 @pytest.mark.parametrize("name", CASES)
 def test_the_flow_on_tiny_models_is_unchanged(name):
     family, labels, heads, recovery = CASES[name]
-    model = tm.build(family)
+    model = tm.sensitive(tm.build(family)) if labels else tm.build(family)
     config = ph.PruneConfig(
         selection=ph.SelectionConfig(num_heads=heads), recovery=dataclasses.replace(ph.RecoveryConfig(), **recovery)
     )

@@ -218,13 +218,15 @@ def config_fields(config: type, opts: dict[str, Any]) -> dict[str, Any]:
 
 def heldout_line(report) -> str:
     """What the held-out calibration data measured: the pruned model's divergence from the unpruned one,
-    beside the plain selection's, and a language model's perplexity change there."""
+    beside the plain selection's, and a language model's perplexity change there (a classifier's on its labels,
+    under a loss bound)."""
     heldout = report.meta.get("heldout") or {}
     if heldout.get("final") is None:
         return ""
     final, plain = heldout["final"], heldout["plain"]
     change = heldout.get("perplexity_change")
-    perplexity = "" if change is None else f"; held-out perplexity {100 * change:+.1f}%"
+    labels = " label" if report.meta.get("task") == "classification" else ""
+    perplexity = "" if change is None else f"; held-out{labels} perplexity {100 * change:+.1f}%"
     return f" (held-out divergence from the unpruned model {final:.4g}; the plain selection's {plain:.4g}{perplexity})"
 
 

@@ -1,6 +1,7 @@
-"""The depths along the searched order: the deepest within a quality bound (`selection.max_loss`) and the
-frontier of asked depths (`selection.depths`), each a prefix of that order with every pruned layer refitted,
-measured on the held-out batches (and a second text) against the unpruned model."""
+"""The depths along one nested order of units (the search's, else the plain ranking's): the deepest within a
+quality bound (`selection.max_loss`) and the frontier of asked depths (`selection.depths`), each a prefix of that
+order with every pruned layer refitted, measured on the held-out batches (and a second text) against the
+unpruned model."""
 
 from __future__ import annotations
 
@@ -28,16 +29,16 @@ from ..task_data import DataError, TaskData
 from .run import Run, heldout_nll, refitted, rise
 
 MAX_LOSS_RULE = (
-    "the longest prefix of the searched order whose held-out perplexity rise (point estimate), each pruned layer "
+    "the longest prefix of the searched order (the plain ranking's where no search ran) whose held-out perplexity "
+    "rise (point estimate; a classifier's on its labels, the exp of the mean cross-entropy), each pruned layer "
     "refitted, is at most the bound; another candidate plan or tuning is kept only where the rise stays within it"
 )
 FRONTIER_RULE = (
-    "each depth is the prefix of one searched order (to the deepest asked) with each pruned layer refitted, "
-    "before tuning; the change is the perplexity's against the unpruned model's on the same sequences, with a 95% "
-    "paired bootstrap interval over them"
+    "each depth is the prefix of one nested order (the search's, else the plain ranking's; to the deepest asked) "
+    "with each pruned layer refitted, before tuning; the change is the perplexity's against the unpruned model's "
+    "on the same sequences, with a 95% paired bootstrap interval over them"
 )
 FRONTIER_CACHE_TYPES = ("f16", "q8_0")  # llama.cpp's default KV cache and its 8-bit one
-SEARCHED = "search + reconstruction"  # the candidate whose state a loss bound measures along the searched order
 
 
 def within_loss(run: Run, trial: Trial, searched: Searched) -> Searched:
@@ -69,10 +70,10 @@ def within_bound(run: Run, trial: Trial) -> bool:
     return percent is None or rise(run, trial.gated, "depth") <= percent / 100
 
 
-def searched_prefix(run: Run, trial: Trial, decision: Decision, tried: list) -> Decision:
-    """The searched prefix with its reconstruction, the state whose rise chose the depth, in place of the
-    candidate `decision` kept (the others' held-out values stay in the report)."""
-    searched = [c for c in tried if c.label == SEARCHED]
+def searched_prefix(run: Run, trial: Trial, decision: Decision, tried: list, measured: str) -> Decision:
+    """The order's prefix with its reconstruction (the candidate labelled `measured`), the state whose rise chose
+    the depth, in place of the candidate `decision` kept (the others' held-out values stay in the report)."""
+    searched = [c for c in tried if c.label == measured]
     kept = choose(trial, searched, searched[0].label)
     run.notes.append(f"{decision.label} raised the held-out perplexity beyond max_loss; kept {kept.label}")
     return dataclasses.replace(kept, tried=decision.tried)

@@ -36,6 +36,7 @@ from ..recovery.candidates import (
     heldout_summary,
     unpruned_heldout,
 )
+from ..recovery.depth import prefix_plan, ranked_order
 from ..recovery.gated import GatedModel
 from ..recovery.generated import token_batches, with_generated, writes_text
 from ..recovery.holdout import one_standard_error, split_holdout
@@ -51,7 +52,7 @@ from ..scoring.objective import Objective, frozen
 from ..scoring.recording import Recorder, record
 from ..scoring.selection import HeadBudget, check_budget, requested_heads
 from ..task_data import DataError, TaskData, with_targets, without_labels
-from .depths import SEARCHED, at_budget, frontier, frontier_asked, searched_prefix, within_bound, within_loss
+from .depths import at_budget, frontier, frontier_asked, searched_prefix, within_bound, within_loss
 from .run import BEFORE_TUNING, PruneResult, Run, heldout_nll, logger, rise
 
 
@@ -154,8 +155,8 @@ def _start(
     calib, heldout = split_holdout(batches, r.holdout if r.enabled else 0.0)
     if config.selection.max_loss is not None and not (heldout and all("labels" in b for b in heldout)):
         raise ConfigError(
-            "selection.max_loss measures the perplexity on held-out calibration examples with labels, and this "
-            "data gave none: give more examples (or a shorter --max-length) for a causal-lm task"
+            "selection.max_loss measures the loss on held-out calibration examples with labels, and this data gave "
+            "none: give more examples (or a shorter --max-length for a causal-lm task), with their labels"
         )
     layers = require_attention(model)
     probe_layers(model, layers, to_device(without_labels(calib[0]), input_device(model)))
@@ -231,11 +232,12 @@ def _choose(run: Run, trial: Trial, scores: HeadScores | None, work: Work) -> De
     plans, notes, costed = _candidate_plans(run, trial, scores)
     run.notes += notes
     if searched.plan is not None:
-        plans["search"] = searched.plan
+        plans[searched.name] = searched.plan
     tried = candidates(plans, r.reconstruction, r.bias_compensation, trial.calibration is not None)
     decision = choose(trial, tried, fallback(plans, r.reconstruction, r.bias_compensation))
-    if decision.label != SEARCHED and not within_bound(run, trial):  # the searched prefix was measured within
-        decision = searched_prefix(run, trial, decision, tried)
+    measured = f"{searched.name} + reconstruction"  # the state whose rise a loss bound measured
+    if decision.label != measured and not within_bound(run, trial):
+        decision = searched_prefix(run, trial, decision, tried, measured)
     trial.release()
     run.notes += trial.notes + _warned(unmeasured_long_range(run.layers, decision.plan, _seq_len(run.calib)))
     run.work["reconstruction"] = trial.refit_work
@@ -265,21 +267,15 @@ def _candidate_plans(run: Run, trial: Trial, scores: HeadScores | None) -> tuple
 def _search(run: Run, trial: Trial, scores: HeadScores, work: Work) -> Searched:
     """The searched plan where the search runs (`search_rounds`; by default where the outputs are per
     position) and its counted work fits in what the tuning budget has left after the passes before it (with a
-    loss bound or a frontier, whatever it costs, to the deepest depth asked: the depths come from its order)."""
-    r, none = run.recovery, Searched(None, 0.0)
-    if not (r.rearrange and r.reconstruction and trial.calibration is not None and trial.reference is not None):
-        return none
-    rounds = r.search_rounds
-    if rounds is None:  # the default: only where the outputs are per position
-        rounds = ROUNDS if run.objective.per_position(trial.targets[0]) else 0
+    loss bound or a frontier, whatever it costs, to the deepest depth asked: the depths come from its order).
+    Where it does not run and depths are measured, the plain ranking's order in its place."""
+    r, budget = run.recovery, _deepest(run)
+    rounds = _rounds(run, trial)
     if not rounds:
-        return none
-    spent = sum(run.work.get(k, 0.0) for k in BEFORE_TUNING)  # the writing and the recording
-    limit, budget = math.inf, run.budget
-    if run.depths:
-        deepest = max([heads for _, heads in run.depths] + [check_budget(run.model, budget)])
-        budget = dataclasses.replace(budget, sparsity=None, num_heads=deepest, round=None)
-    elif r.tuning_budget is not None and run.config.selection.max_loss is None:
+        return _ranked(run, scores, budget)
+    limit = math.inf
+    if not run.depths and r.tuning_budget is not None and run.config.selection.max_loss is None:
+        spent = sum(run.work.get(k, 0.0) for k in BEFORE_TUNING)  # the writing and the recording
         limit = r.tuning_budget * run.work["calibration_pass"] - spent
     schedule = SearchSchedule(rounds, r.search_examples, r.search_screen)
     searched = searched_plan(trial, scores, budget, run.calib, schedule, work, limit)
@@ -287,6 +283,36 @@ def _search(run: Run, trial: Trial, scores: HeadScores, work: Work) -> Searched:
     if searched.note is not None:
         run.notes.append(searched.note)
     return searched
+
+
+def _rounds(run: Run, trial: Trial) -> int:
+    """The search's rounds: `search_rounds`, by default 2 where the outputs are per position (a language model's
+    tokens), else none; none without the rearrangement, the refits and held-out batches it needs."""
+    r = run.recovery
+    if not (r.rearrange and r.reconstruction and trial.calibration is not None and trial.reference is not None):
+        return 0
+    if r.search_rounds is None:
+        return ROUNDS if run.objective.per_position(trial.targets[0]) else 0
+    return r.search_rounds
+
+
+def _deepest(run: Run) -> HeadBudget:
+    """The budget the order goes to: the run's, or the deepest of a frontier's depths where deeper."""
+    if not run.depths:
+        return run.budget
+    deepest = max([heads for _, heads in run.depths] + [check_budget(run.model, run.budget)])
+    return dataclasses.replace(run.budget, sparsity=None, num_heads=deepest, round=None)
+
+
+def _ranked(run: Run, scores: HeadScores, budget: HeadBudget) -> Searched:
+    """The plain ranking as the nested order the depths are measured along, where a loss bound or a frontier
+    asks for depths and no search ran (none otherwise)."""
+    if not (run.depths or run.config.selection.max_loss is not None):
+        return Searched(None, 0.0)
+    order = ranked_order(scores, budget, check_budget(run.model, budget))
+    note = "depths measured along the plain ranking's order (no search ran)"
+    run.notes.append(note)
+    return Searched(prefix_plan(order, len(order)), 0.0, note, order, "ranked")
 
 
 def _perplexity_change(run: Run) -> None:

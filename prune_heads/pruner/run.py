@@ -16,7 +16,7 @@ from ..config import PruneConfig, RecoveryConfig
 from ..recovery.candidates import Trial
 from ..recovery.depth import Depth
 from ..recovery.generated import writes_text
-from ..recovery.holdout import SequenceNLL, sequence_nll
+from ..recovery.holdout import SequenceNLL, measures_loss, sequence_nll
 from ..recovery.reconstruction import refit_flops
 from ..runtime.devices import input_device
 from ..scoring.head_scores import HeadScores
@@ -107,9 +107,10 @@ def refitted(run: Run, trial: Trial, plan: dict[str, list[int]], work: str) -> N
 
 
 def heldout_nll(run: Run, forward: Any, work: str = "perplexity") -> SequenceNLL | None:
-    """A language model's next-token NLL per held-out sequence (None for other tasks), its pass counted as
-    `work`."""
-    if not (run.heldout and writes_text(run.model) and all("labels" in b for b in run.heldout)):
+    """A language model's next-token NLL per held-out sequence (a classifier's on its labels, under a loss
+    bound; None for other tasks), its pass counted as `work`."""
+    measured = writes_text(run.model) or run.config.selection.max_loss is not None and measures_loss(run.model)
+    if not (run.heldout and measured and all("labels" in b for b in run.heldout)):
         return None
     run.work[work] = run.work.get(work, 0.0) + run.work["heldout_pass"]
     return sequence_nll(forward, run.heldout, input_device(run.model))

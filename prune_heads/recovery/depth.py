@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
+from ..scoring.head_scores import HeadScores
+from ..scoring.selection import HeadBudget, removal_units
 from .search import Unit
 
 
@@ -45,6 +47,28 @@ def prefix_length(order: list[Unit], heads: int) -> int | None:
             return count
         removed += len(unit)
     return len(order) if removed == heads else None
+
+
+def ranked_order(scores: HeadScores, budget: HeadBudget, heads: int) -> list[Unit]:
+    """The plain ranking as one nested order, where no search gives one: the units selection may remove at
+    `budget`, lowest summed score first (as the ranking weighs a unit), each layer's taken while it may lose
+    them, up to `heads` heads."""
+    position = {name: {h: i for i, h in enumerate(kept)} for name, kept in scores.heads.items()}
+    units = removal_units(scores, budget)
+
+    def cost(unit: Unit) -> float:
+        name, members = unit
+        return sum(float(scores.scores[name][position[name][h]]) for h in members)
+
+    order: list[Unit] = []
+    lost: dict[str, int] = {}
+    for name, unit in sorted(((n, u) for n, (us, _) in units.items() for u in us), key=cost):
+        if sum(lost.values()) + len(unit) > heads:
+            break
+        if lost.get(name, 0) + len(unit) <= units[name][1]:
+            order.append((name, unit))
+            lost[name] = lost.get(name, 0) + len(unit)
+    return order
 
 
 def prefix_plan(order: list[Unit], count: int) -> dict[str, list[int]]:

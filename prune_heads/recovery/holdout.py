@@ -13,6 +13,7 @@ import torch
 
 from ..runtime.devices import to_device
 from ..task_data import batch_size, without_labels
+from .generated import writes_text
 
 
 def split_holdout(batches: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
@@ -61,8 +62,9 @@ def one_standard_error(values: dict[str, torch.Tensor]) -> str:
 
 @dataclass(frozen=True)
 class SequenceNLL:
-    """Each held-out sequence's summed next-token negative log-likelihood and its labelled tokens: their
-    ratio is the mean token NLL (its exp the perplexity), and per sequence they give a paired interval."""
+    """Each held-out sequence's summed next-token negative log-likelihood and its labelled tokens (for a
+    classifier, each example's class: one labelled token): their ratio is the mean NLL (its exp the perplexity),
+    and per sequence they give a paired interval."""
 
     nll: np.ndarray
     tokens: np.ndarray
@@ -72,17 +74,30 @@ class SequenceNLL:
         return float(self.nll.sum() / self.tokens.sum())
 
 
+def measures_loss(model: Any) -> bool:
+    """Whether a held-out loss on labels measures `model`: a decoder-only language model's next tokens, or a
+    single-label sequence classifier's classes (not a regression or a multi-label head)."""
+    config = model.config
+    classifier = type(model).__name__.endswith("ForSequenceClassification") and config.num_labels > 1
+    single = getattr(config, "problem_type", None) in (None, "single_label_classification")
+    return writes_text(model) or classifier and single
+
+
 @torch.no_grad()
 def sequence_nll(forward: Callable[[dict], Any], batches: list[dict], device: torch.device) -> SequenceNLL | None:
     """Every labelled next token's negative log-likelihood of `batches` (labels as transformers' causal language
-    models take them, shifted inside), from `forward(batch)`'s logits, summed per sequence. None where the
-    batches hold no labels or no labelled token."""
+    models take them, shifted inside; class labels, one per example, as its one token), from `forward(batch)`'s
+    logits, summed per sequence. None where the batches hold no labels or no labelled token."""
     sums, counts = [], []
     for batch in batches:
         if "labels" not in batch:
             return None
-        logits = forward(to_device(without_labels(batch), device)).logits[:, :-1].float()
-        labels = batch["labels"][:, 1:].to(logits.device)
+        logits = forward(to_device(without_labels(batch), device)).logits.float()
+        labels = batch["labels"].to(logits.device)
+        if labels.dim() == 1:  # a class per example
+            logits, labels = logits[:, None], labels[:, None]
+        else:
+            logits, labels = logits[:, :-1], labels[:, 1:]
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
         sums.append(nll.double().sum(-1).cpu())
         counts.append((labels != -100).sum(-1).cpu())

@@ -144,13 +144,15 @@ def searched_scores(scores: HeadScores, order: list[Unit]) -> HeadScores:
 
 @dataclass
 class Searched:
-    """The searched plan (None where it was not tried), its counted work, a note for the report, and the units
-    the plan removes in the order the search took them (each prefix of it a plan of its own)."""
+    """The searched plan (None where it was not tried), its counted work, a note for the report, the units
+    the plan removes in the order the search took them (each prefix of it a plan of its own) and the name its
+    candidate goes by ("ranked" where the order is the plain ranking's, no search run)."""
 
     plan: Plan | None
     work: float
     note: str | None = None
     order: list[Unit] = dataclasses.field(default_factory=list)
+    name: str = "search"
 
 
 @dataclass(frozen=True)
