@@ -44,17 +44,14 @@ def test_the_prefix_that_removes_a_number_of_heads():
 
 def test_the_ranking_as_one_order_takes_at_each_length_what_the_ranking_selects():
     """Each prefix of the plain ranking's order is the plan `select_heads` makes at that count, under a layer's
-    minimum of kept heads and with KV groups as units."""
-    scores = tm.make_scores([[0.5, 0.1, 0.9, 0.3], [0.2, 0.8, 0.05, 0.6], [0.4, 0.7, 0.15, 0.35]])
-    for budget in (ph.HeadBudget(num_heads=9, min_heads_per_layer=1), ph.HeadBudget(num_heads=4)):
-        order = ranked_order(scores, budget, budget.num_heads)
-        assert sum(len(unit) for _, unit in order) == budget.num_heads
+    minimum of kept heads, and with KV groups as units."""
+    heads = tm.make_scores([[0.5, 0.1, 0.9, 0.3], [0.2, 0.8, 0.05, 0.6], [0.4, 0.7, 0.15, 0.35]])
+    groups = tm.make_scores([[0.5, 0.1, 0.9, 0.3], [0.2, 0.8, 0.05, 0.6]], group_sizes=[2, 2])
+    for scores, deepest, minimum in ((heads, 9, 1), (heads, 4, 0), (groups, 6, 0)):
+        order = ranked_order(scores, ph.HeadBudget(num_heads=deepest, min_heads_per_layer=minimum), deepest)
+        assert sum(len(unit) for _, unit in order) == deepest
         for count in range(1, len(order) + 1):
-            heads = sum(len(unit) for _, unit in order[:count])
-            expected = ph.select_heads(
-                scores, ph.HeadBudget(num_heads=heads, min_heads_per_layer=budget.min_heads_per_layer)
-            )
+            removed = sum(len(unit) for _, unit in order[:count])
+            expected = ph.select_heads(scores, ph.HeadBudget(num_heads=removed, min_heads_per_layer=minimum))
             assert prefix_plan(order, count) == {n: sorted(h) for n, h in expected.items() if h}
-    grouped = tm.make_scores([[0.5, 0.1, 0.9, 0.3], [0.2, 0.8, 0.05, 0.6]], group_sizes=[2, 2])
-    order = ranked_order(grouped, ph.HeadBudget(num_heads=4, min_heads_per_layer=0), 4)
-    assert [len(unit) for _, unit in order] == [2, 2]
+    assert {len(unit) for _, unit in ranked_order(groups, ph.HeadBudget(num_heads=6, min_heads_per_layer=0), 6)} == {2}
