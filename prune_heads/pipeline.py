@@ -43,7 +43,7 @@ from .recipes import Recipe, recipe_to_dict
 from .recovery.generated import WRITTEN_EXAMPLES, written_batches
 from .runtime.progress import progress_bar
 from .scoring.kv_cache import KvCacheBudget, fits_cache, kv_cache_size
-from .task_data import DataError, TaskData, load_task_data
+from .task_data import TASK_HEADS, DataError, TaskData, load_task_data
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -87,20 +87,12 @@ def load_model(recipe: Recipe) -> nn.Module:
     return model
 
 
-# the class-name endings of the models that can run each task (feature extraction takes any model)
-_TASK_HEADS = {
-    "classification": ("ForSequenceClassification",),
-    "image-classification": ("ForImageClassification",),
-    "causal-lm": ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"),
-}
-
-
 def check_task(model: nn.Module, task: str, source: str) -> None:
     """Refuse a task the model's head cannot do (a classifier asked for perplexity, say), naming the fit."""
     name = type(model).__name__
-    heads = _TASK_HEADS.get(task)
+    heads = TASK_HEADS.get(task)
     if heads and not name.endswith(heads):
-        fits = [t for t, endings in _TASK_HEADS.items() if name.endswith(endings)] or ["feature-extraction"]
+        fits = [t for t, endings in TASK_HEADS.items() if name.endswith(endings)] or ["feature-extraction"]
         raise DataError(
             f"task {task} needs a model ending in {' or '.join(heads)}; {source} is {name}: use "
             f"--task {fits[0]} (task: {fits[0]} in a recipe)"

@@ -15,6 +15,12 @@ from .errors import PruneHeadsError
 from .runtime.progress import library_bars
 
 TASKS = ("classification", "causal-lm", "feature-extraction", "image-classification")
+# the class-name endings of the models that can run each task (feature extraction takes any model)
+TASK_HEADS = {
+    "classification": ("ForSequenceClassification",),
+    "image-classification": ("ForImageClassification",),
+    "causal-lm": ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"),
+}
 _BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..runtime.devices import to_device
-from ..task_data import batch_size, without_labels
+from ..task_data import TASK_HEADS, batch_size, without_labels
 from .generated import writes_text
 
 
@@ -78,7 +78,7 @@ def measures_loss(model: Any) -> bool:
     """Whether a held-out loss on labels measures `model`: a decoder-only language model's next tokens, or a
     single-label sequence classifier's classes (not a regression or a multi-label head)."""
     config = model.config
-    classifier = type(model).__name__.endswith("ForSequenceClassification") and config.num_labels > 1
+    classifier = type(model).__name__.endswith(TASK_HEADS["classification"]) and config.num_labels > 1
     single = getattr(config, "problem_type", None) in (None, "single_label_classification")
     return writes_text(model) or classifier and single
 
