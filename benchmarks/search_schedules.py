@@ -2,13 +2,14 @@
 flow on SmolLM2-135M or Gemma 3 270M with the frontier's calibration (`frontier.py`), its search run with the
 full schedule (`search_screen: false`: every unit measured on every search example in both rounds) and each
 measurement's per-example divergences kept; then the shipped `search_order` replayed on them with other
-schedules: each round screening every unit on the first batch (or two) and measuring on the rest only the
-cheapest `MARGIN` times its share, or the whole search on fewer examples. A replay that reaches a state the full
-schedule never measured measures it then. Per schedule: the work of its measurements against the full
-schedule's (each priced as the search prices it: a pass over its examples from the unit's block on), whether it
-ends in the full schedule's plan, and the held-out divergence of its plan after the plan's refits (what the
-held-out choice between candidates sees) beside the full schedule's; then the shipped default run live, its
-counted work (refits, kept block inputs and the proof included) beside the full schedule's (`--live`).
+schedules: each round screening every unit on the first batch (or two) and measuring on the rest at most the
+cheapest `MARGIN` times its share, until the cut is settled (`Z`), or the whole search on fewer examples. A
+replay that reaches a state the full schedule never measured measures it then. Per schedule: the work of its
+measurements against the full schedule's (each priced as the search prices it: a pass over its examples from the
+unit's block on), whether it ends in the full schedule's plan, and the held-out divergence of its plan after
+the plan's refits (what the held-out choice between candidates sees) beside the full schedule's; then the
+shipped default run live, its counted work (refits, kept block inputs and the proof included) beside the full
+schedule's (`--live`).
 
 The full search's measurements are kept in benchmarks/.search, so a second run replays them without running the
 search again (the rest of the flow up to the search runs each time: its held-out batches judge the plans).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,14 +39,15 @@ from prune_heads.recovery.candidates import Candidate
 from prune_heads.task_data import batch_size
 
 OUT = Path(__file__).resolve().parent / ".search"
-SCHEDULES = {  # name -> (batches measured, batches screened or None, margin)
-    "full (search_screen: false)": (None, None, None),
-    "screen 1 batch, margin 2 (the default here)": (None, 1, 2.0),
-    "screen 1 batch, margin 1.5": (None, 1, 1.5),
-    "screen 1 batch, margin 1.25": (None, 1, 1.25),
-    "screen 2 batches, margin 2": (None, 2, 2.0),
-    "first 2 batches only": (2, None, None),
-    "first 2 batches, screen 1, margin 2": (2, 1, 2.0),
+SCHEDULES = {  # name -> (batches measured, batches screened or None, margin, Z: the settled cut's line)
+    "full (search_screen: false)": (None, None, None, None),
+    "screen 1 batch, margin 2, settled cut (the default here)": (None, 1, 2.0, search.Z),
+    "screen 1 batch, margin 2, every unit of the margin": (None, 1, 2.0, math.inf),
+    "screen 1 batch, margin 1.25, every unit of the margin": (None, 1, 1.25, math.inf),
+    "screen 1 batch, margin 4, settled cut": (None, 1, 4.0, search.Z),
+    "screen 1 batch, margin 2, settled cut at 1 standard error": (None, 1, 2.0, 1.0),
+    "first 2 batches only": (2, None, None, None),
+    "first 2 batches, screen 1, margin 2, settled cut": (2, 1, 2.0, search.Z),
 }
 
 
@@ -102,18 +105,18 @@ class Log:
         return cost
 
 
-def replay(log: Log, context: dict, sizes: list[int], measured, screened, margin) -> list:
+def replay(log: Log, context: dict, sizes: list[int], measured, screened, margin, z) -> list:
     """The order the shipped `search_order` gives with this schedule, on the log."""
     log.spent, log.read = 0.0, {}
-    saved = search.MARGIN
-    search.MARGIN = margin or saved
+    saved = search.MARGIN, search.Z
+    search.MARGIN, search.Z = margin or saved[0], z or saved[1]
     try:
         cost = log.cost(sizes, measured, screened)
         order, _ = search.search_order(
             context["units"], context["budget"], context["rounds"], cost, 2 if screened else 1
         )
     finally:
-        search.MARGIN = saved
+        search.MARGIN, search.Z = saved
     return order
 
 
@@ -145,8 +148,8 @@ def run(args) -> None:
             return heldout[key(plan)]
 
         rows = []
-        for label, (measured, screened, margin) in SCHEDULES.items():
-            order = replay(log, context, sizes, measured, screened, margin)
+        for label, (measured, screened, margin, z) in SCHEDULES.items():
+            order = replay(log, context, sizes, measured, screened, margin, z)
             spent = log.spent
             trial.gated.restore()
             plan = ph.select_heads(search.searched_scores(scores, order), budget)

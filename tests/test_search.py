@@ -67,6 +67,33 @@ def test_a_screened_round_measures_only_the_cheapest_on_the_rest_and_takes_by_ev
     assert order[1:3] == [A, C]  # those measured on every example, then the screen's order
 
 
+def _screened_cost(screen: dict, rest: dict, calls: list):
+    """A cost of one unit gone: `screen[unit]` per example on part 0, `rest[unit]` on part 1 (20 elsewhere)."""
+
+    def cost(plan: dict, changed: str, part: int) -> torch.Tensor:
+        unit = next((n, tuple(h)) for n, h in plan.items() if n == changed)
+        calls.append((unit, part))
+        return torch.tensor((screen if part == 0 else rest).get(unit, [20.0] * (4 if part == 0 else 3)))
+
+    return cost
+
+
+@pytest.mark.parametrize("rest_of_a", [0.0, 9.0])
+def test_a_screened_round_measures_on_the_rest_only_until_its_cut_is_settled(monkeypatch, rest_of_a):
+    """With room for three units on the rest, B's screen lies clearly above A's (the first cut) on every
+    example and C's does not: A and C are measured on the rest. Where A stays cheap the cut is settled; where
+    A and C turn out dear, C is the cut, B's screen is not clearly above C's and B is measured too (and taken)."""
+    monkeypatch.setattr(search, "MARGIN", 3.0)
+    screen = {A: [0.0] * 4, C: [0.0, 1.0, 0.0, 1.0], B: [1.0] * 4}
+    rest = {A: [rest_of_a] * 3, C: [5.0] * 3, B: [0.0] * 3}
+    calls: list = []
+    units = removal_units(SCORES, HeadBudget(num_heads=0))
+    order, priced = search_order(units, budget=2, rounds=1, cost=_screened_cost(screen, rest, calls), parts=2)
+    settled = rest_of_a == 0.0
+    assert [u for u, part in calls if part == 1] == ([A, C] if settled else [A, C, B])
+    assert order[0] == (A if settled else B) and priced == [6, 2 if settled else 3]
+
+
 def test_searched_scores_make_select_heads_take_the_searched_units():
     order, _ = search_order(removal_units(SCORES, HeadBudget(num_heads=0)), budget=4, rounds=2, cost=measured)
     plan = ph.select_heads(searched_scores(SCORES, order), num_heads=4)

@@ -32,10 +32,13 @@ Unit = tuple[str, tuple[int, ...]]  # (layer name, original heads that go togeth
 # one output (a class, a value, an embedding) the default runs none: on the classifier fixtures its plan lost
 # on held-out data in every cell measured, even on 256 examples (benchmarks/research-log.md, the searched plan).
 ROUNDS = 2
-# Each round screens every unit on the first 1/SCREEN of the search's batches and measures on the rest only the
+# Each round screens every unit on the first 1/SCREEN of the search's batches and measures on the rest at most the
 # cheapest MARGIN times its share: the units it can take (benchmarks/research-log.md, the screened search).
 SCREEN = 4
 MARGIN = 2.0
+# Of those, a unit whose screen lies more than Z standard errors of its prediction above the round's cut is not
+# measured on the rest: two standard errors, the usual line for "clearly above" (the settled cut).
+Z = 2.0
 
 
 def search_order(
@@ -50,10 +53,10 @@ def search_order(
     and per part of the examples the number of measurements it priced. `units[layer] = (its units, how many
     heads it may lose)`; `budget` heads go in `rounds` rounds of equal shares; `cost(plan, layer, part)`
     gives the per-example divergences on examples `part` of the plan whose `layer` differs from the state so
-    far. With two parts a round screens every unit on the first and measures on the second only the
-    cheapest `MARGIN` times its share, in units (`_measure_round`). Each round is priced by the units present at its
-    start and the screen's survivors (the same on any device, whichever units the values make eligible);
-    with `progress`, a bar per round counts its measurements."""
+    far. With two parts a round screens every unit on the first and measures on the second at most the
+    cheapest `MARGIN` times its share, in units, until its cut is settled (`_measure_round`). The screen is
+    priced by the units present at a round's start (the same on any device, whichever units the values make
+    eligible), the rest by the units measured there; with `progress`, a bar per round counts measurements."""
     removed: dict[str, tuple[int, ...]] = {}
     order: dict[Unit, None] = {}  # the units removed, in order (a dict: membership at thousands of units)
     last: dict[Unit, tuple[int, float]] = {}
@@ -73,28 +76,45 @@ def search_order(
         ]
         present = total - len(order)
         confirmed = min(math.ceil(MARGIN * share / size), present) if parts > 1 else 0
+
+        def take(keys: dict[Unit, tuple[int, float]], share: int = share) -> list[Unit]:
+            return _take(keys, share, removed, units)
+
+        most = len(eligible) + min(confirmed, len(eligible))  # the bar's total: a settled cut ends it early
+        bar = progress_bar(None, f"search round {r + 1}/{rounds}", most, progress)
+        with bar:
+            costs = _measure_round(eligible, lambda u, p: cost(_with(removed, u), u[0], p), confirmed, take, bar)
         priced[0] += present
         if parts > 1:
-            priced[1] += confirmed
-        measured = len(eligible) + min(confirmed, len(eligible))
-        bar = progress_bar(None, f"search round {r + 1}/{rounds}", measured, progress)
-        with bar:
-            costs = _measure_round(eligible, lambda u, p: cost(_with(removed, u), u[0], p), confirmed, bar)
+            priced[1] += sum(1 for place in costs.values() if place[0] == 0)
         if not costs:
             break
         last = costs
-        taken = 0
-        for name, unit in sorted(costs, key=costs.__getitem__):
-            heads = removed.get(name, ())
-            if taken >= share:
-                break
-            if len(heads) + len(unit) <= units[name][1]:
-                order[(name, unit)] = None
-                removed[name] = tuple(sorted(heads + unit))
-                taken += len(unit)
+        for name, unit in take(costs):
+            order[(name, unit)] = None
+            removed[name] = tuple(sorted(removed.get(name, ()) + unit))
     left = [u for u in sorted(last, key=last.__getitem__) if u not in order]
     never = [(n, u) for n, (us, _) in units.items() for u in us if (n, u) not in order and (n, u) not in last]
     return [*order, *left, *never], priced
+
+
+def _take(
+    keys: dict[Unit, tuple[int, float]],
+    share: int,
+    removed: dict[str, tuple[int, ...]],
+    units: dict[str, tuple[list[tuple[int, ...]], int]],
+) -> list[Unit]:
+    """The units a round takes: the cheapest by `keys` until `share` heads have gone, each only while its layer
+    has room for it on top of what `removed` holds."""
+    taken: list[Unit] = []
+    gone = dict(removed)
+    for name, unit in sorted(keys, key=keys.__getitem__):
+        if sum(len(u) for _, u in taken) >= share:
+            break
+        if len(gone.get(name, ())) + len(unit) <= units[name][1]:
+            taken.append((name, unit))
+            gone[name] = gone.get(name, ()) + unit
+    return taken
 
 
 def _heads_per_unit(units: list[tuple[int, ...]]) -> float:
@@ -109,24 +129,43 @@ def _with(removed: dict[str, tuple[int, ...]], unit: Unit) -> dict[str, tuple[in
 
 
 def _measure_round(
-    eligible: list[Unit], cost: Callable[[Unit, int], torch.Tensor], confirmed: int, bar
+    eligible: list[Unit],
+    cost: Callable[[Unit, int], torch.Tensor],
+    confirmed: int,
+    take: Callable[[dict[Unit, tuple[int, float]]], list[Unit]],
+    bar,
 ) -> dict[Unit, tuple[int, float]]:
     """Each unit's place key: (0, its mean divergence) where it was measured on every example, else (1, its
-    screen's mean). Without `confirmed` every unit is measured on the one part; else every unit is screened
-    on the first part and the `confirmed` cheapest there measured on the second too, in the order of
-    `eligible` (what keeps the states entering each block reusable across a round)."""
+    screen's mean). Without `confirmed` every unit is measured on the one part. Else every unit is screened
+    on the first part, then measured on the second in waves until the cut is settled: each wave measures
+    those of the `confirmed` cheapest on the screen, not measured yet, whose screen is not clearly above the
+    cut's (the last unit `take` takes by the keys so far), in the order of `eligible` (what keeps the states
+    entering each block reusable across a wave)."""
     screened: dict[Unit, torch.Tensor] = {}
     for unit in eligible:
         screened[unit] = cost(unit, 0)
         bar.update()
-    if not confirmed:
-        return {u: (0, float(v.mean())) for u, v in screened.items()}
-    cheapest = set(sorted(screened, key=lambda u: float(screened[u].mean()))[:confirmed])
-    found = {u: (1, float(v.mean())) for u, v in screened.items()}
-    for unit in (u for u in eligible if u in cheapest):
-        found[unit] = (0, float(torch.cat([screened[unit], cost(unit, 1)]).mean()))
-        bar.update()
-    return found
+    found = {u: (int(confirmed > 0), float(v.mean())) for u, v in screened.items()}
+    cheapest = set(sorted(screened, key=found.__getitem__)[:confirmed])
+    while True:
+        taken = take(found)
+        cut = screened[taken[-1]] if taken else None
+        wave = [u for u in eligible if u in cheapest and found[u][0] and not _clearly_above(screened[u], cut)]
+        if not wave:
+            return found
+        for unit in wave:
+            found[unit] = (0, float(torch.cat([screened[unit], cost(unit, 1)]).mean()))
+            bar.update()
+
+
+def _clearly_above(values: torch.Tensor, cut: torch.Tensor | None) -> bool:
+    """Whether a unit's per-example divergences lie above the cut's on the same examples by more than Z
+    standard errors of their mean difference: a paired test, since examples differ far more from each other
+    than units do on one example."""
+    if cut is None or len(values) < 2:
+        return False
+    difference = (values - cut).double()
+    return bool(difference.mean() > Z * difference.std() / math.sqrt(len(difference)))
 
 
 def searched_scores(scores: HeadScores, order: list[Unit]) -> HeadScores:
