@@ -14,6 +14,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -36,8 +37,8 @@ ROUNDS = 2
 # cheapest MARGIN times its share: the units it can take (benchmarks/research-log.md, the screened search).
 SCREEN = 4
 MARGIN = 2.0
-# Of those, a unit whose screen lies more than Z standard errors of its prediction above the round's cut is not
-# measured on the rest: two standard errors, the usual line for "clearly above" (the settled cut).
+# Of those, a unit whose screen lies more than Z standard errors above the round's cut's (paired over the screen's
+# examples) is not measured on the rest: two, the usual line for "clearly above" (the settled cut).
 Z = 2.0
 
 
@@ -76,10 +77,7 @@ def search_order(
         ]
         present = total - len(order)
         confirmed = min(math.ceil(MARGIN * share / size), present) if parts > 1 else 0
-
-        def take(keys: dict[Unit, tuple[int, float]], share: int = share) -> list[Unit]:
-            return _take(keys, share, removed, units)
-
+        take = partial(_take, share=share, removed=removed, units=units)  # `removed` as it stands when called
         most = len(eligible) + min(confirmed, len(eligible))  # the bar's total: a settled cut ends it early
         bar = progress_bar(None, f"search round {r + 1}/{rounds}", most, progress)
         with bar:
@@ -107,13 +105,15 @@ def _take(
     """The units a round takes: the cheapest by `keys` until `share` heads have gone, each only while its layer
     has room for it on top of what `removed` holds."""
     taken: list[Unit] = []
+    heads = 0
     gone = dict(removed)
     for name, unit in sorted(keys, key=keys.__getitem__):
-        if sum(len(u) for _, u in taken) >= share:
+        if heads >= share:
             break
         if len(gone.get(name, ())) + len(unit) <= units[name][1]:
             taken.append((name, unit))
             gone[name] = gone.get(name, ()) + unit
+            heads += len(unit)
     return taken
 
 
