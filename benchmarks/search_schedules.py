@@ -2,8 +2,9 @@
 flow on SmolLM2-135M or Gemma 3 270M with the frontier's calibration (`frontier.py`), its search run with the
 full schedule (`search_screen: false`: every unit measured on every search example in both rounds) and each
 measurement's per-example divergences kept; then the shipped `search_order` replayed on them with other
-schedules: each round screening every unit on the first batch (or two) and measuring on the rest at most the
-cheapest `MARGIN` times its share, until the cut is settled (`Z`), or the whole search on fewer examples. A
+schedules: each round screening on the first batch (or two) every unit (or, after the first round, those the
+earlier screen does not rule out) and measuring on the rest at most the cheapest `MARGIN` times its share,
+until the cut is settled (`Z`), or the whole search on fewer examples. A
 replay that reaches a state the full schedule never measured measures it then. Per schedule: the work of its
 measurements against the full schedule's (each priced as the search prices it: a pass over its examples from the
 unit's block on), whether it ends in the full schedule's plan, and the held-out divergence of its plan after
@@ -39,15 +40,17 @@ from prune_heads.recovery.candidates import Candidate
 from prune_heads.task_data import batch_size
 
 OUT = Path(__file__).resolve().parent / ".search"
-SCHEDULES = {  # name -> (batches measured, batches screened or None, margin, Z: the settled cut's line)
-    "full (search_screen: false)": (None, None, None, None),
-    "screen 1 batch, margin 2, settled cut (the default here)": (None, 1, 2.0, search.Z),
-    "screen 1 batch, margin 2, every unit of the margin": (None, 1, 2.0, math.inf),
-    "screen 1 batch, margin 1.25, every unit of the margin": (None, 1, 1.25, math.inf),
-    "screen 1 batch, margin 4, settled cut": (None, 1, 4.0, search.Z),
-    "screen 1 batch, margin 2, settled cut at 1 standard error": (None, 1, 2.0, 1.0),
-    "first 2 batches only": (2, None, None, None),
-    "first 2 batches, screen 1, margin 2, settled cut": (2, 1, 2.0, search.Z),
+SCHEDULES = {  # name -> (batches measured, batches screened or None, margin, Z: the settled cut's line,
+    # whether a later round screens only what the earlier screen does not rule out)
+    "full (search_screen: false)": (None, None, None, None, False),
+    "screen 1 batch, margin 2, settled cut, ruled out (the default here)": (None, 1, 2.0, search.Z, True),
+    "screen 1 batch, margin 2, settled cut, every unit screened": (None, 1, 2.0, search.Z, False),
+    "screen 1 batch, margin 2, every unit of the margin, every unit screened": (None, 1, 2.0, math.inf, False),
+    "screen 1 batch, margin 1.25, every unit of the margin, every unit screened": (None, 1, 1.25, math.inf, False),
+    "screen 1 batch, margin 4, settled cut, ruled out": (None, 1, 4.0, search.Z, True),
+    "screen 1 batch, margin 2, settled cut and ruled out at 1 standard error": (None, 1, 2.0, 1.0, True),
+    "first 2 batches only": (2, None, None, None, False),
+    "first 2 batches, screen 1, margin 2, settled cut, ruled out": (2, 1, 2.0, search.Z, True),
 }
 
 
@@ -105,18 +108,20 @@ class Log:
         return cost
 
 
-def replay(log: Log, context: dict, sizes: list[int], measured, screened, margin, z) -> list:
+def replay(log: Log, context: dict, sizes: list[int], measured, screened, margin, z, ruled_out) -> list:
     """The order the shipped `search_order` gives with this schedule, on the log."""
     log.spent, log.read = 0.0, {}
-    saved = search.MARGIN, search.Z
+    saved = search.MARGIN, search.Z, search._screen
     search.MARGIN, search.Z = margin or saved[0], z or saved[1]
+    if not ruled_out:  # every unit screened in every round: no earlier screens to rule one out by
+        search._screen = lambda eligible, cost, confirmed, earlier, bar: saved[2](eligible, cost, confirmed, {}, bar)
     try:
         cost = log.cost(sizes, measured, screened)
         order, _ = search.search_order(
             context["units"], context["budget"], context["rounds"], cost, 2 if screened else 1
         )
     finally:
-        search.MARGIN, search.Z = saved
+        search.MARGIN, search.Z, search._screen = saved
     return order
 
 
@@ -148,8 +153,8 @@ def run(args) -> None:
             return heldout[key(plan)]
 
         rows = []
-        for label, (measured, screened, margin, z) in SCHEDULES.items():
-            order = replay(log, context, sizes, measured, screened, margin, z)
+        for label, (measured, screened, margin, z, ruled_out) in SCHEDULES.items():
+            order = replay(log, context, sizes, measured, screened, margin, z, ruled_out)
             spent = log.spent
             trial.gated.restore()
             plan = ph.select_heads(search.searched_scores(scores, order), budget)

@@ -165,9 +165,9 @@ class RecoveryConfig:
     )
     search_screen: bool = option(
         True,
-        "Screen each search round's units on the first quarter of the search examples and measure on the rest "
-        "at most the cheapest (twice the round's share), until the cut is settled; off: every unit on all of "
-        "them (the earlier schedule).",
+        "Screen each search round's units on the first quarter of the search examples (after the first round, "
+        "those the earlier screen does not rule out) and measure on the rest at most the cheapest (twice the "
+        "round's share), until the cut is settled; off: every unit on all of them (the earlier schedule).",
     )
     bias_compensation: bool = option(
         True, "Without reconstruction: try adding the removed heads' mean output to the output bias (FLAP)."

@@ -94,6 +94,28 @@ def test_a_screened_round_measures_on_the_rest_only_until_its_cut_is_settled(mon
     assert order[0] == (A if settled else B) and priced == [6, 2 if settled else 3]
 
 
+@pytest.mark.parametrize("noisy", [False, True])
+def test_a_later_round_screens_only_the_units_its_earlier_screen_does_not_rule_out(noisy):
+    """Round 1 screens all six units and takes A. Round 2 may measure two units on the rest: C and B, the two
+    cheapest on round 1's screen, are screened first. D's round-1 screen lies clearly above B's (the dearest
+    there of those two) and D is not screened again, unless it lies within noise of it; the units at 20 never
+    are. The units round 2 leaves unscreened are ranked after the rest by their round-1 screen."""
+    D = ("layers.1.attn", (2, 3))
+    screen = {A: [0.0] * 4, C: [0.0, 1.0, 0.0, 1.0], B: [1.0] * 4, D: [0.5, 2.0, 0.5, 2.0] if noisy else [3.0] * 4}
+    calls: list = []
+    measured = _screened_cost(screen, {}, calls)
+
+    def cost(plan: dict, changed: str, part: int) -> torch.Tensor:  # the unit alone: its cost is the same after A
+        heads = plan[changed][2:] if changed == A[0] and len(plan[changed]) > 2 else plan[changed]
+        return measured({changed: heads}, changed, part)
+
+    units = removal_units(SCORES, HeadBudget(num_heads=0))
+    order, priced = search_order(units, budget=4, rounds=2, cost=cost, parts=2)
+    again = [u for u, part in calls if part == 0][6:]
+    assert sorted(again) == sorted([B, C, D] if noisy else [B, C]) and priced[0] == 6 + len(again)
+    assert order[:4] == [A, C, B, D]  # C's screen is cheaper on the rest's 20s; D before the units at 20 either way
+
+
 def test_searched_scores_make_select_heads_take_the_searched_units():
     order, _ = search_order(removal_units(SCORES, HeadBudget(num_heads=0)), budget=4, rounds=2, cost=measured)
     plan = ph.select_heads(searched_scores(SCORES, order), num_heads=4)

@@ -55,12 +55,13 @@ def search_order(
     heads it may lose)`; `budget` heads go in `rounds` rounds of equal shares; `cost(plan, layer, part)`
     gives the per-example divergences on examples `part` of the plan whose `layer` differs from the state so
     far. With two parts a round screens every unit on the first and measures on the second at most the
-    cheapest `MARGIN` times its share, in units, until its cut is settled (`_measure_round`). The screen is
-    priced by the units present at a round's start (the same on any device, whichever units the values make
-    eligible), the rest by the units measured there; with `progress`, a bar per round counts measurements."""
+    cheapest `MARGIN` times its share, in units, until its cut is settled (`_measure_round`); after the first
+    round it screens only the units an earlier screen does not rule out (`_screen`). Each part is priced by the
+    units measured on it; with `progress`, a bar per round counts measurements."""
     removed: dict[str, tuple[int, ...]] = {}
     order: dict[Unit, None] = {}  # the units removed, in order (a dict: membership at thousands of units)
     last: dict[Unit, tuple[int, float]] = {}
+    screens: dict[Unit, torch.Tensor] = {}  # each unit's latest screen: what orders the next round's
     priced = [0] * parts
     total = sum(len(u) for u, _ in units.values())
     size = _heads_per_unit([u for us, _ in units.values() for u in us])
@@ -81,8 +82,10 @@ def search_order(
         most = len(eligible) + min(confirmed, len(eligible))  # the bar's total: a settled cut ends it early
         bar = progress_bar(None, f"search round {r + 1}/{rounds}", most, progress)
         with bar:
-            costs = _measure_round(eligible, lambda u, p: cost(_with(removed, u), u[0], p), confirmed, take, bar)
-        priced[0] += present
+            measure = partial(_measure_one, cost=cost, removed=removed)
+            costs, first = _measure_round(eligible, measure, confirmed, take, screens, bar)
+        screens.update(first)
+        priced[0] += len(first)
         if parts > 1:
             priced[1] += sum(1 for place in costs.values() if place[0] == 0)
         if not costs:
@@ -128,24 +131,79 @@ def _with(removed: dict[str, tuple[int, ...]], unit: Unit) -> dict[str, tuple[in
     return {**removed, name: tuple(sorted(removed.get(name, ()) + heads))}
 
 
+def _measure_one(unit: Unit, part: int, cost, removed: dict[str, tuple[int, ...]]) -> torch.Tensor:
+    """`unit`'s per-example divergences on `part` with it gone on top of `removed`."""
+    return cost(_with(removed, unit), unit[0], part)
+
+
 def _measure_round(
     eligible: list[Unit],
     cost: Callable[[Unit, int], torch.Tensor],
     confirmed: int,
     take: Callable[[dict[Unit, tuple[int, float]]], list[Unit]],
+    earlier: dict[Unit, torch.Tensor],
+    bar,
+) -> tuple[dict[Unit, tuple[int, float]], dict[Unit, torch.Tensor]]:
+    """Each unit's place key, and the divergences on the first part of the units measured there. Without
+    `confirmed` every unit is measured on the one part: (0, its mean). Else the units `_screen` picks are
+    screened on the first part and `_settle` measures the cheapest of them on the second: (0, the mean over
+    every example) where measured on both, (1, the screen's mean) where screened only, and (2, the earlier
+    screen's mean) for the units not screened (ranked after all others)."""
+    if not confirmed:
+        measured = {}
+        for unit in eligible:
+            measured[unit] = cost(unit, 0)
+            bar.update()
+        return {u: (0, float(v.mean())) for u, v in measured.items()}, measured
+    screened = _screen(eligible, cost, confirmed, earlier, bar)
+    found = _settle(eligible, cost, screened, confirmed, take, bar)
+    return {**found, **{u: (2, float(earlier[u].mean())) for u in eligible if u not in screened}}, screened
+
+
+def _screen(
+    eligible: list[Unit],
+    cost: Callable[[Unit, int], torch.Tensor],
+    confirmed: int,
+    earlier: dict[Unit, torch.Tensor],
+    bar,
+) -> dict[Unit, torch.Tensor]:
+    """The units' divergences on the first part. In the first round every unit is screened. After it, the
+    units go in waves by their `earlier` screens (the same examples): first the `confirmed` cheapest there,
+    then each wave those whose earlier screen is not clearly above that of the dearest there among this
+    round's `confirmed` cheapest so far; a wave with none left ends the screen. A unit clearly dearer before
+    than every unit this round may measure on the rest stays out of reach: its removal would have to get
+    cheaper for it to enter, while what went before mostly makes a removal dearer."""
+    if not all(u in earlier for u in eligible):  # the first round: nothing to order them by
+        wave = eligible
+    else:
+        first = set(sorted(eligible, key=lambda u: float(earlier[u].mean()))[:confirmed])
+        wave = [u for u in eligible if u in first]
+    screened: dict[Unit, torch.Tensor] = {}
+    while wave:
+        for unit in wave:  # in the order of `eligible`: the states entering each block stay reusable
+            screened[unit] = cost(unit, 0)
+            bar.update()
+        if len(screened) == len(eligible):
+            break
+        margin = sorted(screened, key=lambda u: float(screened[u].mean()))[:confirmed]
+        dearest = earlier[max(margin, key=lambda u: float(earlier[u].mean()))]
+        wave = [u for u in eligible if u not in screened and not _clearly_above(earlier[u], dearest)]
+    return screened
+
+
+def _settle(
+    eligible: list[Unit],
+    cost: Callable[[Unit, int], torch.Tensor],
+    screened: dict[Unit, torch.Tensor],
+    confirmed: int,
+    take: Callable[[dict[Unit, tuple[int, float]]], list[Unit]],
     bar,
 ) -> dict[Unit, tuple[int, float]]:
-    """Each unit's place key: (0, its mean divergence) where it was measured on every example, else (1, its
-    screen's mean). Without `confirmed` every unit is measured on the one part. Else every unit is screened
-    on the first part, then measured on the second in waves until the cut is settled: each wave measures
-    those of the `confirmed` cheapest on the screen, not measured yet, whose screen is not clearly above the
-    cut's (the last unit `take` takes by the keys so far), in the order of `eligible` (what keeps the states
-    entering each block reusable across a wave)."""
-    screened: dict[Unit, torch.Tensor] = {}
-    for unit in eligible:
-        screened[unit] = cost(unit, 0)
-        bar.update()
-    found = {u: (int(confirmed > 0), float(v.mean())) for u, v in screened.items()}
+    """The screened units' place keys once the cut is settled: the `confirmed` cheapest on the screen are
+    measured on the second part in waves, each wave those not measured yet whose screen is not clearly above
+    the cut's (the last unit `take` takes by the keys so far), in the order of `eligible` (what keeps the
+    states entering each block reusable across a wave), until a wave has none."""
+    found = {u: (1, float(v.mean())) for u, v in screened.items()}
     cheapest = set(sorted(screened, key=found.__getitem__)[:confirmed])
     while True:
         taken = take(found)
