@@ -96,10 +96,10 @@ def test_a_screened_round_measures_on_the_rest_only_until_its_cut_is_settled(mon
 
 @pytest.mark.parametrize("noisy", [False, True])
 def test_a_later_round_screens_only_the_units_its_earlier_screen_does_not_rule_out(noisy):
-    """Round 1 screens all six units and takes A. Round 2 may measure two units on the rest: C and B, the two
-    cheapest on round 1's screen, are screened first. D's round-1 screen lies clearly above B's (the dearest
-    there of those two) and D is not screened again, unless it lies within noise of it; the units at 20 never
-    are. The units round 2 leaves unscreened are ranked after the rest by their round-1 screen."""
+    """Round 1 screens all six units and takes A. Round 2 may measure two units on the rest, C and B the two
+    cheapest on round 1's screen: D's round-1 screen lies clearly above B's (the dearest there of the two) and
+    D is not screened again, unless it lies within noise of it; the units at 20 never are. The units round 2
+    leaves unscreened are ranked after the rest by their round-1 screen."""
     D = ("layers.1.attn", (2, 3))
     screen = {A: [0.0] * 4, C: [0.0, 1.0, 0.0, 1.0], B: [1.0] * 4, D: [0.5, 2.0, 0.5, 2.0] if noisy else [3.0] * 4}
     calls: list = []
@@ -114,6 +114,28 @@ def test_a_later_round_screens_only_the_units_its_earlier_screen_does_not_rule_o
     again = [u for u, part in calls if part == 0][6:]
     assert sorted(again) == sorted([B, C, D] if noisy else [B, C]) and priced[0] == 6 + len(again)
     assert order[:4] == [A, C, B, D]  # C's screen is cheaper on the rest's 20s; D before the units at 20 either way
+
+
+def test_a_unit_comes_within_reach_once_the_round_s_own_screen_moves_its_cheapest():
+    """Round 2 first screens C, B and G (G's round-1 screen within noise of B's, the dearest of the two cheapest
+    there). B got dear once A went, so G joins C among the round's two cheapest; D, clearly above B but not
+    above G on round 1's screen, is screened in a second wave. The unit at 20 never is."""
+    G, D = ("layers.1.attn", (2, 3)), ("layers.1.attn", (4, 5))
+    screen = {A: [0.0] * 4, C: [0.0, 1.0, 0.0, 1.0], B: [1.0] * 4, G: [0.0, 3.0, 0.0, 3.0], D: [2.0, 2.5] * 2}
+    calls: list = []
+    measured = _screened_cost(screen, {}, calls)
+
+    def cost(plan: dict, changed: str, part: int) -> torch.Tensor:
+        if changed == A[0] and plan[changed] == (0, 1, 2, 3) and part == 0:  # B once A has gone
+            calls.append((B, part))
+            return torch.tensor([25.0] * 4)
+        heads = plan[changed][2:] if changed == A[0] and len(plan[changed]) > 2 else plan[changed]
+        return measured({changed: heads}, changed, part)
+
+    units = removal_units(SCORES, HeadBudget(num_heads=0))
+    search_order(units, budget=4, rounds=2, cost=cost, parts=2)
+    again = [u for u, part in calls if part == 0][6:]
+    assert again == [B, C, G, D]  # the first wave in the units' order, then D
 
 
 def test_searched_scores_make_select_heads_take_the_searched_units():

@@ -167,18 +167,17 @@ def _screen(
     earlier: dict[Unit, torch.Tensor],
     bar,
 ) -> dict[Unit, torch.Tensor]:
-    """The units' divergences on the first part. In the first round every unit is screened. After it, the
-    units go in waves by their `earlier` screens (the same examples): first the `confirmed` cheapest there,
-    then each wave those whose earlier screen is not clearly above that of the dearest there among this
-    round's `confirmed` cheapest so far; a wave with none left ends the screen. A unit clearly dearer before
+    """The units' divergences on the first part. In the first round every unit is screened. After it, only
+    the units whose `earlier` screen (the same examples) is not clearly above that of the dearest there among
+    this round's `confirmed` cheapest: before any screen, the earlier screen's cheapest stand in for them;
+    each wave screens the units that come within reach, until a wave has none. A unit clearly dearer before
     than every unit this round may measure on the rest stays out of reach: its removal would have to get
     cheaper for it to enter, while what went before mostly makes a removal dearer."""
-    if not all(u in earlier for u in eligible):  # the first round: nothing to order them by
+    screened: dict[Unit, torch.Tensor] = {}
+    if not all(u in earlier for u in eligible):  # the first round: nothing to rule a unit out by
         wave = eligible
     else:
-        first = set(sorted(eligible, key=lambda u: float(earlier[u].mean()))[:confirmed])
-        wave = [u for u in eligible if u in first]
-    screened: dict[Unit, torch.Tensor] = {}
+        wave = _within_reach(eligible, earlier, sorted(eligible, key=lambda u: float(earlier[u].mean()))[:confirmed])
     while wave:
         for unit in wave:  # in the order of `eligible`: the states entering each block stay reusable
             screened[unit] = cost(unit, 0)
@@ -186,9 +185,14 @@ def _screen(
         if len(screened) == len(eligible):
             break
         margin = sorted(screened, key=lambda u: float(screened[u].mean()))[:confirmed]
-        dearest = earlier[max(margin, key=lambda u: float(earlier[u].mean()))]
-        wave = [u for u in eligible if u not in screened and not _clearly_above(earlier[u], dearest)]
+        wave = [u for u in _within_reach(eligible, earlier, margin) if u not in screened]
     return screened
+
+
+def _within_reach(eligible: list[Unit], earlier: dict[Unit, torch.Tensor], margin: list[Unit]) -> list[Unit]:
+    """The units whose earlier screen is not clearly above that of the dearest there in `margin`."""
+    dearest = earlier[max(margin, key=lambda u: float(earlier[u].mean()))]
+    return [u for u in eligible if not _clearly_above(earlier[u], dearest)]
 
 
 def _settle(
