@@ -138,6 +138,12 @@ def test_a_unit_comes_within_reach_once_the_round_s_own_screen_moves_its_cheapes
     assert again == [B, C, G, D]  # the first wave in the units' order, then D
 
 
+def test_a_screened_round_with_no_unit_left_that_has_room_ends_the_search():
+    units = {"layers.0.attn": ([(0, 1), (2, 3), (4, 5)], 2)}  # room for one unit: round 2 has none eligible
+    order, priced = search_order(units, budget=4, rounds=2, cost=_screened_cost({}, {}, []), parts=2)
+    assert len(order) == 3 and priced[0] == 3
+
+
 def test_searched_scores_make_select_heads_take_the_searched_units():
     order, _ = search_order(removal_units(SCORES, HeadBudget(num_heads=0)), budget=4, rounds=2, cost=measured)
     plan = ph.select_heads(searched_scores(SCORES, order), num_heads=4)

@@ -174,7 +174,7 @@ def _screen(
     than every unit this round may measure on the rest stays out of reach: its removal would have to get
     cheaper for it to enter, while what went before mostly makes a removal dearer."""
     screened: dict[Unit, torch.Tensor] = {}
-    if not all(u in earlier for u in eligible):  # the first round: nothing to rule a unit out by
+    if not eligible or not all(u in earlier for u in eligible):  # the first round: nothing to rule one out by
         wave = eligible
     else:
         wave = _within_reach(eligible, earlier, sorted(eligible, key=lambda u: float(earlier[u].mean()))[:confirmed])
