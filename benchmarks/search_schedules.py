@@ -2,10 +2,10 @@
 flow on SmolLM2-135M or Gemma 3 270M with the frontier's calibration (`frontier.py`), its search run with the
 full schedule (`search_screen: false`: every unit measured on every search example in both rounds) and each
 measurement's per-example divergences kept; then the shipped `search_order` replayed on them with other
-schedules: each round screening on the first batch (or two) every unit (or, after the first round, those the
-earlier screen does not rule out) and measuring on the rest at most the cheapest `MARGIN` times its share,
-until the cut is settled (`Z`), or the whole search on fewer examples. A
-replay that reaches a state the full schedule never measured measures it then. Per schedule: the work of its
+schedules: each round screening on the first batch every unit (or, after the first round, those the earlier
+screen does not rule out) and racing at most the cheapest `MARGIN` times its share over the rest, a batch at a
+time or in one part, until each is clearly in or out (`Z`), or the whole search on fewer examples. A replay
+that reaches a state the full schedule never measured measures it then. Per schedule: the work of its
 measurements against the full schedule's (each priced as the search prices it: a pass over its examples from the
 unit's block on), whether it ends in the full schedule's plan, and the held-out divergence of its plan after
 the plan's refits (what the held-out choice between candidates sees) beside the full schedule's; then the
@@ -40,17 +40,26 @@ from prune_heads.recovery.candidates import Candidate
 from prune_heads.task_data import batch_size
 
 OUT = Path(__file__).resolve().parent / ".search"
-SCHEDULES = {  # name -> (batches measured, batches screened or None, margin, Z: the settled cut's line,
-    # whether a later round screens only what the earlier screen does not rule out)
-    "full (search_screen: false)": (None, None, None, None, False),
-    "screen 1 batch, margin 2, settled cut, ruled out (the default here)": (None, 1, 2.0, search.Z, True),
-    "screen 1 batch, margin 2, settled cut, every unit screened": (None, 1, 2.0, search.Z, False),
-    "screen 1 batch, margin 2, every unit of the margin, every unit screened": (None, 1, 2.0, math.inf, False),
-    "screen 1 batch, margin 1.25, every unit of the margin, every unit screened": (None, 1, 1.25, math.inf, False),
-    "screen 1 batch, margin 4, settled cut, ruled out": (None, 1, 4.0, search.Z, True),
-    "screen 1 batch, margin 2, settled cut and ruled out at 1 standard error": (None, 1, 2.0, 1.0, True),
-    "first 2 batches only": (2, None, None, None, False),
-    "first 2 batches, screen 1, margin 2, settled cut, ruled out": (2, 1, 2.0, search.Z, True),
+SCHEDULES = {  # name -> (batches measured, batches screened or None, whether the rest is raced a screen's worth at
+    # a time (else as one part), margin, Z: the race's line, whether a later round screens only what the earlier
+    # screen does not rule out)
+    "full (search_screen: false)": (None, None, False, None, None, False),
+    "screen 1 batch, raced a batch at a time, margin 2, ruled out (the default)": (
+        None,
+        1,
+        True,
+        2.0,
+        search.Z,
+        True,
+    ),
+    "screen 1 batch, the rest raced as one part, margin 2, ruled out": (None, 1, False, 2.0, search.Z, True),
+    "screen 1 batch, raced a batch at a time, margin 2, every unit screened": (None, 1, True, 2.0, search.Z, False),
+    "screen 1 batch, margin 2, every unit of the margin, every unit screened": (None, 1, False, 2.0, math.inf, False),
+    "screen 1 batch, raced a batch at a time, margin 1.25, ruled out": (None, 1, True, 1.25, search.Z, True),
+    "screen 1 batch, raced a batch at a time, margin 4, ruled out": (None, 1, True, 4.0, search.Z, True),
+    "screen 1 batch, raced a batch at a time at 1 standard error, ruled out": (None, 1, True, 2.0, 1.0, True),
+    "first 2 batches only": (2, None, False, None, None, False),
+    "first 2 batches, screen 1, raced a batch at a time, margin 2, ruled out": (2, 1, True, 2.0, search.Z, True),
 }
 
 
@@ -88,12 +97,14 @@ class Log:
             self.values[k] = self.search(plan, changed, 0).double().cpu()
         return self.values[k]
 
-    def cost(self, sizes: list[int], measured: int | None, screened: int | None):
-        """The cost a replay reads: over the first `measured` batches (all: None), in two parts where
-        `screened` batches are screened first."""
+    def cost(self, sizes: list[int], measured: int | None, screened: int | None, raced: bool):
+        """The cost a replay reads: over the first `measured` batches (all: None), and where `screened` batches
+        are screened first, the rest in parts of as many batches (`raced`) or in one."""
         total = sum(sizes)
         used = sizes[: measured or len(sizes)]
-        cuts = [0, sum(used[:screened]), sum(used)] if screened else [0, sum(used)]
+        step = screened if raced else len(used)
+        ends = [screened, *range(screened + step, len(used), step), len(used)] if screened else [len(used)]
+        cuts = [0, *(sum(used[:end]) for end in ends)]
         owner = self.search.__self__
 
         def cost(plan: dict, changed: str, part: int) -> torch.Tensor:
@@ -105,10 +116,10 @@ class Log:
                 self.read[key(plan)] = b
             return self.examples(plan, changed)[a:b]
 
-        return cost
+        return cost, len(cuts) - 1
 
 
-def replay(log: Log, context: dict, sizes: list[int], measured, screened, margin, z, ruled_out) -> list:
+def replay(log: Log, context: dict, sizes: list[int], measured, screened, raced, margin, z, ruled_out) -> list:
     """The order the shipped `search_order` gives with this schedule, on the log."""
     log.spent, log.read = 0.0, {}
     saved = search.MARGIN, search.Z, search._screen
@@ -116,10 +127,8 @@ def replay(log: Log, context: dict, sizes: list[int], measured, screened, margin
     if not ruled_out:  # every unit screened in every round: no earlier screens to rule one out by
         search._screen = lambda eligible, cost, confirmed, earlier, bar: saved[2](eligible, cost, confirmed, {}, bar)
     try:
-        cost = log.cost(sizes, measured, screened)
-        order, _ = search.search_order(
-            context["units"], context["budget"], context["rounds"], cost, 2 if screened else 1
-        )
+        cost, parts = log.cost(sizes, measured, screened, raced)
+        order, _ = search.search_order(context["units"], context["budget"], context["rounds"], cost, parts)
     finally:
         search.MARGIN, search.Z, search._screen = saved
     return order
@@ -153,8 +162,8 @@ def run(args) -> None:
             return heldout[key(plan)]
 
         rows = []
-        for label, (measured, screened, margin, z, ruled_out) in SCHEDULES.items():
-            order = replay(log, context, sizes, measured, screened, margin, z, ruled_out)
+        for label, settings in SCHEDULES.items():
+            order = replay(log, context, sizes, *settings)
             spent = log.spent
             trial.gated.restore()
             plan = ph.select_heads(search.searched_scores(scores, order), budget)

@@ -166,8 +166,9 @@ class RecoveryConfig:
     search_screen: bool = option(
         True,
         "Screen each search round's units on the first quarter of the search examples (after the first round, "
-        "those the earlier screen does not rule out) and measure on the rest at most the cheapest (twice the "
-        "round's share), until the cut is settled; off: every unit on all of them (the earlier schedule).",
+        "those the earlier screen does not rule out) and race at most the cheapest (twice the round's share) over "
+        "the rest, a quarter at a time, until each is clearly in or out; off: every unit on all of them (the "
+        "earlier schedule).",
     )
     bias_compensation: bool = option(
         True, "Without reconstruction: try adding the removed heads' mean output to the output bias (FLAP)."

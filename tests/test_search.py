@@ -48,8 +48,9 @@ def test_a_layer_never_loses_more_than_its_room():
 
 
 def test_a_screened_round_measures_only_the_cheapest_on_the_rest_and_takes_by_every_example():
-    """The screen (part 0) puts A first and C last; on the rest (part 1) A is dear: every example decides.
-    With a share of one unit the two cheapest on the screen go on to the rest; C is never measured there."""
+    """The screen (part 0, one example: nothing is clear on it) puts A first and C last; on the rest (part 1) A
+    is dear: every example decides. With a share of one unit the two cheapest on the screen race on the rest; C
+    is never measured there."""
     screen = {A: 0.0, B: 1.0, C: 9.0}
     rest = {A: 9.0, B: 1.0, C: 0.0}
     calls = []
@@ -78,20 +79,45 @@ def _screened_cost(screen: dict, rest: dict, calls: list):
     return cost
 
 
-@pytest.mark.parametrize("rest_of_a", [0.0, 9.0])
-def test_a_screened_round_measures_on_the_rest_only_until_its_cut_is_settled(monkeypatch, rest_of_a):
-    """With room for three units on the rest, B's screen lies clearly above A's (the first cut) on every
-    example and C's does not: A and C are measured on the rest. Where A stays cheap the cut is settled; where
-    A and C turn out dear, C is the cut, B's screen is not clearly above C's and B is measured too (and taken)."""
+@pytest.mark.parametrize("later", ["C stays cheaper", "B overtakes C"])
+def test_a_screened_round_races_each_unit_only_until_it_is_clearly_in_or_out(later):
+    """A round that takes two units races the four cheapest on the screen over two more parts. On the screen A
+    lies clearly below B (the cheapest it would not take) and is taken without more measurements; D lies clearly
+    above C (the cut) and drops out. B and C race on: where C stays cheaper it is clearly in after one more part
+    and B clearly out; where B turns cheap neither is clear and both run the last part, B taken by its mean."""
+    D = ("layers.1.attn", (2, 3))
+    parts = [
+        {A: [0.0] * 4, C: [1.0, 2.0, 1.0, 2.0], B: [2.0, 1.0, 2.0, 2.0], D: [20.0] * 4},
+        {C: [1.0] * 3, B: [3.0] * 3} if later == "C stays cheaper" else {C: [3.0] * 3, B: [0.0] * 3},
+        {C: [3.0] * 3, B: [0.0] * 3},
+    ]
+    calls: list = []
+
+    def cost(plan: dict, changed: str, part: int) -> torch.Tensor:
+        unit = next((n, tuple(h)) for n, h in plan.items() if n == changed)
+        calls.append((unit, part))
+        return torch.tensor(parts[part].get(unit, [20.0] * (4 if part == 0 else 3)))
+
+    units = removal_units(SCORES, HeadBudget(num_heads=0))
+    order, priced = search_order(units, budget=4, rounds=1, cost=cost, parts=3)
+    raced = [[u for u, part in calls if part == p] for p in (1, 2)]
+    if later == "C stays cheaper":
+        assert raced == [[B, C], []] and order[:2] == [A, C] and priced == [6, 2, 0]
+    else:
+        assert raced == [[B, C], [B, C]] and order[:2] == [A, B] and priced == [6, 2, 2]
+
+
+def test_a_unit_out_of_the_race_stays_out_though_the_cut_moves(monkeypatch):
+    """With room for three units in the race, B's screen lies clearly above A's (the cut) on every example and
+    B drops out; on the rest A turns dear, so C is taken, and B, never measured there, ranks after them."""
     monkeypatch.setattr(search, "MARGIN", 3.0)
     screen = {A: [0.0] * 4, C: [0.0, 1.0, 0.0, 1.0], B: [1.0] * 4}
-    rest = {A: [rest_of_a] * 3, C: [5.0] * 3, B: [0.0] * 3}
+    rest = {A: [9.0] * 3, C: [5.0] * 3, B: [0.0] * 3}
     calls: list = []
     units = removal_units(SCORES, HeadBudget(num_heads=0))
     order, priced = search_order(units, budget=2, rounds=1, cost=_screened_cost(screen, rest, calls), parts=2)
-    settled = rest_of_a == 0.0
-    assert [u for u, part in calls if part == 1] == ([A, C] if settled else [A, C, B])
-    assert order[0] == (A if settled else B) and priced == [6, 2 if settled else 3]
+    assert [u for u, part in calls if part == 1] == [A, C]
+    assert order[:3] == [C, A, B] and priced == [6, 2]
 
 
 @pytest.mark.parametrize("noisy", [False, True])
@@ -238,7 +264,7 @@ def test_the_search_measures_from_each_unit_s_block_for_the_same_plan_and_less_w
     whole_tried, whole_weights, whole_work, whole_notes = _searched(monkeypatch, chain=False)
     assert tried == whole_tried and weights.keys() == whole_weights.keys()
     assert all(torch.equal(weights[k], whole_weights[k]) for k in weights)
-    assert work < 0.8 * whole_work and not notes and not whole_notes
+    assert work < 0.9 * whole_work and not notes and not whole_notes  # the refits run alike: a large share here
 
 
 def test_a_model_where_starting_part_way_is_not_exact_is_searched_over_the_whole_model_and_says_so(monkeypatch):
@@ -248,8 +274,8 @@ def test_a_model_where_starting_part_way_is_not_exact_is_searched_over_the_whole
 
 
 def test_the_screened_search_costs_less_than_the_full_schedule_which_stays_reachable(monkeypatch):
-    """By default a round screens every unit on the first of the search's batches and measures the cheapest
-    on the rest; `search_screen=False` measures every unit on every batch (the earlier schedule)."""
+    """By default a round screens the units on the first of the search's batches and races the cheapest over
+    the rest; `search_screen=False` measures every unit on every batch (the earlier schedule)."""
     tried, _, work, notes = _searched(monkeypatch)
     full_tried, _, full_work, full_notes = _searched(monkeypatch, search_screen=False)
     assert "search + reconstruction" in tried and "search + reconstruction" in full_tried

@@ -33,12 +33,14 @@ Unit = tuple[str, tuple[int, ...]]  # (layer name, original heads that go togeth
 # one output (a class, a value, an embedding) the default runs none: on the classifier fixtures its plan lost
 # on held-out data in every cell measured, even on 256 examples (benchmarks/research-log.md, the searched plan).
 ROUNDS = 2
-# Each round screens every unit on the first 1/SCREEN of the search's batches and measures on the rest at most the
-# cheapest MARGIN times its share: the units it can take (benchmarks/research-log.md, the screened search).
+# Each round screens every unit on the first 1/SCREEN of the search's batches and races at most the cheapest MARGIN
+# times its share on the rest, a screen's worth at a time: the units it can take (benchmarks/research-log.md, the
+# screened search and the raced cut).
 SCREEN = 4
 MARGIN = 2.0
-# Of those, a unit whose screen lies more than Z standard errors above the round's cut's (paired over the screen's
-# examples) is not measured on the rest: two, the usual line for "clearly above" (the settled cut).
+# A unit leaves the race once its divergences lie more than Z standard errors (paired over the examples both were
+# measured on) above the round's cut's, or below those of the cheapest unit the round would not take: two, the
+# usual line for "clearly" (the settled cut).
 Z = 2.0
 
 
@@ -54,10 +56,10 @@ def search_order(
     and per part of the examples the number of measurements it priced. `units[layer] = (its units, how many
     heads it may lose)`; `budget` heads go in `rounds` rounds of equal shares; `cost(plan, layer, part)`
     gives the per-example divergences on examples `part` of the plan whose `layer` differs from the state so
-    far. With two parts a round screens every unit on the first and measures on the second at most the
-    cheapest `MARGIN` times its share, in units, until its cut is settled (`_measure_round`); after the first
-    round it screens only the units an earlier screen does not rule out (`_screen`). Each part is priced by the
-    units measured on it; with `progress`, a bar per round counts measurements."""
+    far. With two parts or more a round screens the units on the first and races at most the cheapest `MARGIN`
+    times its share, in units, over the others until each is clearly in or out (`_measure_round`); after the
+    first round it screens only the units an earlier screen does not rule out (`_screen`). Each part is priced
+    by the units measured on it; with `progress`, a bar per round counts measurements."""
     removed: dict[str, tuple[int, ...]] = {}
     order: dict[Unit, None] = {}  # the units removed, in order (a dict: membership at thousands of units)
     last: dict[Unit, tuple[int, float]] = {}
@@ -79,15 +81,14 @@ def search_order(
         present = total - len(order)
         confirmed = min(math.ceil(MARGIN * share / size), present) if parts > 1 else 0
         take = partial(_take, share=share, removed=removed, units=units)  # `removed` as it stands when called
-        most = len(eligible) + min(confirmed, len(eligible))  # the bar's total: a settled cut ends it early
+        most = len(eligible) + min(confirmed, len(eligible)) * (parts - 1)  # the bar's total: the race ends early
         bar = progress_bar(None, f"search round {r + 1}/{rounds}", most, progress)
         with bar:
             measure = partial(_measure_one, cost=cost, removed=removed)
-            costs, first = _measure_round(eligible, measure, confirmed, take, screens, bar)
-        screens.update(first)
-        priced[0] += len(first)
-        if parts > 1:
-            priced[1] += sum(1 for place in costs.values() if place[0] == 0)
+            costs, measured = _measure_round(eligible, measure, parts, confirmed, take, screens, bar)
+        screens.update({unit: values[0] for unit, values in measured.items()})
+        for part in range(parts):
+            priced[part] += sum(1 for values in measured.values() if len(values) > part)
         if not costs:
             break
         last = costs
@@ -139,25 +140,25 @@ def _measure_one(unit: Unit, part: int, cost, removed: dict[str, tuple[int, ...]
 def _measure_round(
     eligible: list[Unit],
     cost: Callable[[Unit, int], torch.Tensor],
+    parts: int,
     confirmed: int,
     take: Callable[[dict[Unit, tuple[int, float]]], list[Unit]],
     earlier: dict[Unit, torch.Tensor],
     bar,
-) -> tuple[dict[Unit, tuple[int, float]], dict[Unit, torch.Tensor]]:
-    """Each unit's place key, and the divergences on the first part of the units measured there. Without
-    `confirmed` every unit is measured on the one part: (0, its mean). Else the units `_screen` picks are
-    screened on the first part and `_settle` measures the cheapest of them on the second: (0, the mean over
-    every example) where measured on both, (1, the screen's mean) where screened only, and (2, the earlier
-    screen's mean) for the units not screened (ranked after all others)."""
+) -> tuple[dict[Unit, tuple[int, float]], dict[Unit, list[torch.Tensor]]]:
+    """Each unit's place key, and the divergences of the units measured, per part measured. Without `confirmed`
+    every unit is measured on the one part: (0, its mean). Else the units `_screen` picks are screened on the
+    first part and `_race` races the cheapest of them over the others; the units not screened rank after all
+    others, by the earlier screen's mean: (3, it)."""
     if not confirmed:
         measured = {}
         for unit in eligible:
-            measured[unit] = cost(unit, 0)
+            measured[unit] = [cost(unit, 0)]
             bar.update()
-        return {u: (0, float(v.mean())) for u, v in measured.items()}, measured
+        return {u: (0, float(v[0].mean())) for u, v in measured.items()}, measured
     screened = _screen(eligible, cost, confirmed, earlier, bar)
-    found = _settle(eligible, cost, screened, confirmed, take, bar)
-    return {**found, **{u: (2, float(earlier[u].mean())) for u in eligible if u not in screened}}, screened
+    keys, measured = _race(eligible, cost, parts, screened, confirmed, take, bar)
+    return {**keys, **{u: (3, float(earlier[u].mean())) for u in eligible if u not in screened}}, measured
 
 
 def _screen(
@@ -195,39 +196,69 @@ def _within_reach(eligible: list[Unit], earlier: dict[Unit, torch.Tensor], margi
     return [u for u in eligible if not _clearly_above(earlier[u], dearest)]
 
 
-def _settle(
+def _race(
     eligible: list[Unit],
     cost: Callable[[Unit, int], torch.Tensor],
+    parts: int,
     screened: dict[Unit, torch.Tensor],
     confirmed: int,
     take: Callable[[dict[Unit, tuple[int, float]]], list[Unit]],
     bar,
-) -> dict[Unit, tuple[int, float]]:
-    """The screened units' place keys once the cut is settled: the `confirmed` cheapest on the screen are
-    measured on the second part in waves, each wave those not measured yet whose screen is not clearly above
-    the cut's (the last unit `take` takes by the keys so far), in the order of `eligible` (what keeps the
-    states entering each block reusable across a wave), until a wave has none."""
-    found = {u: (1, float(v.mean())) for u, v in screened.items()}
-    cheapest = set(sorted(screened, key=found.__getitem__)[:confirmed])
-    while True:
-        taken = take(found)
-        cut = screened[taken[-1]] if taken else None
-        wave = [u for u in eligible if u in cheapest and found[u][0] and not _clearly_above(screened[u], cut)]
-        if not wave:
-            return found
-        for unit in wave:
-            found[unit] = (0, float(torch.cat([screened[unit], cost(unit, 1)]).mean()))
+) -> tuple[dict[Unit, tuple[int, float]], dict[Unit, list[torch.Tensor]]]:
+    """The screened units' place keys once the race is run, and their divergences per part measured. The
+    `confirmed` cheapest on the screen race over the later parts, one part at a time, in the order of `eligible`
+    (what keeps the states entering each block reusable across a part): before each part a unit the round
+    takes by the keys so far leaves the race as taken once it lies clearly below the cheapest racing unit it
+    does not take, and one it does not take leaves as dropped once it lies clearly above the cut (the last
+    unit it takes): Maron and Moore's racing (Hoeffding races, 1994) with a paired test in place of their
+    bound. Keys: (0, mean) taken in the race, (1, mean) still racing after the last part, (2, mean) dropped or
+    never raced; each over the examples the unit was measured on."""
+    measured = {unit: [values] for unit, values in screened.items()}
+    racing = sorted(screened, key=lambda u: float(screened[u].mean()))[:confirmed]
+    taken: list[Unit] = []
+    for part in range(1, parts):
+        racing, taken = _decided(measured, racing, taken, take)
+        for unit in [u for u in eligible if u in set(racing)]:
+            measured[unit].append(cost(unit, part))
             bar.update()
+    return _keys(measured, racing, taken), measured
+
+
+def _decided(
+    measured: dict[Unit, list[torch.Tensor]],
+    racing: list[Unit],
+    taken: list[Unit],
+    take: Callable[[dict[Unit, tuple[int, float]]], list[Unit]],
+) -> tuple[list[Unit], list[Unit]]:
+    """The units still racing and those taken in the race, once each unit that is clearly in or out has left."""
+    keys = _keys(measured, racing, taken)
+    chosen = take(keys)
+    values = {unit: torch.cat(measured[unit]) for unit in [*racing, *chosen[-1:]]}
+    cut = values[chosen[-1]] if chosen else None
+    spare = next((values[u] for u in sorted(racing, key=keys.__getitem__) if u not in chosen), None)
+    clear_in = [u for u in racing if u in chosen and (spare is None or _clearly_above(spare, values[u]))]
+    clear_out = [u for u in racing if u not in chosen and _clearly_above(values[u], cut)]
+    return [u for u in racing if u not in clear_in and u not in clear_out], [*taken, *clear_in]
+
+
+def _keys(
+    measured: dict[Unit, list[torch.Tensor]], racing: list[Unit], taken: list[Unit]
+) -> dict[Unit, tuple[int, float]]:
+    """Place keys of the measured units: those taken in the race first, then those racing, then the rest, each
+    group by the mean over the examples each was measured on."""
+    group = {**dict.fromkeys(racing, 1), **dict.fromkeys(taken, 0)}
+    return {u: (group.get(u, 2), float(torch.cat(v).mean())) for u, v in measured.items()}
 
 
 def _clearly_above(values: torch.Tensor, cut: torch.Tensor | None) -> bool:
-    """Whether a unit's per-example divergences lie above the cut's on the same examples by more than Z
-    standard errors of their mean difference: a paired test, since examples differ far more from each other
-    than units do on one example."""
-    if cut is None or len(values) < 2:
+    """Whether a unit's per-example divergences lie above the cut's on the examples both were measured on (the
+    first of each) by more than Z standard errors of their mean difference: a paired test, since examples
+    differ far more from each other than units do on one example."""
+    if cut is None or min(len(values), len(cut)) < 2:
         return False
-    difference = (values - cut).double()
-    return bool(difference.mean() > Z * difference.std() / math.sqrt(len(difference)))
+    common = min(len(values), len(cut))
+    difference = (values[:common] - cut[:common]).double()
+    return bool(difference.mean() > Z * difference.std() / math.sqrt(common))
 
 
 def searched_scores(scores: HeadScores, order: list[Unit]) -> HeadScores:
@@ -259,7 +290,8 @@ class Searched:
 @dataclass(frozen=True)
 class SearchSchedule:
     """How the search measures: in `rounds` rounds, on the first `examples` calibration examples (whole
-    batches), each round screening every unit on the first `1/SCREEN` of those batches (`screen`) or not."""
+    batches), each round screening the units on the first `1/SCREEN` of those batches and racing the cheapest
+    over the rest (`screen`), or measuring every unit on all of them."""
 
     rounds: int
     examples: int = 24
@@ -311,10 +343,12 @@ def _first_examples(calib: list[dict], examples: int) -> list[dict]:
 
 
 def _parts(batches: list[dict], screen: bool) -> list[list[dict]]:
-    """The search's batches as the parts it measures on: with `screen` (and two batches or more) the first
-    `1/SCREEN` of them (at least one) and the rest, else all of them as one part."""
-    cut = max(1, len(batches) // SCREEN)
-    return [batches[:cut], batches[cut:]] if screen and cut < len(batches) else [batches]
+    """The search's batches as the parts it measures on: with `screen` (and two batches or more) runs of the
+    first `1/SCREEN` of them (at least one batch each), else all of them as one part."""
+    size = max(1, len(batches) // SCREEN)
+    if not screen or size >= len(batches):
+        return [batches]
+    return [batches[i : i + size] for i in range(0, len(batches), size)]
 
 
 @dataclass
@@ -367,11 +401,12 @@ class _Search:
 
     def bound(self, rounds: int, asked: int) -> float:
         """The most the search can cost: the proof, every unit screened in every round, at most `MARGIN`
-        times the `asked` heads' units measured on the rest per round, and one pass per round to keep outputs."""
+        times the `asked` heads' units measured on each later part per round, and one pass per round to keep
+        outputs."""
         size = _heads_per_unit([u for _, u in self.every])
-        counts = [len(self.every), min(len(self.every), math.ceil(MARGIN * asked / size))]
+        raced = min(len(self.every), math.ceil(MARGIN * asked / size))
         keep = sum(p.work for p in self.parts) if self.block else 0.0
-        measured = sum(n * self.unit_price(p) for p, n in enumerate(counts[: len(self.parts)]))
+        measured = sum((raced if p else len(self.every)) * self.unit_price(p) for p in range(len(self.parts)))
         return self.proof + rounds * (measured + keep)
 
     def refused(self, spent: float, one: float, limit: float, rounds: int, asked: int) -> Searched:
