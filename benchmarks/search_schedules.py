@@ -44,14 +44,7 @@ SCHEDULES = {  # name -> (batches measured, batches screened or None, whether th
     # a time (else as one part), margin, Z: the race's line, whether a later round screens only what the earlier
     # screen does not rule out)
     "full (search_screen: false)": (None, None, False, None, None, False),
-    "screen 1 batch, raced a batch at a time, margin 2, ruled out (the default)": (
-        None,
-        1,
-        True,
-        2.0,
-        search.Z,
-        True,
-    ),
+    "screen 1 batch, raced a batch at a time, margin 2, ruled out (default)": (None, 1, True, 2.0, search.Z, True),
     "screen 1 batch, the rest raced as one part, margin 2, ruled out": (None, 1, False, 2.0, search.Z, True),
     "screen 1 batch, raced a batch at a time, margin 2, every unit screened": (None, 1, True, 2.0, search.Z, False),
     "screen 1 batch, margin 2, every unit of the margin, every unit screened": (None, 1, False, 2.0, math.inf, False),
