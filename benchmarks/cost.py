@@ -27,6 +27,7 @@ import cProfile
 import gc
 import json
 import pstats
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,9 @@ from memory import SHAPES
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import prune_heads as ph
+from prune_heads.recovery.reconstruction import refit, refit_flops
 from prune_heads.runtime.memory import map_large_blocks, weight_bytes
+from prune_heads.scoring.recording import Moments
 
 LLAMA_31_ROPE = {
     "rope_type": "llama3",
@@ -97,6 +100,31 @@ def build(shape: str, device: str, onload: bool, layers: int | None = None):
 
     blocks = {f"model.layers.{i}": "cpu" for i in range(config.num_hidden_layers)}
     return dispatch_model(model, device_map={"": device, **blocks}, main_device=device)
+
+
+def refit_seconds(shape: str, device: str, count: int) -> list:
+    """The first block's refit without one KV group (the search's unit), `count` groups in turn, on `device` from
+    random statistics of twice as many tokens as features (its time depends on the shapes alone): the features,
+    the median seconds and the counted work."""
+    model = build(shape, device, onload=False, layers=1)
+    layer = ph.find_attention(model)[0]
+    config = model.config
+    width, group = layer.num_heads * layer.head_dim, config.num_attention_heads // config.num_key_value_heads
+    moments = []
+    for seed in (0, 1):  # the calibration tokens' statistics and the held-out tokens'
+        found = Moments(width, True, torch.float32)  # as a bfloat16 model's are kept
+        found.add(torch.randn(2 * width, width, generator=torch.Generator(device).manual_seed(seed), device=device))
+        moments.append(found)
+    seconds = []
+    for i in range(count):
+        removed = list(range(i * group % layer.num_heads, i * group % layer.num_heads + group))
+        with Timer() as timer:
+            refit(layer, removed, *moments)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        seconds.append(timer.seconds)
+    work = refit_flops([layer], {layer.name: removed}) / 1e9
+    return [shape, f"{width} of which {width - group * layer.head_dim} kept", statistics.median(seconds), work]
 
 
 def measure(shape: str, device: str, count: int, size: int, length: int, onload: bool, layers: int | None) -> dict:
@@ -187,11 +215,18 @@ def main() -> None:
     parser.add_argument("--measure", default=None, help="one shape, in this process: its figures as a JSON line")
     parser.add_argument("--table", default=None, help="the table from a file of --measure's lines")
     parser.add_argument("--profile", type=int, default=0, help="with --measure: the N calls with the most time")
+    parser.add_argument("--refits", type=int, default=0, help="time N refits at each shape instead")
     args = parser.parse_args()
     shape = (args.batches, args.batch_size, args.length)
     if args.table:
         lines = Path(args.table).read_text().splitlines()
         print(table([json.loads(line) for line in lines if line.strip()]))
+        return
+    if args.refits:
+        found = [refit_seconds(name, args.device, args.refits) for name in args.shapes.split(",")]
+        where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch_threads()} threads"
+        print(f"One refit without one KV group of the first block, median of {args.refits}; {where}:\n")
+        print(markdown_table(["shape", "output-projection inputs", "seconds", "counted GFLOPs"], found))
         return
     if args.measure:
         with profiled(args.profile):

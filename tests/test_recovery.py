@@ -221,6 +221,27 @@ def test_refit_beats_bias_compensation_on_held_out_tokens_and_folds_exactly(name
     assert errors["fitted"] < errors["bias compensation"]
 
 
+def test_each_ridge_s_fit_solves_its_damped_normal_equations_and_an_indefinite_system_gives_none():
+    from prune_heads.recovery import reconstruction as R
+
+    reference = tm.build("llama")
+    stats = _moments(reference, calibration("llama", 6))
+    held = _moments(reference, [tm.make_inputs("llama", batch=4, seq=9, seed=100)])
+    fit = R._Fit.of(ph.find_attention(reference)[0], [0, 1], stats.moments[0], held.moments[0], True)
+    kept = fit.gram[fit.columns][:, fit.columns]
+    scale = float(fit.gram.diagonal()[fit.kept].mean())
+    found = list(R._ridge_fits(fit, fit.gram, scale, R.RIDGES))
+    assert [ridge for _, ridge, _ in found] == list(R.RIDGES)
+    for error, ridge, theta in found:
+        damping = 0.0 if math.isinf(ridge) else ridge * scale
+        system = kept + damping * torch.eye(len(kept), dtype=torch.float64)
+        right = fit.full @ fit.gram[:, fit.columns] + damping * fit.prior
+        expected = fit.prior if math.isinf(ridge) else torch.linalg.solve(system, right.T).T  # LU, not Cholesky
+        torch.testing.assert_close(theta, expected, rtol=1e-9, atol=1e-12)
+        assert error == pytest.approx(fit.error(expected))
+    assert R._damped_solve(-torch.eye(3, dtype=torch.float64), torch.ones(2, 3), torch.zeros(2, 3), 0.1) is None
+
+
 def test_the_infinite_ridge_is_bias_compensation_and_no_bias_keeps_the_bias():
     from prune_heads.recovery import reconstruction
 

@@ -172,28 +172,41 @@ class _Fit:
 def _ridge_fits(
     fit: _Fit, gram: torch.Tensor, scale: float, ridges: Iterable[float]
 ) -> Iterator[tuple[float, float, torch.Tensor]]:
-    """(relative error, ridge, fit) at each ridge (infinite: the prior) whose values are finite in the weights'
-    dtype, on the statistics' device: only the fit kept goes to CPU memory."""
-    values, vectors = torch.linalg.eigh(gram[fit.columns][:, fit.columns])  # G_kk = V diag(values) V^T
-    target = (fit.full @ gram[:, fit.columns]) @ vectors  # [W, b] G[:, k] V
-    start = fit.prior @ vectors
+    """(relative error, ridge, fit) at each ridge (infinite: the prior) whose damped system is positive definite
+    and whose values are finite in the weights' dtype, on the statistics' device: only the fit kept goes to CPU
+    memory. Each ridge solves theta (G_kk + d I) = [W, b] G[:, k] + d prior by its own Cholesky factorization:
+    fewer operations in all than one eigendecomposition shared by the ridges, and faster ones (blocked, as
+    matrix products are)."""
+    kept = gram[fit.columns][:, fit.columns]
+    target = fit.full @ gram[:, fit.columns]  # [W, b] G[:, k]
     for ridge in ridges:
-        damping = ridge * scale
-        theta = fit.prior if math.isinf(ridge) else ((target + damping * start) / (values + damping)) @ vectors.T
-        if torch.isfinite(theta).all() and torch.isfinite(theta.to(fit.dtype)).all():
+        theta = fit.prior if math.isinf(ridge) else _damped_solve(kept, target, fit.prior, ridge * scale)
+        if theta is not None and torch.isfinite(theta).all() and torch.isfinite(theta.to(fit.dtype)).all():
             yield fit.error(theta), ridge, theta
 
 
+def _damped_solve(kept: torch.Tensor, target: torch.Tensor, prior: torch.Tensor, damping: float) -> torch.Tensor | None:
+    """theta = (target + damping prior) (kept + damping I)^-1, or None where that matrix is not positive
+    definite in float64 (statistics that overflowed)."""
+    damped = kept.clone()
+    damped.diagonal().add_(damping)
+    factor, info = torch.linalg.cholesky_ex(damped)
+    if info:
+        return None
+    return torch.cholesky_solve((target + damping * prior).T, factor).T
+
+
 def refit_flops(layers: list[AttentionLayer], plan: dict[str, list[int]]) -> float:
-    """The counted work of the plan's reconstruction: per pruned layer an eigendecomposition of the kept
-    features' Gram matrix (9 m^3, m kept features + 1) and per ridge the fit (2 out m^2) and its error (2 out
-    w^2, w the layer's input features + 1)."""
+    """The counted work of the plan's reconstruction: per pruned layer the fit's right-hand side (2 out w m, m
+    kept features + 1, w the layer's input features + 1), per finite ridge a Cholesky factorization (m^3 / 3)
+    and its two triangular solves (2 out m^2), and per ridge the fit's error (2 out w^2)."""
     total = 0.0
+    finite = sum(1 for ridge in RIDGES if math.isfinite(ridge))
     for layer in layers:
         if plan.get(layer.name):
             out, w = output_projection(layer).features("out"), layer.num_heads * layer.head_dim + 1
             m = (layer.num_heads - len(plan[layer.name])) * layer.head_dim + 1
-            total += 9 * m**3 + len(RIDGES) * (2 * out * m * m + 2 * out * w * w)
+            total += 2 * out * w * m + finite * (m**3 / 3 + 2 * out * m * m) + len(RIDGES) * 2 * out * w * w
     return total
 
 
