@@ -323,7 +323,8 @@ def searched_plan(
         return search.refused(search.proof, one, limit, rounds, asked)
     order, priced = search_order(search.units, asked, rounds, search.cost, len(search.parts), trial.progress)
     trial.gated.restore()
-    spent = sum(n * search.unit_price(p) for p, n in enumerate(priced)) + search.proof + search.kept_outputs()
+    spent = sum(n * search.pass_price(p) for p, n in enumerate(priced)) + search.refitted
+    spent += search.proof + search.kept_outputs()
     try:
         plan = select_heads(searched_scores(scores, order), budget)
     except PlanError as error:
@@ -364,9 +365,9 @@ class _Part:
 
 class _Search:
     """One search's measurements and their prices. A measurement on a part is priced by a forward pass over
-    it from the unit's block on and the unit's refit; the blocks run to keep what enters a block are added
-    (at most one pass per round and part); proving that starting part-way is exact costs the first part's
-    whole pass and two passes of it from the block that starts latest (`proof`)."""
+    it from the unit's block on; the refits run are counted as they run (`refitted`); the blocks run to keep
+    what enters a block are added (at most one pass per round and part); proving that starting part-way is
+    exact costs the first part's whole pass and two passes of it from the block that starts latest (`proof`)."""
 
     def __init__(self, trial: Trial, scores: HeadScores, budget: HeadBudget, parts: list[list[dict]], work: Work):
         gated = trial.gated
@@ -376,7 +377,7 @@ class _Search:
         self.parts = [_Part(b, targets[i : i + len(b)], work.forward(b)) for i, b in zip(cuts, parts)]
         self.units = removal_units(scores, budget)
         self.every = [(name, unit) for name, (layer_units, _) in self.units.items() for unit in layer_units]
-        self.refits = sum(refit_flops([gated.layers[gated.index[n]]], {n: list(u)}) for n, u in self.every)
+        self.refit_most = max((self._refit_work(n, u) for n, u in self.every), default=0.0)
         self.chain = chain = block_chain(gated.model, gated.layers)
         first = parts[0][0]
         self.shares = None if chain is None else module_shares(gated.model, first, list(chain[0]))
@@ -389,25 +390,28 @@ class _Search:
         self.proof = 0.0
         if self.block and self.probe is not None:
             self.proof = self.parts[0].work + 2 * self.price(self.probe[0], 0)
-        self.kept: dict[tuple[str, tuple[int, ...]], Refit] = {}  # the refits of the state so far, by layer
+        self.fitted: dict[Unit, Refit] = {}  # refits a later measurement asks for again (`_refits`)
+        self.refitted = 0.0
 
     def price(self, name: str, part: int) -> float:
         """A forward pass over `part` from the unit's block on."""
         return self.parts[part].work * (1.0 - self.before[self.block.get(name, 0)])
 
-    def unit_price(self, part: int) -> float:
-        """A unit's mean price on `part`: its pass and its refit."""
-        return (sum(self.price(n, part) for n, _ in self.every) + self.refits) / max(len(self.every), 1)
+    def pass_price(self, part: int) -> float:
+        """A unit's mean pass on `part`."""
+        return sum(self.price(n, part) for n, _ in self.every) / max(len(self.every), 1)
 
     def bound(self, rounds: int, asked: int) -> float:
         """The most the search can cost: the proof, every unit screened in every round, at most `MARGIN`
-        times the `asked` heads' units measured on each later part per round, and one pass per round to keep
-        outputs."""
+        times the `asked` heads' units measured on each later part per round, a refit per measurement and per
+        layer's state in each round, and one pass per round to keep outputs."""
         size = _heads_per_unit([u for _, u in self.every])
         raced = min(len(self.every), math.ceil(MARGIN * asked / size))
         keep = sum(p.work for p in self.parts) if self.block else 0.0
-        measured = sum((raced if p else len(self.every)) * self.unit_price(p) for p in range(len(self.parts)))
-        return self.proof + rounds * (measured + keep)
+        counts = [raced if p else len(self.every) for p in range(len(self.parts))]
+        passes = sum(n * self.pass_price(p) for p, n in enumerate(counts))
+        refits = (sum(counts) + len(self.units)) * self.refit_most
+        return self.proof + rounds * (passes + refits + keep)
 
     def refused(self, spent: float, one: float, limit: float, rounds: int, asked: int) -> Searched:
         """The search left out, its work (`spent` so far) more than `limit`, said in calibration passes (`one`)."""
@@ -457,14 +461,34 @@ class _Search:
 
     @torch.no_grad()
     def cost(self, plan: dict[str, tuple[int, ...]], changed: str, part: int) -> torch.Tensor:
-        """The per-example divergences on `part` with `plan`'s heads gone, each pruned layer refitted (those
-        other than `changed` kept from the state so far)."""
-        for key in [k for k in self.kept if plan.get(k[0]) != k[1]]:
-            del self.kept[key]
-        for name, heads in plan.items():
-            if name != changed and (name, heads) not in self.kept:
-                self.kept[(name, heads)] = self.trial.refit(name, heads)
-        refits = {name: self.kept[(name, heads)] for name, heads in plan.items() if name != changed}
-        refits[changed] = self.trial.refit(changed, plan[changed])
+        """The per-example divergences on `part` with `plan`'s heads gone, each pruned layer refitted."""
+        refits = self._refits(plan, changed, part)
         self.trial.gated.use({name: list(heads) for name, heads in plan.items()}, refits=refits)
         return self._measured(plan, changed, part)
+
+    def _refits(self, plan: dict[str, tuple[int, ...]], changed: str, part: int) -> dict[str, Refit]:
+        """Each layer's refit in `plan`, kept where a later measurement asks for it again: the state so far of
+        the layers other than `changed`, and `changed`'s where its unit races (a part after the screen: the next
+        part asks again, and the next round where the layer loses nothing). A layer's refit depends on its
+        heads alone, so a kept one is the one a fit would give; it is forgotten once its layer has lost a head
+        it keeps (no later plan asks for it). So what is kept is each layer's state and the refits of the units
+        raced since their layer last lost heads: at most a round's `MARGIN` times its share, per round."""
+        self.fitted = {
+            (name, heads): fitted
+            for (name, heads), fitted in self.fitted.items()
+            if name == changed or set(plan.get(name, ())) <= set(heads)
+        }
+        refits = {}
+        for name, heads in plan.items():
+            found = self.fitted.get((name, heads))
+            if found is None:
+                found = self.trial.refit(name, heads)
+                self.refitted += self._refit_work(name, heads)
+                if name != changed or part > 0:
+                    self.fitted[(name, heads)] = found
+            refits[name] = found
+        return refits
+
+    def _refit_work(self, name: str, heads: tuple[int, ...]) -> float:
+        gated = self.trial.gated
+        return refit_flops([gated.layers[gated.index[name]]], {name: list(heads)})
