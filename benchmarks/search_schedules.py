@@ -169,7 +169,8 @@ def run(args) -> None:
         print(f"\n{args.model} at {args.depth} of the KV groups, search examples in batches of {sizes}:\n")
         print(markdown_table(headers, rows))
         one = work.forward_backward(calib)
-        print(f"\nCounted work of the search, in fisher passes: the full schedule {full.work / one:.2f}")
+        replayed = "replayed: without the refits and kept block inputs a live run adds"
+        print(f"\nCounted work of the search, in fisher passes: the full schedule {full.work / one:.2f} ({replayed})")
         if args.live:
             trial.gated.restore()
             shipped = shipped_plan(trial, scores, budget, calib, schedule, work, limit)

@@ -187,7 +187,7 @@ def _ridge_fits(
 
 def _damped_solve(kept: torch.Tensor, target: torch.Tensor, prior: torch.Tensor, damping: float) -> torch.Tensor | None:
     """theta = (target + damping prior) (kept + damping I)^-1, or None where that matrix is not positive
-    definite in float64 (statistics that overflowed)."""
+    definite (the statistics' rounding outweighs the damping, or they overflowed): that ridge is not tried."""
     damped = kept.clone()
     damped.diagonal().add_(damping)
     factor, info = torch.linalg.cholesky_ex(damped)
