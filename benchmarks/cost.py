@@ -38,6 +38,7 @@ from memory import SHAPES
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import prune_heads as ph
+from prune_heads.pruner.run import BEFORE_TUNING
 from prune_heads.recovery.reconstruction import refit, refit_flops
 from prune_heads.runtime.memory import map_large_blocks, weight_bytes
 from prune_heads.scoring.recording import Moments
@@ -186,7 +187,7 @@ def row(found: dict) -> list[str]:
     if found.get("stopped"):
         return [*head, "-", "-", f"stopped at {found['seconds']:.0f}", peak]
     work = found["passes"]
-    before = sum(work.get(k, 0.0) for k in ("scoring", "recording", "search", "selection", "generation"))
+    before = 1.0 + sum(work.get(k, 0.0) for k in BEFORE_TUNING)  # the scoring pass, then recovery's stages
     stages = " / ".join(f"{found['stages'][k]:.0f}" for k in STAGES)
     passes = f"{before + work.get('tuning', 0.0):.1f} (search {work.get('search', 0.0):.1f})"
     return [*head, f"{found['removed']}", passes, f"{found['seconds']:.0f} ({stages})", peak]
