@@ -103,6 +103,11 @@ def build(shape: str, device: str, onload: bool, layers: int | None = None):
     return dispatch_model(model, device_map={"": device, **blocks}, main_device=device)
 
 
+def where(device: str) -> str:
+    """What a run ran on: the GPU's name, or the CPU's thread count."""
+    return torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch_threads()} threads"
+
+
 def refit_seconds(shape: str, device: str, count: int) -> list:
     """The first block's refit without one KV group (the search's unit), `count` groups in turn, on `device` from
     random statistics of twice as many tokens as features (its time depends on the shapes alone): the features,
@@ -146,7 +151,7 @@ def measure(shape: str, device: str, count: int, size: int, length: int, onload:
             result = None
     found = {
         "shape": shape,
-        "where": torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch_threads()} threads",
+        "where": where(device),
         "onload": onload,
         "data": [count, size, length],
         "seconds": timer.seconds,
@@ -225,8 +230,7 @@ def main() -> None:
         return
     if args.refits:
         found = [refit_seconds(name, args.device, args.refits) for name in args.shapes.split(",")]
-        where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch_threads()} threads"
-        print(f"One refit without one KV group of the first block, median of {args.refits}; {where}:\n")
+        print(f"One refit without one KV group of the first block, median of {args.refits}; {where(args.device)}:\n")
         print(markdown_table(["shape", "output-projection inputs", "seconds", "counted GFLOPs"], found))
         return
     if args.measure:
