@@ -38,8 +38,8 @@ from memory import SHAPES
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import prune_heads as ph
-from prune_heads.pruner.run import BEFORE_TUNING
 from prune_heads.recovery.reconstruction import refit, refit_flops
+from prune_heads.runtime.ledger import BEFORE_TUNING, Stage
 from prune_heads.runtime.memory import map_large_blocks, weight_bytes
 from prune_heads.scoring.recording import Moments
 
@@ -161,8 +161,7 @@ def measure(shape: str, device: str, count: int, size: int, length: int, onload:
         "stopped": result is None,
     }
     if result is not None:
-        one = result.work["calibration_pass"]
-        passes = {k: v / one for k, v in result.work.items() if k not in ("calibration_pass", "budget")}
+        passes = {stage.value: result.work.passes([stage]) for stage in result.work.stages}
         stages = {k: result.timings.get(k, 0.0) for k in STAGES}
         found.update(stages=stages, passes=passes, removed=result.heads_removed)
     return found
@@ -192,7 +191,8 @@ def row(found: dict) -> list[str]:
     if found.get("stopped"):
         return [*head, "-", "-", f"stopped at {found['seconds']:.0f}", peak]
     work = found["passes"]
-    before = 1.0 + sum(work.get(k, 0.0) for k in BEFORE_TUNING)  # the scoring pass, then recovery's stages
+    scoring = work.get(Stage.SCORING.value, 1.0)  # a run saved before the scoring pass was counted: fisher's one
+    before = scoring + sum(work.get(s.value, 0.0) for s in BEFORE_TUNING)  # then recovery's stages
     stages = " / ".join(f"{found['stages'][k]:.0f}" for k in STAGES)
     passes = f"{before + work.get('tuning', 0.0):.1f} (search {work.get('search', 0.0):.1f})"
     return [*head, f"{found['removed']}", passes, f"{found['seconds']:.0f} ({stages})", peak]

@@ -50,8 +50,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import prune_heads as ph
 from prune_heads.evaluation.confidence import compare
 from prune_heads.evaluation.task import evaluation
-from prune_heads.pruner import BEFORE_TUNING
 from prune_heads.recovery.generated import SHARE
+from prune_heads.runtime.ledger import BEFORE_TUNING, Stage
 
 OUT = Path(__file__).resolve().parent / ".frontier"
 DEPTHS = {"1/6": 1 / 6, "1/3": 1 / 3, "1/2": 1 / 2}
@@ -93,18 +93,17 @@ def default(
     )
     result = ph.prune_model(model, data, config, progress=False, eval_data=second, plan=plan)
     work = result.work
-    scoring = work["calibration_pass"] if plan is None else 0.0  # a given plan is not scored
-    spent = sum(work.get(k, 0.0) for k in (*BEFORE_TUNING, "tuning")) + scoring
+    spent = work.passes((Stage.SCORING, *BEFORE_TUNING, Stage.TUNING))  # a given plan is not scored
     tried = next((e["tried"] for e in result.recovery if e.get("step") == "selection"), {})
     kept = [e.get("kept") for e in result.recovery if e.get("step") != "notes"]
-    found = {"fisher_passes": spent / work["calibration_pass"], "kept": kept, "heldout_kl": tried, "work": work}
+    found = {"fisher_passes": spent, "kept": kept, "heldout_kl": tried, "work": work.as_dict()}
     if "max_loss" in result.heldout:  # the depth a quality bound chose, and the held-out rise at the end
         groups = sum(len(h) for h in result.plan.values()) / ph.find_attention(model)[0].group_size
         change = result.heldout["perplexity_change"]
         found.update(max_loss=result.heldout["max_loss"], chosen=f"{groups:.0f} groups", heldout_change=change)
     if result.frontier:  # every depth measured: the work beside the default's is the frontier's measurements
         found["frontier"] = [dataclasses.asdict(depth) for depth in result.frontier]
-        found["with_frontier"] = found["fisher_passes"] + work["frontier"] / work["calibration_pass"]
+        found["with_frontier"] = found["fisher_passes"] + work.passes([Stage.FRONTIER])
     return found
 
 

@@ -99,7 +99,7 @@ def measure(
     peak = torch.cuda.max_memory_allocated() - start if device == "cuda" else rss.bytes
     out = {"seconds": timer.seconds, "peak": peak, "weights": weights, "parameters": model.num_parameters()}
     if kind == "default":
-        out["work"] = result.work
+        out["work"] = result.work.as_dict()
         out["epochs"] = next((e["epochs_run"] for e in result.recovery if "tuning" in e["step"]), 0)
     return out
 

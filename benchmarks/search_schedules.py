@@ -138,10 +138,10 @@ def run(args) -> None:
         context.update(units=units, budget=budget, rounds=rounds)
         return shipped_order(units, budget, rounds, lambda p, c, part: log.examples(p, c), 1, progress)
 
-    def compared(trial, scores, budget, calib, schedule, work, limit):
+    def compared(trial, scores, budget, calib, schedule, pricer, limit):
         search.search_order = logged_order
         try:
-            full = shipped_plan(trial, scores, budget, calib, replace(schedule, screen=False), work, limit)
+            full = shipped_plan(trial, scores, budget, calib, replace(schedule, screen=False), pricer, limit)
         finally:
             search.search_order = shipped_order
         log.save()
@@ -168,12 +168,12 @@ def run(args) -> None:
         headers = ["schedule", "measurements' work (passes over the search's examples)", "full plan", "held-out"]
         print(f"\n{args.model} at {args.depth} of the KV groups, search examples in batches of {sizes}:\n")
         print(markdown_table(headers, rows))
-        one = work.forward_backward(calib)
+        one = pricer.forward_backward(calib)
         replayed = "replayed: without the refits and kept block inputs a live run adds"
         print(f"\nCounted work of the search, in fisher passes: the full schedule {full.work / one:.2f} ({replayed})")
         if args.live:
             trial.gated.restore()
-            shipped = shipped_plan(trial, scores, budget, calib, schedule, work, limit)
+            shipped = shipped_plan(trial, scores, budget, calib, schedule, pricer, limit)
             same = "the same plan as" if key(shipped.plan) == key(full.plan) else "another plan than"
             print(f"the shipped default run live {shipped.work / one:.2f}, {same} the full schedule")
         raise _Stop

@@ -36,6 +36,7 @@ from .model import (
 )
 from .pruner import PruneResult, prune_model
 from .recovery import reconstruct, tune_gates
+from .runtime.ledger import Ledger, Stage
 from .runtime.memory import map_large_blocks
 from .scoring import (
     METHODS,
@@ -66,6 +67,7 @@ __all__ = [
     "HeadScores",
     "IterativeResult",
     "KvCacheBudget",
+    "Ledger",
     "LmEvalConfig",
     "LmEvalError",
     "METHODS",
@@ -80,6 +82,7 @@ __all__ = [
     "Report",
     "ScoringConfig",
     "SelectionConfig",
+    "Stage",
     "TaskData",
     "UnsupportedModelError",
     "benchmark",

@@ -14,7 +14,7 @@ from .recovery.generated import SHARE
 from .recovery.search import ROUNDS
 from .recovery.tuning import AVERAGE, MIN_TUNING_FLOPS
 from .scoring.kv_cache import KvCacheBudget
-from .scoring.methods import METHODS
+from .scoring.methods import DEFAULT_METHOD, METHODS
 from .scoring.selection import GQA_MODES, GRANULARITIES, ROUNDING, HeadBudget
 from .task_data import TASKS
 
@@ -38,7 +38,7 @@ def option(default: Any = None, help: str = "", *, flag: str | None = None, cli:
 class ScoringConfig:
     """How heads are scored (`ph.score_heads`)."""
 
-    method: str = option("fisher", f"Scoring method: {', '.join(sorted(METHODS))}.")
+    method: str = option(DEFAULT_METHOD, f"Scoring method: {', '.join(sorted(METHODS))}.")
     steps: int = option(1, "More than 1: prune iteratively, re-scoring after each step (needs --no-recovery).")
     objective: str = option(
         "auto",

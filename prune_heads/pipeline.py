@@ -42,8 +42,10 @@ from .pruner import FRONTIER_CACHE_TYPES, FRONTIER_RULE, PruneResult, prune_mode
 from .recipes import Recipe, recipe_to_dict
 from .recovery.generated import WRITTEN_EXAMPLES, written_batches
 from .runtime.progress import progress_bar
+from .scoring.iterative import prune_iteratively
 from .scoring.kv_cache import KvCacheBudget, fits_cache, kv_cache_size
-from .task_data import TASK_HEADS, DataError, TaskData, load_task_data
+from .scoring.selection import requested_heads
+from .task_data import TASK_HEADS, DataError, TaskData, load_task_data, without_labels
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -395,8 +397,13 @@ def _written_note(recipe: Recipe) -> str:
 def _prune(
     model: nn.Module, data: _Data, config: PruneConfig, plan: dict | None, recovers: bool, progress: bool
 ) -> tuple[PruneResult, int]:
-    """The default path on the scoring batches where the run `recovers` (a given plan with its recovery), else
-    the given plan applied as it is; and the examples scored."""
+    """The default path on the scoring batches where the run `recovers` (a given plan with its recovery;
+    iterative pruning where `scoring.steps` asks for it), else the given plan applied as it is; and the examples
+    scored."""
+    if config.scoring.steps > 1:
+        assert data.score is not None  # loaded whenever the run recovers, as an iterative run does
+        found = _prune_iteratively(model, data.score, config, progress)
+        return found, data.score.num_examples
     if recovers:
         assert data.score is not None  # loaded whenever the run recovers
         found = prune_model(model, data.score, config, progress=progress, eval_data=data.second, plan=plan)
@@ -406,6 +413,17 @@ def _prune(
     onload_offloaded(model)  # a plan's layers are cut where their weights are
     prune(model, plan)
     return PruneResult(plan=plan, seconds=time.perf_counter() - tick), 0
+
+
+def _prune_iteratively(model: nn.Module, data: TaskData, config: PruneConfig, progress: bool) -> PruneResult:
+    """`prune_iteratively` at the budget `config` sets, as the report takes it."""
+    tick, s = time.perf_counter(), config.scoring
+    budget = selection_budget(model, config)
+    onload_offloaded(model)  # its layers are cut where their weights are
+    batches = [without_labels(b) for b in data] if s.objective == "label-free" else list(data)
+    found = prune_iteratively(model, batches, budget, s.steps, s.method, seed=s.seed, progress=progress)
+    asked = requested_heads(model, budget)
+    return PruneResult(found.plan, found.scores, found.history, asked=asked, seconds=time.perf_counter() - tick)
 
 
 def _kv_cache(recipe: Recipe, model: nn.Module) -> dict[str, Any] | None:
@@ -445,7 +463,7 @@ def _report(
         "timings": found.timings,
         "heldout": found.heldout,
         "asked_heads": found.asked,
-        "work": found.work,
+        "work": found.work.as_dict() if found.work is not None else {},
         **({"kv_cache": kv_cache} if kv_cache else {}),
         **({"frontier": _frontier(recipe, found, speeds)} if found.frontier else {}),
         **({"calibration": _written_note(recipe)} if examples and recipe.data.source is None else {}),

@@ -168,6 +168,13 @@ def test_prune_without_flags_is_the_default_path(tmp_path, fixture_model_path, f
     )
     assert off.exit_code == 0 and [e["step"] for e in json.loads(off.stdout)["recovery"]] == ["selection"]
     assert list(json.loads(off.stdout)["recovery"][0]["tried"]) == ["ranked"]
+    flags = ["--examples", "128", "--sparsity", "0.5", "--steps", "2", "--no-recovery", "--json"]
+    iterative = _invoke(
+        ["prune", str(fixture_model_path), "--data", str(fixture_data_path), *flags, "-o", str(tmp_path / "it")]
+    )
+    report = json.loads(iterative.stdout)
+    assert iterative.exit_code == 0 and [h["heads_removed"] for h in report["history"]] == [0, 18, 36]
+    assert report["summary"]["heads"]["removed"] == 36 and report["recovery"] == []
 
 
 def test_a_budget_the_structure_cannot_meet_is_refused_before_data(tmp_path):

@@ -7,6 +7,7 @@ import torch
 import prune_heads as ph
 from prune_heads.config import ConfigError
 from prune_heads.recovery.generated import SHARE, nucleus, sample, with_generated, writes_text, written_batches
+from prune_heads.runtime.ledger import Stage
 from prune_heads.task_data import without_labels
 
 
@@ -94,10 +95,10 @@ def test_generated_text_is_added_only_when_asked_and_its_work_is_counted():
     language_model = run("llama", generated_share=SHARE)
     examples = 5 * (8 + 3)  # 3 written beside each batch of 8 (round(0.375 * 8)), as wide (9 tokens)
     assert language_model.heldout["examples"] == examples // 5  # a fifth held out, written ones among them
-    per_token = language_model.work["calibration_pass"] / 2 / (examples * 4 // 5 * 9)  # forward FLOPs
-    assert language_model.work["generation"] == pytest.approx(per_token * 5 * 3 * 9)
+    per_token = language_model.work.calibration_pass / 2 / (examples * 4 // 5 * 9)  # forward FLOPs
+    assert language_model.work[Stage.GENERATION] == pytest.approx(per_token * 5 * 3 * 9)
     by_default = run("llama")
-    assert "generation" not in by_default.work and by_default.heldout["examples"] == 5 * 8 // 5
+    assert Stage.GENERATION not in by_default.work and by_default.heldout["examples"] == 5 * 8 // 5
     assert "generation" not in run("bert").work
 
 

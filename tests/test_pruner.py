@@ -1,4 +1,6 @@
 import copy
+import dataclasses
+import inspect
 import json
 import math
 
@@ -7,12 +9,33 @@ import tiny_models as tm
 import torch
 
 import prune_heads as ph
+from prune_heads.pruner import run as records
 from prune_heads.recovery.gated import GatedModel
 from prune_heads.recovery.holdout import sequence_nll, split_holdout
 from prune_heads.recovery.tuning import Schedule, tune
-from prune_heads.runtime.work import Budget, Work
+from prune_heads.runtime.ledger import Stage
+from prune_heads.runtime.work import Budget, Pricer
 from prune_heads.scoring.methods import score_heads
 from prune_heads.scoring.objective import Objective, neighbour_divergence
+
+
+def test_the_flow_s_records_are_frozen_and_its_work_adds_up():
+    """No stage rewrites what an earlier one made: every record the flow hands on is a frozen dataclass, and the
+    ledger's stages, the scoring pass among them, add up to its total."""
+    made = [c for _, c in inspect.getmembers(records, inspect.isclass) if c.__module__ == records.__name__]
+    assert {c.__name__ for c in made} == {"Run", "Bench", "Scored", "Chosen", "Tuned", "PruneResult"}
+    assert all(dataclasses.is_dataclass(c) and c.__dataclass_params__.frozen for c in made)
+    config = ph.PruneConfig(ph.SelectionConfig(num_heads=4))
+    result = ph.prune_model(tm.build("llama"), tm.batches("llama"), config, progress=False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.plan = {}
+    work = result.work
+    assert work.total == pytest.approx(sum(work.stages.values()), rel=1e-12) and work.as_dict()["total"] == work.total
+    assert work[Stage.SCORING] == work.calibration_pass  # fisher's scoring pass: one forward and backward pass
+    counted = {Stage.SCORING, Stage.RECORDING, Stage.SEARCH, Stage.SELECTION, Stage.RECONSTRUCTION, Stage.TUNING}
+    assert counted == set(work.stages)  # no labels: no perplexity measured
+    tuning = next(e for e in result.recovery if "tuning" in e["step"])
+    assert tuning["flops"] == work[Stage.TUNING]
 
 
 def kl(model, reference, data):
@@ -37,9 +60,9 @@ def test_the_default_tunes_until_the_heldout_stop_and_reports_its_work_as_strict
     config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4))
     result = ph.prune_model(model, tm.batches("llama", n=10, labels=False), config, progress=False)
     tuning = next(e for e in result.recovery if "tuning" in e["step"])
-    assert tuning["budget_flops"] is None and "tuning_budget" not in result.work and tuning["flops"] > 0
+    assert tuning["budget_flops"] is None and result.work.tuning_budget is None and tuning["flops"] > 0
     assert 0 < tuning["epochs_run"] <= config.recovery.epochs
-    json.loads(json.dumps(result.work, allow_nan=False))  # no Infinity for a pipeline's JSON parser
+    json.loads(json.dumps(result.work.as_dict(), allow_nan=False))  # no Infinity for a pipeline's JSON parser
 
 
 def test_a_language_model_reports_its_heldout_perplexity_change():
@@ -52,9 +75,9 @@ def test_a_language_model_reports_its_heldout_perplexity_change():
     _, heldout = split_holdout(data, 0.2)
     nll = [sequence_nll(lambda b, m=m: m(**b), heldout, torch.device("cpu")).mean for m in (original, model)]
     assert result.heldout["perplexity_change"] == pytest.approx(math.exp(nll[1] - nll[0]) - 1, rel=1e-5, abs=1e-7)
-    assert result.work["perplexity"] == 2 * result.work["heldout_pass"]
+    assert result.work[Stage.PERPLEXITY] == 2 * result.work.heldout_pass
     bert = ph.prune_model(tm.build("bert"), tm.batches("bert"), ph.PruneConfig(), progress=False)
-    assert "perplexity_change" not in bert.heldout and "perplexity" not in bert.work
+    assert "perplexity_change" not in bert.heldout and Stage.PERPLEXITY not in bert.work
 
 
 def _labelled(name: str, n: int = 10) -> list[dict]:
@@ -72,7 +95,7 @@ def test_a_loss_bound_removes_exactly_the_groups_that_cost_nothing_and_no_more()
     assert depth["heads"] == 4 and depth["bound"] == pytest.approx(1e-5) and "refitted" in depth["rule"]
     rises = dict((heads, rise) for heads, rise in depth["rises"])
     assert abs(rises[4]) <= 1e-5 and all(rise > 1e-5 for heads, rise in rises.items() if heads > 4)
-    assert any(heads > 4 for heads in rises) and result.work["depth"] > 0
+    assert any(heads > 4 for heads in rises) and result.work[Stage.DEPTH] > 0
     assert abs(result.heldout["perplexity_change"]) <= 1e-5  # after the whole flow, as measured there
     nothing = ph.prune_model(tm.build("llama"), _labelled("llama"), config, progress=False)  # every group counts
     assert nothing.plan == {} and nothing.heldout["max_loss"]["heads"] == 0
@@ -91,7 +114,7 @@ def test_a_loss_bound_on_a_classifier_measures_its_labels_along_the_ranking():
     original, data = copy.deepcopy(model), tm.batches("bert", n=10)
     config = ph.PruneConfig(selection=ph.SelectionConfig(max_loss=0.001))
     result = ph.prune_model(model, data, config, progress=False)
-    assert result.plan == {layers[0].name: [3], layers[2].name: [3]} and "search" not in result.work
+    assert result.plan == {layers[0].name: [3], layers[2].name: [3]} and Stage.SEARCH not in result.work
     rises = dict((heads, rise) for heads, rise in result.heldout["max_loss"]["rises"])
     assert abs(rises[2]) <= 1e-5 and all(rise > 1e-5 for heads, rise in rises.items() if heads > 2)
     assert "depths measured along the plain ranking's order (no search ran)" in result.recovery[0]["notes"]
@@ -115,13 +138,13 @@ def test_a_given_plan_gets_the_recovery_the_default_path_gives_it():
     default = ph.prune_model(default_model, data, config, progress=False)
     assert next(s for s in default.recovery if s["step"] == "selection")["kept"].endswith(" + reconstruction")
     given = ph.prune_model(given_model, data, progress=False, plan=default.plan)
-    assert given.plan == default.plan and given.scores is None and "search" not in given.work
+    assert given.plan == default.plan and given.scores is None and Stage.SEARCH not in given.work
     selection = next(s for s in given.recovery if s["step"] == "selection")
     assert list(selection["tried"]) == ["given", "given + reconstruction"]
     assert selection["kept"] == "given + reconstruction"
     a, b = default_model.state_dict(), given_model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert sum(given.work.values()) < sum(default.work.values())
+    assert given.work.total < default.work.total and Stage.SCORING not in given.work
     for selection in (ph.SelectionConfig(max_loss=3.0), ph.SelectionConfig(depths="1/3")):
         with pytest.raises(ph.ConfigError, match="a plan was given: leave out one of them"):
             ph.prune_model(tm.build("llama"), data, ph.PruneConfig(selection=selection), plan=default.plan)
@@ -164,7 +187,7 @@ def test_a_frontier_measures_each_depth_of_one_order_and_keeps_the_budgets():
     per_group = 2 * (32 * 8 + 8 * 32) + 2 * 8 * 32  # two query heads (q rows, o columns), a key and a value
     assert [d.parameters for d in result.frontier] == [parameters - k * per_group for k in range(4)]
     work = result.work
-    assert work["frontier"] > 3 * work["heldout_pass"] and "frontier" not in ph.pruner.BEFORE_TUNING
+    assert work[Stage.FRONTIER] > 3 * work.heldout_pass and Stage.FRONTIER not in ph.pruner.BEFORE_TUNING
     budget = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=2, depths="1/3"))
     shallower = ph.prune_model(_silent_llama()[0], _labelled("llama"), budget, progress=False)
     assert shallower.heads_removed == 2 and all(set(h) <= set(silent[n]) for n, h in shallower.plan.items())
@@ -290,7 +313,7 @@ def test_tuning_runs_without_what_only_the_choice_needed(monkeypatch):
     selection = next(e for e in result.recovery if e["step"] == "selection")
     assert selection["kept"].endswith("+ reconstruction")  # refits were made and written into the weights
     assert seen == {"statistics while scoring": 0, "statistics and refits": 0, "gated models": 1, "originals": 0}
-    assert result.work["recording"] == result.work["calibration_pass"] / 2  # one forward pass, counted
+    assert result.work[Stage.RECORDING] == result.work.calibration_pass / 2  # one forward pass, counted
 
 
 def test_budget_is_refused_before_any_scoring(monkeypatch):
@@ -434,18 +457,18 @@ def test_tuning_stops_when_the_held_out_check_stops_improving():
     )
     assert history == [1.0, 0.5, 0.7, 0.8] and steps == 3
     # out of budget: the first step always runs, none after it
-    budget = Budget(0.0, Work(1.0), check=0.0)
+    budget = Budget(0.0, Pricer(1.0), check=0.0)
     assert (
         tune(forward, [{"params": [scale], "lr": 0.1}], data * 4, target * 4, objective, Schedule(10), budget=budget)[1]
         == 1
     )
-    assert budget.spent == Work(1.0).forward_backward(data) == 4  # one step on 2 positions, forward and backward
+    assert budget.spent == Pricer(1.0).forward_backward(data) == 4  # one step on 2 positions, forward and backward
 
 
 def test_tuning_budget_counts_work_and_spends_no_more_than_its_limit():
     scale, forward, objective, data, target = _scalar_problem()
     checks = iter([1.0 / k for k in range(1, 100)])  # always improving: only the budget stops it
-    budget = Budget(30.0, Work(1.0), check=2.0)  # a step costs 4, a check 2 (twice with the average)
+    budget = Budget(30.0, Pricer(1.0), check=2.0)  # a step costs 4, a check 2 (twice with the average)
     history, steps, _, spent = tune(
         forward,
         [{"params": [scale], "lr": 0.1}],
@@ -486,7 +509,7 @@ def test_a_budget_that_binds_gives_the_same_weights_when_the_clock_is_slow(monke
     (fast, first), (slow, second) = runs
     tuning = next(e for e in first.recovery if "tuning" in e["step"])
     assert 0 < tuning["epochs_run"] < config.recovery.epochs  # the budget bound
-    assert tuning["flops"] <= tuning["budget_flops"] == first.work["tuning_budget"]
+    assert tuning["flops"] <= tuning["budget_flops"] == first.work.tuning_budget
     assert first.work == second.work and first.plan == second.plan
     assert [e.get("tried", e.get("heldout_by_epoch")) for e in first.recovery] == [
         e.get("tried", e.get("heldout_by_epoch")) for e in second.recovery
@@ -557,17 +580,13 @@ def test_label_free_objective_and_iterative_steps():
         selection=ph.SelectionConfig(sparsity=0.25), scoring=ph.ScoringConfig(objective="label-free")
     )
     assert ph.prune_model(model, tm.batches("bert"), config, progress=False).heads_removed == 3
-    with pytest.raises(ph.config.ConfigError, match="turn recovery off"):
-        ph.prune_model(
-            tm.build("bert"),
-            tm.batches("bert"),
-            ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.5), scoring=ph.ScoringConfig(steps=2)),
-        )
     iterative = ph.PruneConfig(
         selection=ph.SelectionConfig(sparsity=0.5), scoring=ph.ScoringConfig(steps=2), recovery=ph.RecoveryConfig.off()
     )
-    result = ph.prune_model(tm.build("bert"), tm.batches("bert"), iterative, progress=False)
-    assert result.heads_removed == 6 and len(result.history) == 3
+    with pytest.raises(ph.config.ConfigError, match="ph.prune_iteratively's path"):
+        ph.prune_model(tm.build("bert"), tm.batches("bert"), iterative, progress=False)
+    result = ph.prune_iteratively(tm.build("bert"), tm.batches("bert"), 0.5, steps=2, progress=False)
+    assert result.plan and sum(map(len, result.plan.values())) == 6 and len(result.history) == 3
 
 
 @pytest.mark.parametrize("method", ["fisher", "random"])

@@ -1,9 +1,12 @@
+import inspect
+
 import pytest
 import tiny_models as tm
 import torch
 
 import prune_heads as ph
 from prune_heads.evaluation.report import heatmap
+from prune_heads.scoring.methods import scoring_passes
 
 DATA_METHODS = ["gradient", "taylor", "fisher", "activation", "ablation"]
 
@@ -230,9 +233,26 @@ def test_an_encoder_without_a_head_is_scored_on_its_labels_through_a_probe():
     config = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=0.5), recovery=ph.RecoveryConfig.off())
     found = ph.prune_model(tm.build("bert").bert, data, config, progress=False)
     assert found.plan == ph.select_heads(labelled, sparsity=0.5)
-    steps = ph.PruneConfig(
-        scoring=ph.ScoringConfig(steps=2), selection=ph.SelectionConfig(sparsity=0.5), recovery=ph.RecoveryConfig.off()
-    )
-    assert ph.prune_model(tm.build("bert").bert, data, steps, progress=False).heads_removed == 6
+    iterative = ph.prune_iteratively(tm.build("bert").bert, data, 0.5, steps=2, progress=False)
+    assert sum(map(len, iterative.plan.values())) == 6
     default = ph.prune_model(tm.build("bert").bert, data, ph.PruneConfig(), progress=False)
     assert default.heads_removed == 6 and default.recovery[0]["step"] == "selection"
+
+
+def test_one_default_method_everywhere_and_each_method_priced_in_passes():
+    default = ph.PruneConfig().scoring.method
+    assert inspect.signature(ph.score_heads).parameters["method"].default == default == "fisher"
+    assert inspect.signature(ph.prune_iteratively).parameters["method"].default == default
+    layers = ph.find_attention(tm.build("bert"))
+    heads = sum(l.num_heads for l in layers)
+    passes = {name: scoring_passes(name, layers) for name in ph.METHODS}
+    assert passes == {
+        "gradient": 2,
+        "taylor": 2,
+        "fisher": 2,  # a forward pass and a backward one through the gates
+        "activation": 1,
+        "fluctuation": 1,
+        "magnitude": 0,
+        "random": 0,
+        "ablation": 1 + heads,  # the plain pass, then one per head gated off
+    }

@@ -8,6 +8,7 @@ import prune_heads as ph
 from prune_heads.recovery import search
 from prune_heads.recovery.generated import SHARE
 from prune_heads.recovery.search import search_order, searched_scores
+from prune_heads.runtime.ledger import Stage
 from prune_heads.scoring.selection import HeadBudget, removal_units
 
 # two layers of 6 query heads, 2 per KV head: groups (0, 1), (2, 3), (4, 5)
@@ -189,12 +190,12 @@ def test_the_default_searches_where_outputs_are_per_token_and_counts_its_work(na
 
     tried, work, notes = run()
     per_token = name == "llama"
-    assert ("search + reconstruction" in tried) == per_token and (work.get("search", 0.0) > 0) == per_token
+    assert ("search + reconstruction" in tried) == per_token and (work[Stage.SEARCH] > 0) == per_token
     assert not any("search" in n for n in notes)  # by default a classifier's flow is the flow without it
     tried, work, _ = run(search_rounds=2)
-    assert "search + reconstruction" in tried and work["search"] > 0
+    assert "search + reconstruction" in tried and work[Stage.SEARCH] > 0
     tried, work, notes = run(search_rounds=0)
-    assert not any("search" in k for k in tried) and "search" not in work
+    assert not any("search" in k for k in tried) and Stage.SEARCH not in work
     assert not any("search" in n for n in notes)
 
 
@@ -203,7 +204,7 @@ def test_a_tuning_budget_too_small_for_the_search_leaves_it_out_and_says_so():
     result = ph.prune_model(tm.build("llama"), tm.batches("llama"), config, progress=False)
     notes = next(e["notes"] for e in result.recovery if e["step"] == "notes")
     assert any(n.startswith("search not tried: its work") for n in notes)
-    assert result.work["search"] == 0.0
+    assert result.work[Stage.SEARCH] == 0.0
 
 
 def test_the_search_fits_in_what_the_tuning_budget_has_left_after_the_writing_and_the_recording():
@@ -215,14 +216,14 @@ def test_the_search_fits_in_what_the_tuning_budget_has_left_after_the_writing_an
 
     notes, work = run(0.5)
     pattern = r"search not tried: its work \(up to ([0-9.]+) calibration passes, more than the ([0-9.]+)"
-    spent = (work["recording"] + work["generation"]) / work["calibration_pass"]  # before the search, in passes
+    spent = (work[Stage.RECORDING] + work[Stage.GENERATION]) / work.calibration_pass  # before the search, in passes
     found = re.search(pattern, " ".join(notes))
     assert found and float(found.group(2)) == pytest.approx(max(0.5 - spent, 0.0), abs=0.05)
     bound = float(found.group(1))  # to a tenth
     notes, work = run(bound + spent / 2)  # the search alone would fit; after what was spent it does not
-    assert spent / 2 > 0.05 and work["search"] == 0.0 and any(n.startswith("search not tried") for n in notes)
+    assert spent / 2 > 0.05 and work[Stage.SEARCH] == 0.0 and any(n.startswith("search not tried") for n in notes)
     notes, work = run(bound + spent + 0.1)
-    assert work["search"] > 0 and not any(n.startswith("search not tried") for n in notes)
+    assert work[Stage.SEARCH] > 0 and not any(n.startswith("search not tried") for n in notes)
 
 
 def _deep_llama():
@@ -259,7 +260,7 @@ def _searched(monkeypatch, chain=True, changing=False, passes=False, **recovery)
     monkeypatch.undo()
     tried = next(e["tried"] for e in result.recovery if e["step"] == "selection")
     notes = next((e["notes"] for e in result.recovery if e["step"] == "notes"), [])
-    return tried, model.state_dict(), result.work["search"] / result.work["calibration_pass"], notes
+    return tried, model.state_dict(), result.work[Stage.SEARCH] / result.work.calibration_pass, notes
 
 
 def test_the_search_measures_from_each_unit_s_block_for_the_same_plan_and_less_work(monkeypatch):

@@ -2,7 +2,7 @@ import pytest
 import tiny_models as tm
 from torch import nn
 
-from prune_heads.runtime.work import Work, count_flops, first_example, module_shares
+from prune_heads.runtime.work import Pricer, count_flops, first_example, module_shares
 
 
 def test_module_shares_are_each_block_s_part_of_the_counted_forward_pass():
@@ -14,5 +14,7 @@ def test_module_shares_are_each_block_s_part_of_the_counted_forward_pass():
     head = module_shares(model, batch, [model.lm_head])[0]
     assert sum(shares) + head == pytest.approx(1.0)  # nothing else in a Llama multiplies matrices
     one = first_example(batch)
-    assert list(one["input_ids"].shape) == [1, 8] and Work.of(model, batch).per_position * 8 == count_flops(model, one)
+    assert list(one["input_ids"].shape) == [1, 8] and Pricer.of(model, batch).per_position * 8 == count_flops(
+        model, one
+    )
     assert module_shares(model, batch, [nn.Linear(2, 2)]) is None  # not in the model: cannot be priced

@@ -332,7 +332,7 @@ def snapshot(result, model) -> dict:
         "asked": result.asked,
         "recovery": recovery,
         "heldout": result.heldout,
-        "work": result.work,
+        "work": result.work.as_dict(),
         "weights": weights,
     }
 

@@ -8,6 +8,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from ..runtime.ledger import Stage
 from ..scoring.head_scores import HeadScores
 from ..scoring.kv_cache import size_text
 from .confidence import RESAMPLES, describe
@@ -239,17 +240,7 @@ class Report:
                 )
         work = self.meta.get("work") or {}
         if "calibration_pass" in work:
-            tuning_budget = work.get("tuning_budget")
-            limit = f" of its {_tflops(tuning_budget)} budget" if tuning_budget is not None else ""
-            written = f"writing calibration text {_tflops(work['generation'])}; " if "generation" in work else ""
-            lines += [
-                "",
-                f"Work, counted in FLOPs (the limits never read a clock): one forward and backward pass over "
-                f"the calibration batches {_tflops(work['calibration_pass'])}; {written}recording the statistics "
-                f"{_tflops(work.get('recording', 0))}; the plan search {_tflops(work.get('search', 0))}; candidate "
-                f"trials {_tflops(work.get('selection', 0))}; "
-                f"tuning {_tflops(work.get('tuning', 0))}{limit}.",
-            ]
+            lines += ["", _work_line(work)]
         return lines
 
     @staticmethod
@@ -307,6 +298,22 @@ def _change(change: float, interval: list[float] | tuple[float, float]) -> str:
 def _speed(speed: dict[str, float], unpruned: dict[str, float]) -> str:
     """Prompt and decode tokens a second, and the decode speed against the unpruned model's."""
     return f"{speed['prompt']:,.0f} / {speed['decode']:,.1f} ({speed['decode'] / unpruned['decode']:.2f}x)"
+
+
+def _work_line(work: dict[str, float]) -> str:
+    """The report's line on counted work: the price of one calibration pass, each stage's work (tuning's with its
+    budget where it had one) and their total."""
+    stages = []
+    for stage in Stage:
+        if stage.value in work:
+            capped = stage is Stage.TUNING and "tuning_budget" in work
+            budget = f" of its {_tflops(work['tuning_budget'])} budget" if capped else ""
+            stages.append(f"{stage.label} {_tflops(work[stage.value])}{budget}")
+    return (
+        f"Work, counted in FLOPs (the limits never read a clock): one forward and backward pass over the "
+        f"calibration batches {_tflops(work['calibration_pass'])}; {'; '.join(stages)}; in all "
+        f"{_tflops(work.get('total', 0))}."
+    )
 
 
 def _number(value: float | None) -> str:

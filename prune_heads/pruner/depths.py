@@ -21,12 +21,12 @@ from ..recovery.depth import Depth, deepest_within, prefix_length, prefix_plan
 from ..recovery.holdout import SequenceNLL, sequence_nll
 from ..recovery.search import Searched, Unit
 from ..runtime.devices import input_device
+from ..runtime.ledger import Stage
 from ..runtime.progress import progress_bar
-from ..runtime.work import Work
 from ..scoring.kv_cache import fits_cache, kv_cache_size
 from ..scoring.selection import check_budget
 from ..task_data import DataError, TaskData
-from .run import Run, heldout_nll, refitted, rise
+from .run import Bench, Run, heldout_nll, refitted, rise
 
 MAX_LOSS_RULE = (
     "the longest prefix of the searched order (the plain ranking's where no search ran) whose held-out perplexity "
@@ -41,41 +41,39 @@ FRONTIER_RULE = (
 FRONTIER_CACHE_TYPES = ("f16", "q8_0")  # llama.cpp's default KV cache and its 8-bit one
 
 
-def within_loss(run: Run, trial: Trial, searched: Searched) -> Searched:
+def within_loss(run: Run, bench: Bench, searched: Searched) -> tuple[Searched, dict[str, Any]]:
     """The longest prefix of the searched order whose held-out perplexity rise, each pruned layer refitted
-    (before tuning), is within `selection.max_loss`: the budget becomes its heads and the searched plan that
-    prefix. The rises measured go to the held-out summary (`max_loss`)."""
+    (before tuning), is within `selection.max_loss`, as the searched plan, and what the held-out summary says
+    of it (`max_loss`: the bound, the heads of that prefix, the rises measured, the rule)."""
     percent = run.config.selection.max_loss
-    if searched.plan is None or run.unpruned is None or percent is None:
+    if searched.plan is None or bench.unpruned is None or percent is None:
         raise ConfigError(f"selection.max_loss measures along the searched order, and there is none: {searched.note}")
     bound = percent / 100
 
     def rise_at(count: int) -> float:
-        refitted(run, trial, prefix_plan(searched.order, count), "depth")
-        return rise(run, trial.gated, "depth")
+        refitted(run, bench, prefix_plan(searched.order, count), Stage.DEPTH)
+        return rise(run, bench, bench.trial.gated, Stage.DEPTH)
 
     count, rises = deepest_within(len(searched.order), rise_at, bound)
-    trial.gated.use({})
+    bench.trial.gated.use({})
     plan = prefix_plan(searched.order, count)
     heads = sum(len(h) for h in plan.values())
-    run.budget, run.asked = dataclasses.replace(run.budget, num_heads=heads, round=None), heads
     measured = [[sum(len(u) for _, u in searched.order[:k]), rises[k]] for k in sorted(rises)]
-    run.summary["max_loss"] = {"bound": bound, "heads": heads, "rises": measured, "rule": MAX_LOSS_RULE}
-    return dataclasses.replace(searched, plan=plan, order=searched.order[:count])
+    summary = {"bound": bound, "heads": heads, "rises": measured, "rule": MAX_LOSS_RULE}
+    return dataclasses.replace(searched, plan=plan, order=searched.order[:count]), summary
 
 
-def within_bound(run: Run, trial: Trial) -> bool:
+def within_bound(run: Run, bench: Bench) -> bool:
     """Whether the gated model's held-out perplexity rise is within `selection.max_loss` (always without one)."""
     percent = run.config.selection.max_loss
-    return percent is None or rise(run, trial.gated, "depth") <= percent / 100
+    return percent is None or rise(run, bench, bench.trial.gated, Stage.DEPTH) <= percent / 100
 
 
-def searched_prefix(run: Run, trial: Trial, decision: Decision, tried: list, measured: str) -> Decision:
+def searched_prefix(trial: Trial, decision: Decision, tried: list, measured: str) -> Decision:
     """The order's prefix with its reconstruction (the candidate labelled `measured`), the state whose rise chose
     the depth, in place of the candidate `decision` kept (the others' held-out values stay in the report)."""
     searched = [c for c in tried if c.label == measured]
     kept = choose(trial, searched, searched[0].label)
-    run.notes.append(f"{decision.label} raised the held-out perplexity beyond max_loss; kept {kept.label}")
     return dataclasses.replace(kept, tried=decision.tried)
 
 
@@ -91,14 +89,15 @@ def frontier_asked(
     return list(zip(config.selection.fractions(), depth_heads(model, config))), second
 
 
-def frontier(run: Run, trial: Trial, searched: Searched, work: Work) -> list[Depth]:
+def frontier(run: Run, bench: Bench, searched: Searched) -> list[Depth]:
     """The unpruned model (depth 0), then each asked depth measured along the searched order: its prefix, each
     pruned layer refitted, against the unpruned model on the held-out batches (and the second text), with its
     KV cache and parameters."""
-    if searched.plan is None or run.unpruned is None:
+    if searched.plan is None or bench.unpruned is None:
         raise ConfigError(f"selection.depths measures along the searched order, and there is none: {searched.note}")
-    trial.gated.use({})
-    second = _second_nll(run, trial.gated, work)
+    gated = bench.trial.gated
+    gated.use({})
+    second = _second_nll(run, bench, gated)
     kv, parameters = _size(run, {})
     same, interval = (0.0, (0.0, 0.0)) if second is not None else (None, None)  # the unpruned model against itself
     found = [Depth(0.0, 0, 0, 0.0, (0.0, 0.0), same, interval, kv, parameters, {})]
@@ -106,23 +105,23 @@ def frontier(run: Run, trial: Trial, searched: Searched, work: Work) -> list[Dep
         for share, heads in run.depths:
             count = prefix_length(searched.order, heads)
             assert count is not None  # units of one size, checked before any data
-            found.append(_depth(run, trial, share, searched.order[:count], second, work))
+            found.append(_depth(run, bench, share, searched.order[:count], second))
             bar.update()
-    trial.gated.use({})
+    gated.use({})
     return found
 
 
-def _depth(run: Run, trial: Trial, share: float, prefix: list[Unit], second: SequenceNLL | None, work: Work) -> Depth:
+def _depth(run: Run, bench: Bench, share: float, prefix: list[Unit], second: SequenceNLL | None) -> Depth:
     """One depth: the `prefix`'s plan refitted on the gated model, measured on the held-out batches and the second
     text."""
-    plan = prefix_plan(prefix, len(prefix))
-    refitted(run, trial, plan, "frontier")
-    seed, heldout = run.config.scoring.seed, heldout_nll(run, trial.gated, "frontier")
-    assert run.unpruned is not None and heldout is not None  # measured where the search ran
-    change, interval = perplexity_change(run.unpruned, heldout, seed)
+    plan, gated = prefix_plan(prefix, len(prefix)), bench.trial.gated
+    refitted(run, bench, plan, Stage.FRONTIER)
+    seed, heldout = run.config.scoring.seed, heldout_nll(run, bench.tally, gated, Stage.FRONTIER)
+    assert bench.unpruned is not None and heldout is not None  # measured where the search ran
+    change, interval = perplexity_change(bench.unpruned, heldout, seed)
     eval_change = eval_interval = None
     if second is not None:
-        pruned = _second_nll(run, trial.gated, work)
+        pruned = _second_nll(run, bench, gated)
         assert pruned is not None  # the same batches as the unpruned model's
         eval_change, eval_interval = perplexity_change(second, pruned, seed)
     heads, (kv, parameters) = sum(map(len, plan.values())), _size(run, plan)
@@ -137,12 +136,12 @@ def _size(run: Run, plan: dict[str, list[int]]) -> tuple[dict[str, int], int]:
     return {c: kv_cache_size(run.model, context, c, plan) for c in caches}, parameters_after(run.model, plan)
 
 
-def _second_nll(run: Run, forward: Any, work: Work) -> SequenceNLL | None:
+def _second_nll(run: Run, bench: Bench, forward: Any) -> SequenceNLL | None:
     """The NLL per sequence of the frontier's second text under `forward` (None without one), its pass counted
     as frontier work."""
     if not run.second:
         return None
-    run.work["frontier"] = run.work.get("frontier", 0.0) + work.forward(run.second)
+    bench.tally.add(Stage.FRONTIER, bench.pricer.forward(run.second))
     return sequence_nll(forward, run.second, input_device(run.model))
 
 

@@ -27,7 +27,6 @@ from ..model.layers import require_attention, unmeasured_long_range
 from ..model.onload import onload_offloaded
 from ..model.probe import probe_layers
 from ..recovery.candidates import (
-    Decision,
     Trial,
     candidate_plans,
     candidates,
@@ -43,17 +42,17 @@ from ..recovery.holdout import one_standard_error, split_holdout
 from ..recovery.search import ROUNDS, Searched, SearchSchedule, searched_plan
 from ..recovery.tuning import Schedule, tune
 from ..runtime.devices import input_device, to_device
+from ..runtime.ledger import BEFORE_TUNING, Stage, Tally
 from ..runtime.progress import progress_bar
-from ..runtime.work import Budget, Work
+from ..runtime.work import Budget, Pricer
 from ..scoring.head_scores import HeadScores
-from ..scoring.iterative import prune_iteratively
-from ..scoring.methods import score_heads
+from ..scoring.methods import score_heads, scoring_passes
 from ..scoring.objective import Objective, frozen
 from ..scoring.recording import Recorder, record
 from ..scoring.selection import HeadBudget, check_budget, requested_heads
 from ..task_data import DataError, TaskData, with_targets, without_labels
 from .depths import at_budget, frontier, frontier_asked, searched_prefix, within_bound, within_loss
-from .run import BEFORE_TUNING, PruneResult, Run, heldout_nll, logger, rise
+from .run import Bench, Chosen, PruneResult, Run, Scored, Tuned, heldout_nll, logger, rise
 
 
 def prune_model(
@@ -77,49 +76,108 @@ def prune_model(
     gates, then folded in. With `selection.depths`, each depth is measured along the searched order
     (`PruneResult.frontier`), also on `eval_data` (a second text with labels) where given. With `plan`
     (`{layer: [heads]}`, such as a frontier depth's), that plan goes with the same recovery: no scoring, no
-    search, no other candidate.
+    search, no other candidate. Iterative pruning (`scoring.steps > 1`) is `ph.prune_iteratively`'s.
     """
-    config = config or PruneConfig()
-    start = time.perf_counter()
-    batches = _batches(data, config)
-    given = None
-    if plan is None:
-        budget = selection_budget(model, config, _seq_len(batches))
-    onload_offloaded(model)  # after the budget's check: weights offloaded to the CPU, cut there, run on the device
-    if plan is not None:  # checked on the weights
-        given, budget = given_plan(model, config, plan)
-    asked = requested_heads(model, budget)
-    batches, generated = _with_written_text(model, batches, config)
-    if config.scoring.steps > 1:
-        s = config.scoring
-        found = prune_iteratively(model, batches, budget, s.steps, s.method, seed=s.seed, progress=progress)
-        return PruneResult(found.plan, found.scores, found.history, asked=asked, seconds=time.perf_counter() - start)
-    run = _start(model, batches, generated, budget, asked, config, start, progress)
-    run.given = given
-    run.depths, run.second = frontier_asked(model, config, eval_data)
-    scores, recorder, recorded = _score(run)
+    run = _start(model, data, config or PruneConfig(), progress, eval_data, plan)
+    scored = _score(run)
     gated = GatedModel(model, run.layers)
     with frozen(model), gated:
-        pricing = _price(run, gated, recorded)
-        trial = _trial(run, gated, recorder)
-        run.unpruned = heldout_nll(run, gated)
-        decision = _choose(run, trial, scores, pricing)
-    gated.prove(decision.plan, run.calib[0])  # before tuning, the flow's peak, so the originals can go
-    if recorder is not None:
-        recorder.release_moments()
+        bench = _bench(run, gated, scored)
+        chosen = _choose(run, bench, scored.scores)
+    gated.prove(chosen.decision.plan, run.calib[0])  # before tuning, the flow's peak, so the originals can go
+    tuned = None
+    if scored.recorder is not None:
+        scored.recorder.release_moments()
         with frozen(model), gated:
-            _tune(run, trial, decision, pricing)
-    gated.fold(decision.plan)
-    _perplexity_change(run)
-    return run.result(decision.plan, scores)
+            tuned = _tune(run, bench, chosen)
+    gated.fold(chosen.decision.plan)
+    return _result(run, bench, scored, chosen, tuned)
 
 
-def _batches(data: TaskData | Iterable[dict], config: PruneConfig) -> list[dict]:
+def _start(
+    model: nn.Module,
+    data: TaskData | Iterable[dict],
+    config: PruneConfig,
+    progress: bool,
+    eval_data: TaskData | Iterable[dict] | None,
+    plan: dict | None,
+) -> Run:
+    """The run: the budget (checked against the structure before any data), the model's written text beside
+    the batches where asked, the held-out split, the attention layers (each proven to be one, on the first
+    batch), the objective, and the recovery it runs (no bias steps where the model cannot hold output biases)."""
+    start = time.perf_counter()
+    if config.scoring.steps > 1:
+        raise ConfigError(
+            "scoring.steps > 1 prunes iteratively, which is ph.prune_iteratively's path (prune-heads prune --steps "
+            "runs it); give prune_model scoring.steps 1"
+        )
+    batches = _batches(data)
+    given, budget = _budget(model, config, batches, plan)
+    depths, second = frontier_asked(model, config, eval_data)
+    batches, generated = _with_written_text(model, batches, config)
+    config, notes = _runnable(model, config)
+    r = config.recovery
+    calib, heldout = split_holdout(batches, r.holdout if r.enabled else 0.0)
+    if config.selection.max_loss is not None and not (heldout and all("labels" in b for b in heldout)):
+        raise ConfigError(
+            "selection.max_loss measures the loss on held-out calibration examples with labels, and this data gave "
+            "none: give more examples (or a shorter --max-length for a causal-lm task), with their labels"
+        )
+    layers = require_attention(model)
+    on_device = [to_device(without_labels(b), input_device(model)) for b in calib]
+    probe_layers(model, layers, on_device[0])
+    return Run(
+        model=model,
+        config=config,
+        budget=budget,
+        asked=requested_heads(model, budget),
+        scoring=calib,
+        calib=on_device,
+        heldout=heldout,
+        generated=generated,
+        layers=layers,
+        objective=Objective(model),
+        start=start,
+        progress=progress,
+        given=given,
+        depths=depths,
+        second=second,
+        notes=notes,
+    )
+
+
+def _batches(data: TaskData | Iterable[dict]) -> list[dict]:
     """The calibration batches; an encoder's labels score one-shot only (`with_targets`)."""
-    batches = list(data) if config.scoring.steps > 1 else with_targets(data)
+    batches = with_targets(data)
     if not batches:
         raise DataError("no calibration batches: give data with at least one example")
     return batches
+
+
+def _budget(
+    model: nn.Module, config: PruneConfig, batches: list[dict], plan: dict | None
+) -> tuple[dict[str, list[int]] | None, HeadBudget]:
+    """The plan given whole (None without one) and the budget, both checked against the model's structure
+    before any data is read (a plan on the weights, so after any offloaded weights are onloaded)."""
+    if plan is None:
+        budget = selection_budget(model, config, _seq_len(batches))
+    onload_offloaded(model)  # after the budget's check: weights offloaded to the CPU, cut there, run on the device
+    if plan is None:
+        return None, budget
+    return given_plan(model, config, plan)
+
+
+def _runnable(model: nn.Module, config: PruneConfig) -> tuple[PruneConfig, tuple[str, ...]]:
+    """`config` as this model can run it, with a note for what it leaves out: no output biases where a stock
+    config of the model cannot hold them (a uniform plan)."""
+    r = config.recovery
+    if not (r.enabled and (r.bias_compensation or r.bias_tuning) and config.selection.uniform):
+        return config, ()
+    if output_biases_load(model):
+        return config, ()
+    recovery = dataclasses.replace(r, bias_compensation=False, bias_tuning=False)
+    note = "no output biases added: a stock config of this model cannot hold them (uniform)"
+    return dataclasses.replace(config, recovery=recovery), (note,)
 
 
 def _seq_len(batches: list[dict]) -> int:
@@ -131,7 +189,7 @@ def _with_written_text(model: nn.Module, batches: list[dict], config: PruneConfi
     """The batches with the model's own written text beside them where asked (and that text alone), labels
     dropped for the label-free objective."""
     generated: list[dict] = []
-    share = _generated_share(model, batches, config.recovery)  # only with recovery on, so never with steps > 1
+    share = _generated_share(model, batches, config.recovery)
     if share:
         batches, generated = with_generated(model, batches, share, config.scoring.seed)
     if config.scoring.objective == "label-free":
@@ -139,113 +197,79 @@ def _with_written_text(model: nn.Module, batches: list[dict], config: PruneConfi
     return batches, generated
 
 
-def _start(
-    model: nn.Module,
-    batches: list,
-    generated: list,
-    budget: HeadBudget,
-    asked: int,
-    config: PruneConfig,
-    start: float,
-    progress: bool,
-) -> Run:
-    """The run: the held-out split, the attention layers (each proven to be one, on the first batch), the
-    objective, and the recovery as it runs (no bias steps where the model cannot hold output biases)."""
-    r = config.recovery
-    calib, heldout = split_holdout(batches, r.holdout if r.enabled else 0.0)
-    if config.selection.max_loss is not None and not (heldout and all("labels" in b for b in heldout)):
-        raise ConfigError(
-            "selection.max_loss measures the loss on held-out calibration examples with labels, and this data gave "
-            "none: give more examples (or a shorter --max-length for a causal-lm task), with their labels"
-        )
-    layers = require_attention(model)
-    probe_layers(model, layers, to_device(without_labels(calib[0]), input_device(model)))
-    run = Run(model, config, r, budget, asked, calib, heldout, generated, layers, Objective(model), start, progress)
-    if (
-        r.enabled
-        and (r.bias_compensation or r.bias_tuning)
-        and config.selection.uniform
-        and not output_biases_load(model)
-    ):
-        run.notes.append("no output biases added: a stock config of this model cannot hold them (uniform)")
-        run.recovery = dataclasses.replace(r, bias_compensation=False, bias_tuning=False)
-    return run
-
-
-def _score(run: Run) -> tuple[HeadScores | None, Recorder | None, bool]:
+def _score(run: Run) -> Scored:
     """The heads' scores (none for a given plan) and, for recovery, the unpruned model's statistics and outputs
-    on the calibration batches (moved to the model's device, labels dropped): recorded while scoring, or in a
-    no-grad pass of their own where the Gram matrices are needed (a share of the weights, not beside the
-    scoring's activations). Also whether that pass ran."""
-    tick, s, r = time.perf_counter(), run.config.scoring, run.recovery
+    on the calibration batches: recorded while scoring, or in a no-grad pass of their own where the Gram
+    matrices are needed (a share of the weights, not beside the scoring's activations)."""
+    tick, s, r = time.perf_counter(), run.config.scoring, run.config.recovery
     during = r.enabled and not r.reconstruction and run.given is None
     with Recorder(run.model, run.layers, run.objective) if during else nullcontext() as recorder:
         scores = (
             score_heads(
-                run.model, run.calib, method=s.method, normalize=s.normalize, seed=s.seed, progress=run.progress
+                run.model, run.scoring, method=s.method, normalize=s.normalize, seed=s.seed, progress=run.progress
             )
             if run.given is None
             else None
         )
-    run.calib = [to_device(without_labels(b), input_device(run.model)) for b in run.calib]
     recorded = r.enabled and (recorder is None or recorder.calls != len(run.calib))  # no plain pass per batch
     if recorded:
         recorder = record(run.model, run.calib, run.objective, r.reconstruction, run.progress)
-    run.timings["scoring"] = time.perf_counter() - tick
-    return scores, recorder, recorded
+    return Scored(scores, recorder, recorded, time.perf_counter() - tick)
 
 
-def _price(run: Run, gated: GatedModel, recorded: bool) -> Work:
-    """The price of passes over batches of the gated model, and the counted work of the passes so far."""
-    work = Work.of(gated.model, run.calib[0])
-    run.work = {"calibration_pass": work.forward_backward(run.calib), "heldout_pass": work.forward(run.heldout)}
-    if recorded:
-        run.work["recording"] = work.forward(run.calib)
+def _bench(run: Run, gated: GatedModel, scored: Scored) -> Bench:
+    """What the decisions are measured on: the price of passes, the work of the passes so far, the held-out
+    batches on the model's device with the unpruned model's outputs there (and its Gram matrices, which choose
+    each reconstruction's ridge) and its held-out NLL."""
+    pricer = Pricer.of(gated.model, run.calib[0])
+    tally = Tally(pricer.forward_backward(run.calib), pricer.forward(run.heldout))
+    if scored.scores is not None:
+        tally.add(Stage.SCORING, scoring_passes(run.config.scoring.method, run.layers) * pricer.forward(run.calib))
+    if scored.recorded:
+        tally.add(Stage.RECORDING, pricer.forward(run.calib))
     if run.generated:  # sampled with the KV cache: a forward pass over the written tokens
-        run.work["generation"] = work.forward(run.generated)
-    return work
-
-
-def _trial(run: Run, gated: GatedModel, recorder: Recorder | None) -> Trial:
-    """What the candidates are tried with: the held-out batches on the model's device and the unpruned
-    model's outputs there (and its Gram matrices, which choose each reconstruction's ridge)."""
-    r = run.recovery
+        tally.add(Stage.GENERATION, pricer.forward(run.generated))
+    r = run.config.recovery
     heldout = [to_device(without_labels(b), input_device(run.model)) for b in run.heldout]
     reference = unpruned_heldout(gated, heldout, run.objective, r.reconstruction) if heldout else None
     bias = r.bias_tuning or r.bias_compensation
-    return Trial(gated, run.objective, recorder, reference, heldout, bias, run.progress)
+    trial = Trial(gated, run.objective, scored.recorder, reference, heldout, bias, run.progress)
+    return Bench(trial, pricer, tally, heldout_nll(run, tally, gated))
 
 
-def _choose(run: Run, trial: Trial, scores: HeadScores | None, work: Work) -> Decision:
+def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
     """The searched plan where the search runs (with a loss bound, the depth from its order), the other
     candidate plans at that budget (a given plan alone, without scores), then the candidate kept on the
     held-out batches (with a loss bound, the searched prefix where the one kept raises the held-out perplexity
     beyond it)."""
-    tick, r = time.perf_counter(), run.recovery
-    searched = _search(run, trial, scores, work) if scores is not None else Searched(None, 0.0)
-    if run.depths:
-        run.frontier = frontier(run, trial, searched, work)
+    tick, r, trial = time.perf_counter(), run.config.recovery, bench.trial
+    searched = _search(run, bench, scores) if scores is not None else Searched(None, 0.0)
+    notes = [] if searched.note is None else [searched.note]
+    found = frontier(run, bench, searched) if run.depths else []
+    budget, summary = run.budget, {}
     if run.config.selection.max_loss is not None:
-        searched = within_loss(run, trial, searched)
+        searched, summary["max_loss"] = within_loss(run, bench, searched)
+        budget = dataclasses.replace(budget, num_heads=summary["max_loss"]["heads"], round=None)
     elif run.depths:
         searched = at_budget(run, searched)
-    plans, notes, costed = _candidate_plans(run, trial, scores)
-    run.notes += notes
+    plans, made, costed = _candidate_plans(run, trial, scores, budget)
+    notes += made
     if searched.plan is not None:
         plans[searched.name] = searched.plan
     tried = candidates(plans, r.reconstruction, r.bias_compensation, trial.calibration is not None)
     decision = choose(trial, tried, fallback(plans, r.reconstruction, r.bias_compensation))
     measured = f"{searched.name} + reconstruction"  # the state whose rise a loss bound measured
-    if decision.label != measured and not within_bound(run, trial):
-        decision = searched_prefix(run, trial, decision, tried, measured)
+    if decision.label != measured and not within_bound(run, bench):
+        kept = searched_prefix(trial, decision, tried, measured)
+        notes.append(f"{decision.label} raised the held-out perplexity beyond max_loss; kept {kept.label}")
+        decision = kept
     trial.release()
-    run.notes += trial.notes + _warned(unmeasured_long_range(run.layers, decision.plan, _seq_len(run.calib)))
-    run.work["reconstruction"] = trial.refit_work
-    run.work["selection"] = (len(decision.tried) + 1) * run.work["heldout_pass"] + trial.refit_work + costed
-    run.steps.append(decision.entry(round(time.perf_counter() - tick, 3)))
-    run.summary = {**run.summary, **heldout_summary(decision, trial.batches)}
-    run.timings["selection"] = time.perf_counter() - tick
-    return decision
+    notes += trial.notes + _warned(unmeasured_long_range(run.layers, decision.plan, _seq_len(run.calib)))
+    bench.tally.add(Stage.RECONSTRUCTION, trial.refit_work)
+    bench.tally.add(Stage.SELECTION, (len(decision.tried) + 1) * bench.tally.heldout_pass + costed)
+    summary.update(heldout_summary(decision, trial.batches))
+    asked = run.asked if "max_loss" not in summary else summary["max_loss"]["heads"]
+    return Chosen(decision, budget, asked, found, notes, summary, time.perf_counter() - tick)
 
 
 def _warned(note: str | None) -> list[str]:
@@ -255,40 +279,39 @@ def _warned(note: str | None) -> list[str]:
     return [] if note is None else [note]
 
 
-def _candidate_plans(run: Run, trial: Trial, scores: HeadScores | None) -> tuple[dict, list[str], float]:
-    """The candidate plans at the budget, a note for each not made and their counted work (a given plan alone)."""
-    r = run.recovery
+def _candidate_plans(
+    run: Run, trial: Trial, scores: HeadScores | None, budget: HeadBudget
+) -> tuple[dict, list[str], float]:
+    """The candidate plans at `budget`, a note for each not made and their counted work (a given plan alone)."""
+    r = run.config.recovery
     if run.given is not None:
         return {"given": run.given}, [], 0.0
     assert scores is not None  # scored wherever no plan was given
-    return candidate_plans(scores, trial.calibration, run.layers, run.budget, r.rearrange, r.reconstruction)
+    return candidate_plans(scores, trial.calibration, run.layers, budget, r.rearrange, r.reconstruction)
 
 
-def _search(run: Run, trial: Trial, scores: HeadScores, work: Work) -> Searched:
+def _search(run: Run, bench: Bench, scores: HeadScores) -> Searched:
     """The searched plan where the search runs (`search_rounds`; by default where the outputs are per
     position) and its counted work fits in what the tuning budget has left after the passes before it (with a
     loss bound or a frontier, whatever it costs, to the deepest depth asked: the depths come from its order).
     Where it does not run and depths are measured, the plain ranking's order in its place."""
-    r, budget = run.recovery, _deepest(run)
-    rounds = _rounds(run, trial)
+    r, budget, tally = run.config.recovery, _deepest(run), bench.tally
+    rounds = _rounds(run, bench.trial)
     if not rounds:
         return _ranked(run, scores, budget)
     limit = math.inf
     if not run.depths and r.tuning_budget is not None and run.config.selection.max_loss is None:
-        spent = sum(run.work.get(k, 0.0) for k in BEFORE_TUNING)  # the writing and the recording
-        limit = r.tuning_budget * run.work["calibration_pass"] - spent
+        limit = r.tuning_budget * tally.calibration_pass - tally.spent(BEFORE_TUNING)  # the writing and recording
     schedule = SearchSchedule(rounds, r.search_examples, r.search_screen)
-    searched = searched_plan(trial, scores, budget, run.calib, schedule, work, limit)
-    run.work["search"] = searched.work
-    if searched.note is not None:
-        run.notes.append(searched.note)
+    searched = searched_plan(bench.trial, scores, budget, run.calib, schedule, bench.pricer, limit)
+    tally.add(Stage.SEARCH, searched.work)
     return searched
 
 
 def _rounds(run: Run, trial: Trial) -> int:
     """The search's rounds: `search_rounds`, by default 2 where the outputs are per position (a language model's
     tokens), else none; none without the rearrangement, the refits and held-out batches it needs."""
-    r = run.recovery
+    r = run.config.recovery
     if not (r.rearrange and r.reconstruction and trial.calibration is not None and trial.reference is not None):
         return 0
     if r.search_rounds is None:
@@ -311,14 +334,33 @@ def _ranked(run: Run, scores: HeadScores, budget: HeadBudget) -> Searched:
         return Searched(None, 0.0)
     order = ranked_order(scores, budget, check_budget(run.model, budget))
     note = "depths measured along the plain ranking's order (no search ran)"
-    run.notes.append(note)
     return Searched(prefix_plan(order, len(order)), 0.0, note, order, "ranked")
 
 
-def _perplexity_change(run: Run) -> None:
-    """The held-out perplexity's relative change from the unpruned model's, into the held-out summary."""
-    if run.unpruned is not None and run.summary:
-        run.summary["perplexity_change"] = rise(run, lambda batch: run.model(**batch))
+def _result(run: Run, bench: Bench, scored: Scored, chosen: Chosen, tuned: Tuned | None) -> PruneResult:
+    """What the run did, once the plan is removed: its steps and notes, the held-out summary with the
+    perplexity's change (a language model's), the counted work closed into its ledger, seconds per stage."""
+    summary = dict(chosen.summary)
+    if tuned is not None and tuned.final is not None:
+        summary["final"] = tuned.final
+    if bench.unpruned is not None and summary:
+        summary["perplexity_change"] = rise(run, bench, lambda batch: run.model(**batch))
+    notes = [*run.notes, *chosen.notes]
+    steps = [chosen.decision.entry(round(chosen.seconds, 3))] + ([tuned.entry] if tuned is not None else [])
+    timings = {"scoring": scored.seconds, "selection": chosen.seconds}
+    if tuned is not None:
+        timings["tuning"] = tuned.seconds
+    return PruneResult(
+        chosen.decision.plan,
+        scored.scores,
+        recovery=[{"step": "notes", "notes": notes}, *steps] if notes else steps,
+        heldout=summary,
+        asked=chosen.asked,
+        seconds=time.perf_counter() - run.start,
+        timings={k: round(v, 3) for k, v in timings.items()},
+        work=bench.tally.ledger(tuned.limit if tuned is not None else None),
+        frontier=chosen.frontier,
+    )
 
 
 def _generated_share(model: nn.Module, batches: list[dict], r: RecoveryConfig) -> float:
@@ -332,22 +374,22 @@ def _generated_share(model: nn.Module, batches: list[dict], r: RecoveryConfig) -
     return r.generated_share
 
 
-def _tune(run: Run, trial: Trial, decision: Decision, work: Work) -> None:
+def _tune(run: Run, bench: Bench, chosen: Chosen) -> Tuned | None:
     """Tune the chosen state's gates, output biases and projection updates to the unpruned outputs, kept only
     when the held-out divergence falls by more than one standard error (and a loss bound still holds);
-    bounded by `tuning_budget` when set."""
-    r, gated = run.recovery, trial.gated
+    bounded by `tuning_budget` when set. None where tuning is off."""
+    r, trial, decision = run.config.recovery, bench.trial, chosen.decision
     if not (r.tuning and r.epochs > 0):
-        return
-    tick = time.perf_counter()
+        return None
+    tick, gated = time.perf_counter(), trial.gated
     untuned = [b.detach().clone() for b in gated.biases]
     rank = r.projection_rank if r.projection_tuning else None
     tunables = gated.tunables(r.gate_tuning, r.bias_tuning, rank, run.config.scoring.seed)
     rates = {"gate": r.gate_lr, "bias": r.bias_lr, "projection": r.projection_lr}
     groups = [{"params": params, "lr": rates[name]} for name, params in tunables.items()]
     check = (lambda: float(trial.divergences().mean())) if trial.batches else None
-    limit = _tuning_limit(run)
-    budget = Budget(float("inf") if limit is None else limit, work, check=run.work["heldout_pass"])
+    limit = _tuning_limit(run, bench.tally)
+    budget = Budget(float("inf") if limit is None else limit, bench.pricer, check=bench.tally.heldout_pass)
     assert trial.calibration is not None
     with progress_bar(None, "tuning", r.epochs * len(run.calib), run.progress) as bar:  # may stop early
 
@@ -361,36 +403,33 @@ def _tune(run: Run, trial: Trial, decision: Decision, work: Work) -> None:
             forward, groups, run.calib, targets, run.objective, schedule, check, budget
         )
     gated.freeze()
-    run.work["tuning"] = spent
-    if limit is not None:  # no cap, no entry
-        run.work["tuning_budget"] = limit
+    bench.tally.add(Stage.TUNING, spent)
     names = list(tunables)
     entry: dict[str, Any] = {
         "step": (", ".join(names[:-1]) + " and " if len(names) > 1 else "") + names[-1] + " tuning",
         "epochs_run": round(steps / len(run.calib), 2),
         "heldout_by_epoch": history,
-        "seconds": 0.0,
         "flops": spent,
         "budget_flops": limit,
         "averaged": averaged,
     }
+    final = None
     if history and decision.values is not None:  # kept only when it beats the untuned state by more than
         tuned = trial.divergences()  # one standard error (not on noise)
         better = one_standard_error({"untuned": decision.values, "tuned": tuned}) == "tuned"
-        entry["kept"] = better and within_bound(run, trial)  # a loss bound holds after tuning too
-        run.summary["final"] = float((tuned if entry["kept"] else decision.values).mean())
+        entry["kept"] = better and within_bound(run, bench)  # a loss bound holds after tuning too
+        final = float((tuned if entry["kept"] else decision.values).mean())
         if not entry["kept"]:
             gated.untune(untuned)
-    entry["seconds"] = round(time.perf_counter() - tick, 3)
-    run.steps.append(entry)
-    run.timings["tuning"] = time.perf_counter() - tick
+    seconds = time.perf_counter() - tick
+    entry["seconds"] = round(seconds, 3)
+    return Tuned(entry, final, limit, seconds)
 
 
-def _tuning_limit(run: Run) -> float | None:
+def _tuning_limit(run: Run, tally: Tally) -> float | None:
     """The FLOPs tuning may spend: None without a `tuning_budget` (the held-out stop and `epochs` end it),
     else what the budget leaves after the recovery's work before tuning, at least `min_tuning_flops`."""
-    r = run.recovery
+    r = run.config.recovery
     if r.tuning_budget is None:
         return None
-    before = sum(run.work.get(k, 0.0) for k in BEFORE_TUNING)
-    return max(r.min_tuning_flops, r.tuning_budget * run.work["calibration_pass"] - before)
+    return max(r.min_tuning_flops, r.tuning_budget * tally.calibration_pass - tally.spent(BEFORE_TUNING))

@@ -1,40 +1,42 @@
-"""One `prune_model` call's record (`Run`), what it returns (`PruneResult`), and the held-out measurements its
-steps share: a language model's perplexity on the held-out batches, its rise from the unpruned model's, and a plan
-put on the gated model with its refits."""
+"""One `prune_model` call's records, each frozen once made: the run as it starts (`Run`), the bench every
+decision is measured on (`Bench`), what it returns (`PruneResult`), and the held-out measurements the stages
+share: a language model's perplexity on the held-out batches, its rise from the unpruned model's, and a plan put
+on the gated model with its refits."""
 
 from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from ..config import PruneConfig, RecoveryConfig
-from ..recovery.candidates import Trial
+from ..config import PruneConfig
+from ..recovery.candidates import Decision, Trial
 from ..recovery.depth import Depth
 from ..recovery.generated import writes_text
 from ..recovery.holdout import SequenceNLL, measures_loss, sequence_nll
 from ..recovery.reconstruction import refit_flops
 from ..runtime.devices import input_device
+from ..runtime.ledger import Ledger, Stage, Tally
+from ..runtime.work import Pricer
 from ..scoring.head_scores import HeadScores
 from ..scoring.objective import Objective
+from ..scoring.recording import Recorder
 from ..scoring.selection import HeadBudget
 
-BEFORE_TUNING = ("generation", "recording", "search", "depth", "selection")  # recovery's work before tuning
 logger = logging.getLogger("prune_heads")
 
 
-@dataclass
+@dataclass(frozen=True)
 class PruneResult:
     """What `prune_model` did: the plan (original head indices per layer), the scores it was chosen from,
-    the per-step history of iterative pruning, each recovery decision (`recovery`: what was tried, its
-    held-out divergence from the unpruned model, what was kept, seconds), the held-out summary, the heads the
-    budget asked for (`asked`; `heads_removed` differs only with `selection.round`), the work of each stage
-    in counted FLOPs with the tuning's budget (`work`: what limits the flow, never a clock), the seconds
-    per stage (informative only) and each depth `selection.depths` asked for measured (`frontier`)."""
+    each recovery decision (`recovery`: what was tried, its held-out divergence from the unpruned model, what
+    was kept, seconds), the held-out summary, the heads the budget asked for (`asked`; `heads_removed` differs
+    only with `selection.round`), the counted work of each stage with the tuning's budget (`work`: what limits
+    the flow, never a clock), the seconds per stage (informative only), each depth `selection.depths` asked
+    for measured (`frontier`) and, from `prune_iteratively`'s path, the loss after each step (`history`)."""
 
     plan: dict[str, list[int]]
     scores: HeadScores | None = None
@@ -44,7 +46,7 @@ class PruneResult:
     asked: int | None = None
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
-    work: dict[str, float] = field(default_factory=dict)
+    work: Ledger | None = None
     frontier: list[Depth] = field(default_factory=list)
 
     @property
@@ -53,17 +55,19 @@ class PruneResult:
         return sum(len(h) for h in self.plan.values())
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
-    """One `prune_model` call: what its steps read (the model, its layers and objective, the budget, the
-    recovery as it runs, the batches) and what they report (notes, recovery steps, the held-out summary,
-    counted work, seconds per stage)."""
+    """One `prune_model` call as it starts, fixed from then on: the model with its attention layers and
+    objective, the config it runs (its recovery less the steps this model cannot hold), the budget and the heads
+    it asks for, the batches (`scoring`, the calibration part as given, what scoring reads; `calib`, the same on
+    the model's device without labels; `heldout`, the held-out part), the model's written text, a plan given whole, a
+    frontier's depths (share, heads) and second text, and the notes made on the way in."""
 
     model: nn.Module
     config: PruneConfig
-    recovery: RecoveryConfig
     budget: HeadBudget
     asked: int
+    scoring: list[dict]
     calib: list[dict]
     heldout: list[dict]
     generated: list[dict]
@@ -71,55 +75,82 @@ class Run:
     objective: Objective
     start: float
     progress: bool
-    notes: list[str] = field(default_factory=list)
-    steps: list[dict] = field(default_factory=list)
-    summary: dict[str, Any] = field(default_factory=dict)
-    work: dict[str, float] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    unpruned: SequenceNLL | None = None  # a language model's on the held-out batches
-    depths: list[tuple[float, int]] = field(default_factory=list)  # the frontier's shares and their heads
-    second: list[dict] = field(default_factory=list)  # the frontier's second text, batches with labels
-    frontier: list[Depth] = field(default_factory=list)
-    given: dict[str, list[int]] | None = None  # a plan given whole, in place of scores and search
-
-    def result(self, plan: dict[str, list[int]], scores: HeadScores | None) -> PruneResult:
-        """What the run did, once the plan is removed."""
-        steps = [{"step": "notes", "notes": self.notes}, *self.steps] if self.notes else self.steps
-        timings = {k: round(v, 3) for k, v in self.timings.items()}
-        seconds = time.perf_counter() - self.start
-        return PruneResult(
-            plan,
-            scores,
-            recovery=steps,
-            heldout=self.summary,
-            asked=self.asked,
-            seconds=seconds,
-            timings=timings,
-            work=self.work,
-            frontier=self.frontier,
-        )
+    given: dict[str, list[int]] | None = None
+    depths: list[tuple[float, int]] = field(default_factory=list)
+    second: list[dict] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
 
 
-def refitted(run: Run, trial: Trial, plan: dict[str, list[int]], work: str) -> None:
-    """Put `plan` on the gated model with each pruned layer refitted, the refits counted as `work`."""
+@dataclass(frozen=True)
+class Bench:
+    """What every decision after scoring is measured on: the trial (the gated model, the unpruned model's
+    statistics and held-out outputs), the price of passes, the work counted as it is spent and the unpruned
+    model's held-out NLL (a language model's; None otherwise)."""
+
+    trial: Trial
+    pricer: Pricer
+    tally: Tally
+    unpruned: SequenceNLL | None = None
+
+
+@dataclass(frozen=True)
+class Scored:
+    """What scoring gave: the heads' scores (None for a plan given whole), the unpruned model's statistics on
+    the calibration batches (None without recovery), whether they took a pass of their own, and the seconds."""
+
+    scores: HeadScores | None
+    recorder: Recorder | None
+    recorded: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """What selection decided: the candidate kept (the gated model left in its state), the budget it was
+    chosen at with its heads (a quality bound's depth, where one was asked), the frontier measured, the notes
+    and held-out summary it made, and the seconds."""
+
+    decision: Decision
+    budget: HeadBudget
+    asked: int
+    frontier: list[Depth]
+    notes: list[str]
+    summary: dict[str, Any]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """What tuning did: the report's step, the held-out divergence it left (None without held-out batches), its
+    cap in FLOPs (None without one) and the seconds."""
+
+    entry: dict[str, Any]
+    final: float | None
+    limit: float | None
+    seconds: float
+
+
+def refitted(run: Run, bench: Bench, plan: dict[str, list[int]], stage: Stage) -> None:
+    """Put `plan` on the gated model with each pruned layer refitted, the refits counted for `stage`."""
+    trial = bench.trial
     trial.gated.use(plan, refits={name: trial.refit(name, heads) for name, heads in plan.items()})
-    run.work[work] = run.work.get(work, 0.0) + refit_flops(run.layers, plan)
+    bench.tally.add(stage, refit_flops(run.layers, plan))
 
 
-def heldout_nll(run: Run, forward: Any, work: str = "perplexity") -> SequenceNLL | None:
+def heldout_nll(run: Run, tally: Tally, forward: Any, stage: Stage = Stage.PERPLEXITY) -> SequenceNLL | None:
     """A language model's next-token NLL per held-out sequence (a classifier's on its labels, under a loss
-    bound; None for other tasks), its pass counted as `work`."""
+    bound; None for other tasks), its pass counted for `stage`."""
     measured = writes_text(run.model) or run.config.selection.max_loss is not None and measures_loss(run.model)
     if not (run.heldout and measured and all("labels" in b for b in run.heldout)):
         return None
-    run.work[work] = run.work.get(work, 0.0) + run.work["heldout_pass"]
+    tally.add(stage, tally.heldout_pass)
     return sequence_nll(forward, run.heldout, input_device(run.model))
 
 
-def rise(run: Run, forward: Any, work: str = "perplexity") -> float:
+def rise(run: Run, bench: Bench, forward: Any, stage: Stage = Stage.PERPLEXITY) -> float:
     """The held-out perplexity's relative change from the unpruned model's under `forward`, its pass counted
-    as `work`."""
-    assert run.unpruned is not None
-    pruned = heldout_nll(run, forward, work)
+    for `stage`."""
+    assert bench.unpruned is not None
+    pruned = heldout_nll(run, bench.tally, forward, stage)
     assert pruned is not None  # the same batches as the unpruned model's
-    return math.exp(pruned.mean - run.unpruned.mean) - 1
+    return math.exp(pruned.mean - bench.unpruned.mean) - 1

@@ -21,7 +21,7 @@ import torch
 from ..model.blocks import Resume, block_chain
 from ..model.surgery import PlanError
 from ..runtime.progress import progress_bar
-from ..runtime.work import Work, module_shares
+from ..runtime.work import Pricer, module_shares
 from ..scoring.head_scores import HeadScores
 from ..scoring.selection import HeadBudget, removal_units, requested_heads, select_heads
 from ..task_data import batch_size
@@ -304,18 +304,18 @@ def searched_plan(
     budget: HeadBudget,
     calib: list[dict],
     schedule: SearchSchedule,
-    work: Work,
+    pricer: Pricer,
     limit: float,
 ) -> Searched:
     """The plan searched on `calib` as `schedule` says for the selection's `budget`, with its counted work
-    (priced by `work`), or None and why when that work would pass `limit`. A unit is measured by a forward
+    (priced by `pricer`), or None and why when that work would pass `limit`. A unit is measured by a forward
     pass that starts at the unit's block where the model is one chain of blocks and starting there is proven
     exact on it (`prune_heads.model.blocks`), else over the whole model. A bar per round where the trial
     shows progress."""
     asked, rounds = requested_heads(trial.gated.model, budget), schedule.rounds
     batches = _first_examples(calib, schedule.examples)
-    search = _Search(trial, scores, budget, _parts(batches, schedule.screen), work)
-    one = work.forward_backward(calib)  # a calibration pass: the unit of the budget a refusal names
+    search = _Search(trial, scores, budget, _parts(batches, schedule.screen), pricer)
+    one = pricer.forward_backward(calib)  # a calibration pass: the unit of the budget a refusal names
     if search.bound(rounds, asked) > limit:
         return search.refused(0.0, one, limit, rounds, asked)
     note = search.start()
@@ -369,12 +369,12 @@ class _Search:
     what enters a block are added (at most one pass per round and part); proving that starting part-way is
     exact costs the first part's whole pass and two passes of it from the block that starts latest (`proof`)."""
 
-    def __init__(self, trial: Trial, scores: HeadScores, budget: HeadBudget, parts: list[list[dict]], work: Work):
+    def __init__(self, trial: Trial, scores: HeadScores, budget: HeadBudget, parts: list[list[dict]], pricer: Pricer):
         gated = trial.gated
         self.trial = trial
         targets = trial.calibration.targets if trial.calibration is not None else []
         cuts = [0, *itertools.accumulate(len(b) for b in parts)]
-        self.parts = [_Part(b, targets[i : i + len(b)], work.forward(b)) for i, b in zip(cuts, parts)]
+        self.parts = [_Part(b, targets[i : i + len(b)], pricer.forward(b)) for i, b in zip(cuts, parts)]
         self.units = removal_units(scores, budget)
         self.every = [(name, unit) for name, (layer_units, _) in self.units.items() for unit in layer_units]
         self.refit_most = max((self._refit_work(n, u) for n, u in self.every), default=0.0)

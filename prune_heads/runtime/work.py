@@ -82,13 +82,13 @@ def module_shares(model: nn.Module, batch: dict, modules: list[nn.Module]) -> li
 
 
 @dataclass(frozen=True)
-class Work:
+class Pricer:
     """The price of passes over batches, in FLOPs: `per_position` forward FLOPs per position."""
 
     per_position: float
 
     @classmethod
-    def of(cls, model: nn.Module, batch: dict) -> Work:
+    def of(cls, model: nn.Module, batch: dict) -> Pricer:
         """Count one forward pass of `model` on the first example of `batch` (labels dropped)."""
         one = first_example(batch)
         return cls(count_flops(model, one) / max(positions(one), 1))
@@ -108,12 +108,12 @@ class Budget:
     batch and `check` one held-out check."""
 
     limit: float
-    work: Work
+    pricer: Pricer
     check: float
     spent: float = 0.0
 
     def step(self, batch: dict) -> float:
-        return self.work.forward_backward([batch])
+        return self.pricer.forward_backward([batch])
 
     def allows(self, cost: float) -> bool:
         """Whether `cost` more FLOPs stay within the limit."""

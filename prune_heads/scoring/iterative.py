@@ -14,7 +14,7 @@ from ..model.probe import prune
 from ..runtime.devices import input_device, to_device
 from ..task_data import batch_size
 from .head_scores import HeadScores
-from .methods import score_heads
+from .methods import DEFAULT_METHOD, score_heads
 from .objective import Loss, Objective, frozen
 from .selection import HeadBudget, select_heads
 
@@ -49,7 +49,7 @@ def prune_iteratively(
     dataloader: Iterable[dict],
     budget: HeadBudget | float,
     steps: int = 5,
-    method: str = "gradient",
+    method: str = DEFAULT_METHOD,
     loss: Loss | None = None,
     evaluate: Callable[[nn.Module], dict] | None = None,
     seed: int = 0,

@@ -69,16 +69,26 @@ class ScoringRun:
 
 
 METHODS: dict[str, Callable[[ScoringRun], tuple[list[torch.Tensor], list[torch.Tensor] | None]]] = {}
+PASSES: dict[str, Callable[[list[AttentionLayer]], int]] = {}  # a method's forward passes' worth over the batches
+DEFAULT_METHOD = "fisher"  # the default path's, measured best in benchmarks/scoring.py
 
 
-def method(name: str):
-    """Register a scoring method under `name` (a function ScoringRun -> (scores, variances or None))."""
+def method(name: str, passes: int | Callable[[list[AttentionLayer]], int] = 2):
+    """Register a scoring method under `name` (a function ScoringRun -> (scores, variances or None)) with
+    its cost over the batches in forward passes (`passes`, or a function of the layers; a backward pass through
+    the gates counts as one more), what the flow's counted work prices it at."""
 
     def register(fn):
         METHODS[name] = fn
+        PASSES[name] = passes if callable(passes) else lambda layers: passes
         return fn
 
     return register
+
+
+def scoring_passes(name: str, layers: list[AttentionLayer]) -> int:
+    """The forward passes' worth over the batches that method `name` runs on a model with `layers`."""
+    return PASSES[name](layers)
 
 
 def gate_gradients(run: ScoringRun) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], int]:
@@ -136,7 +146,7 @@ def fisher_importance(run: ScoringRun):
     return sq_sum, None
 
 
-@method("activation")
+@method("activation", passes=1)
 def activation_importance(run: ScoringRun):
     """Mean L2 norm of each head's contribution to the layer output (its slice through the output projection)."""
     totals = [torch.zeros(l.num_heads, dtype=torch.float64) for l in run.layers]
@@ -162,7 +172,7 @@ def activation_importance(run: ScoringRun):
     return [t / max(float(c), 1) for t, c in zip(summed[:-1], summed[-1])], None
 
 
-@method("magnitude")
+@method("magnitude", passes=0)
 def magnitude_importance(run: ScoringRun):
     """Data-free: ||W_v of the head's KV group||_F * ||W_o columns of the head||_F (the OV path's scale)."""
     scores = []
@@ -199,7 +209,7 @@ def fluctuation(layers: list[AttentionLayer], variances: list[torch.Tensor], gro
     return scores
 
 
-@method("fluctuation")
+@method("fluctuation", passes=1)
 def fluctuation_importance(run: ScoringRun):
     """Forward only: FLAP's fluctuation of each head's output channels (see `fluctuation`)."""
     with Recorder(run.model, run.layers, run.objective) as recorder, torch.no_grad():
@@ -209,7 +219,7 @@ def fluctuation_importance(run: ScoringRun):
     return fluctuation(run.layers, recorder.variances()), None
 
 
-@method("ablation")
+@method("ablation", passes=lambda layers: 1 + sum(l.num_heads for l in layers))
 def ablation_importance(run: ScoringRun):
     """Exact: the mean increase of the objective when the head alone is removed (gate 0)."""
     increases = [torch.zeros(l.num_heads, dtype=torch.float64) for l in run.layers]
@@ -227,7 +237,7 @@ def ablation_importance(run: ScoringRun):
     return [inc / max(run.examples, 1) for inc in sum_across(increases)], None
 
 
-@method("random")
+@method("random", passes=0)
 def random_importance(run: ScoringRun):
     """A seeded random baseline."""
     return [torch.rand(l.num_heads, generator=run.generator, dtype=torch.float64) for l in run.layers], None
@@ -236,7 +246,7 @@ def random_importance(run: ScoringRun):
 def score_heads(
     model: nn.Module,
     dataloader: Iterable[dict],
-    method: str = "gradient",
+    method: str = DEFAULT_METHOD,
     loss: Loss | None = None,
     device: str | torch.device | None = None,
     normalize: bool | None = None,
