@@ -39,15 +39,13 @@ from pathlib import Path
 
 import gguf
 import llama_cpp
-import numpy as np
-import torch
 from common import FIXTURES, markdown_table
 from llama_cpp import Llama
 from llm import GGUF, perplexity, smollm2_folder, windows
 from transformers import AutoTokenizer
 
 import prune_heads as ph
-from prune_heads.export.gguf.speed import GGML_CACHE_TYPES, llama_speed
+from prune_heads.export.gguf.speed import GGML_CACHE_TYPES, llama_perplexity, llama_speed
 
 OUT = Path(__file__).resolve().parent / ".gguf"
 RATIOS = {"1/6 of KV groups": 45, "1/3 of KV groups": 90, "1/2 of KV groups": 135}
@@ -173,22 +171,6 @@ def speed(path: Path, context: int, log: _Log, ids: list[int], cache_type: str =
     return {"prompt": found.prompt, "decode": found.decode, "kv": log.kv_bytes()}
 
 
-def llama_perplexity(path: Path, test: ph.TaskData, cache_type: str = "f16") -> float:
-    """exp of the mean next-token NLL over the same windows and labelled tokens as transformers' perplexity, with
-    the KV cache in `cache_type`."""
-    llm = _llama(path, cache_type, n_ctx=256, n_batch=256, logits_all=True, verbose=False)
-    total, count = 0.0, 0
-    for batch in test.batches:
-        for ids, mask, labels in zip(batch["input_ids"], batch["attention_mask"], batch["labels"]):
-            ids, labels = ids[mask.bool()].tolist(), labels[mask.bool()]
-            llm.reset()
-            llm.eval(ids)
-            logits = torch.tensor(np.array(llm.scores[: len(ids)]))[:-1]
-            nll = torch.nn.functional.cross_entropy(logits, labels[1:], ignore_index=-100, reduction="sum")
-            total, count = total + float(nll), count + int((labels[1:] != -100).sum())
-    return float(np.exp(total / count))
-
-
 def _runs(cache: dict, cache_types: list[str], gguf_type: str | None, table: bool) -> dict:
     """Speed runs of every file with every cache type at every context, REPEATS times in turns (machine noise
     falls on all alike), kept as they come (runs[-TYPE].json); `table`: only those saved."""
@@ -255,7 +237,7 @@ def measure(table: bool = False, gguf_type: str | None = None, cache_types: list
                 *_speeds(cache, runs, name, cache_type),
             ]
             found = cache[name].setdefault("llama.cpp by cache type", {})
-            found[cache_type] = found.get(cache_type) or llama_perplexity(path, test, cache_type)
+            found[cache_type] = found.get(cache_type) or llama_perplexity(path, test.batches, THREADS, cache_type)
             cache_file.write_text(json.dumps({k: v for k, v in cache.items() if k != "attention-free"}, indent=1))
             theirs = cache[name]["transformers"]
             row.append(f"{found[cache_type]:.2f} / {theirs:.2f} ({100 * (found[cache_type] / theirs - 1):+.1f}%)")

@@ -631,3 +631,12 @@ def test_a_frontier_reports_every_depth_and_writes_the_budgets(tmp_path):
     report = json.loads((tmp_path / "d" / "report.json").read_text())
     kept = {s["step"]: s for s in report["recovery"]}["selection"]["kept"]
     assert kept.startswith("given") and report["plan"] == depth
+
+
+def test_both_demos_refuse_an_existing_output_before_any_work(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "kept.txt").write_text("mine")
+    for extra in ([], ["--llm"]):
+        result = _invoke(["demo", *extra, "-o", str(tmp_path / "out")])
+        assert result.exit_code == 2 and "--force" in result.output and len(result.output.splitlines()) == 1, extra
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["kept.txt"]

@@ -32,8 +32,14 @@ def test_folder_of_split_files_with_slicing(fixture_data_path, tokenizer):
 
 def test_batches_are_padded_to_their_own_longest(fixture_data_path, tokenizer):
     data = load_task_data(str(fixture_data_path / "validation.jsonl"), tokenizer, split="validation[:40]", batch_size=8)
-    widths = {b["input_ids"].shape[1] for b in data}
-    assert len(widths) > 1  # dynamic padding, not one global width
+    longest = [int(b["attention_mask"].sum(-1).max()) for b in data]
+    assert [b["input_ids"].shape[1] for b in data] == longest  # each batch as wide as its longest example
+    assert len(set(longest)) > 1  # dynamic padding, not one global width
+    for batch in data:  # the padding is the tokenizer's pad id, after each example's own tokens
+        lengths = batch["attention_mask"].sum(-1)
+        for ids, mask, n in zip(batch["input_ids"], batch["attention_mask"], lengths):
+            assert mask[:n].all() and not mask[n:].any()
+            assert (ids[n:] == tokenizer.pad_token_id).all() and (ids[:n] != tokenizer.pad_token_id).all()
 
 
 def test_csv_with_string_labels_and_pairs(tmp_path, tokenizer):

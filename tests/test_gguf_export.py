@@ -390,7 +390,7 @@ def test_smollm2_from_hugging_face_weights_tokenizes_as_llama_cpp_does(tmp_path,
     token ids llama.cpp gives with the original file, and the model's own logits."""
     model = smollm2_model
     tokenizer = T.AutoTokenizer.from_pretrained(smollm2, gguf_file=SMOLLM2_FILE)
-    del model.config.gguf_source  # as if it had come from safetensors
+    del model.gguf_source  # as if it had come from safetensors
     ph.prune(model, {l.index: [0, 1, 2] for l in ph.find_attention(model) if l.index % 3 == 0})
     written = ph.save_gguf(model, tmp_path / "hf.gguf", tokenizer=tokenizer)
     assert written.architecture == "deci" and set(written.written.values()) == {"F16", "F32"}
@@ -614,7 +614,7 @@ def test_qwen2_is_written_as_llama_or_deci_and_equals_transformers(tmp_path, bpe
             pruned, tmp_path / f"pruned-{from_file}.gguf", tokenizer=bpe_tokenizer, tensor_type="f32", overwrite=True
         )
         assert written.architecture == architecture
-        assert not from_file or (written.written == {} and pruned.config.gguf_source == str(source))
+        assert not from_file or (written.written == {} and pruned.gguf_source == str(source))
         logits, greedy = lc.run(written.path, ids, f32_cache=True)
         expected, expected_greedy = transformers_run(pruned, ids)
         np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
@@ -681,7 +681,7 @@ def test_phi3_is_written_as_llama_or_deci_with_its_fused_tensors_split(
         assert written.architecture == architecture
         if from_file:  # every tensor the pruning left alone is the source's rows; written anew: the emptied
             # first layer's zero projection and the embeddings that take its output bias
-            assert pruned.config.gguf_source == str(source) and "blk.1.attn_q.weight" in written.copied
+            assert pruned.gguf_source == str(source) and "blk.1.attn_q.weight" in written.copied
             changed = {"token_embd.weight", "blk.0.attn_output.weight"} if bias else set()
             assert {n for n in written.written if "bias" not in n} == changed
         logits, greedy = lc.run(written.path, ids, f32_cache=True)
@@ -943,7 +943,7 @@ def test_gemma3_270m_from_hugging_face_weights_equals_transformers_in_llama_cpp(
     logits to 2e-3 of the largest (measured 4.9e-4 pruned, 3.7e-4 unpruned: ggml's float16 GELU table) and the
     same greedy tokens."""
     tokenizer, model = gemma3_tokenizer, copy.deepcopy(gemma3_model)
-    del model.config.gguf_source
+    del model.gguf_source
     ph.prune(model, {l.index: [1] for l in ph.find_attention(model)})
     written = ph.save_gguf(model, tmp_path / "pruned.gguf", tokenizer=tokenizer, tensor_type="f32")
     assert written.architecture == "gemma3" and not written.copied and written.heads == [3] * 18
@@ -987,10 +987,10 @@ def test_gemma3_uneven_unlike_llama_cpp_and_27b_are_refused_before_scoring(gemma
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1
     )
     model = T.Gemma3ForCausalLM(config).eval()
-    model.config.gguf_source = str(gemma3)
+    model.gguf_source = str(gemma3)
     with pytest.raises(ph.GgufError, match="--uniform"):
         ph.check_gguf(model, uniform=False)
-    del model.config.gguf_source  # as if it had come from safetensors
+    del model.gguf_source  # as if it had come from safetensors
     model.config.layer_types = ["full_attention", "sliding_attention"]  # llama.cpp: every sixth layer global
     with pytest.raises(ph.GgufError, match="layer types unlike llama.cpp's gemma3"):
         ph.check_gguf(model, tokenizer=sentencepiece_style("none"))
@@ -1028,3 +1028,40 @@ def test_a_killed_export_leaves_no_file(tmp_path, bpe_tokenizer):
     writer.send_signal(signal.SIGKILL)
     writer.wait()
     assert list(out.parent.iterdir()) == []  # no partial file, no temporary one
+
+
+@pytest.mark.slow
+@pytest.mark.llama_cpp
+def test_a_written_file_is_checked_against_its_source_in_llama_cpp(tmp_path, smollm2, smollm2_model):
+    """What `prune-heads demo --llm` prints: the source and the pruned file in llama.cpp, the KV cache counted
+    from the files' heads, llama.cpp's perplexity on the same windows as transformers' of the same weights."""
+    from prune_heads.cli.demo import llama_table
+    from prune_heads.evaluation.task import perplexity
+    from prune_heads.export.gguf import llama_checks
+
+    tokenizer = T.AutoTokenizer.from_pretrained(smollm2, gguf_file=SMOLLM2_FILE)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    sentences = str(Path(ph.__file__).parent / "data" / "demo_sentences.jsonl")
+    data = ph.load_task_data(
+        sentences,
+        tokenizer,
+        task="causal-lm",
+        split="train[800:824]",
+        text_column="text",
+        label_column=None,
+        max_length=64,
+    )
+    unpruned = perplexity(smollm2_model, data.batches, progress=False)["perplexity"]
+    ph.prune(smollm2_model, {i: [0, 1, 2] for i in range(10)})  # a KV group from each of the first 10 layers
+    pruned = perplexity(smollm2_model, data.batches, progress=False)["perplexity"]
+    written = ph.save_gguf(smollm2_model, tmp_path / "pruned.gguf", tokenizer=tokenizer).path
+    before, after = llama_checks([smollm2 / SMOLLM2_FILE, written], data.batches, context=256, repeats=1)
+    assert before.kv_cache == 2 * 2 * 256 * 64 * 90 and after.kv_cache == before.kv_cache * 80 // 90
+    assert before.perplexity == pytest.approx(unpruned, rel=0.03) and after.perplexity == pytest.approx(
+        pruned, rel=0.03
+    )
+    assert after.bytes < before.bytes and after.speed.decode > 0 and before.speed.prompt > 0
+    table = llama_table([before, after], 256)
+    ratio = after.perplexity / before.perplexity
+    assert f"| perplexity | {before.perplexity:.2f} | {after.perplexity:.2f} ({ratio:.2f}x) |" in table
+    assert "| KV cache at 256 tokens, MiB |" in table

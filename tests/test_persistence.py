@@ -286,3 +286,16 @@ def test_a_model_whose_original_layout_permutes_rows_by_head_count_saves_and_loa
     assert [layer.num_heads for layer in ph.find_attention(loaded)] == [10, 11]
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).last_hidden_state, expected, rtol=0, atol=1e-5)
+
+
+def test_a_gguf_source_path_travels_beside_the_config_not_in_it(tmp_path):
+    model = tm.build("llama")
+    model.gguf_source = "/models/source.gguf"  # as load_pruned(..., gguf_file=) sets it
+    ph.save_pruned(model, tmp_path / "new")
+    assert "gguf_source" not in (tmp_path / "new" / "config.json").read_text()
+    assert ph.load_pruned(tmp_path / "new").gguf_source == "/models/source.gguf"
+    old = tm.build("llama")
+    old.config.gguf_source = "/models/old.gguf"  # a folder saved when the path was kept in the config
+    old.save_pretrained(tmp_path / "old")
+    loaded = ph.load_pruned(tmp_path / "old")
+    assert loaded.gguf_source == "/models/old.gguf" and not hasattr(loaded.config, "gguf_source")

@@ -272,13 +272,20 @@ def test_prune_model_makes_no_copy_of_the_model(monkeypatch):
     model = tm.build("llama")
     largest = max(sum(p.numel() for p in layer.module.parameters()) for layer in ph.find_attention(model))
 
+    copied = []
+
     def refuse(value, *args, **kwargs):
         if isinstance(value, torch.nn.Module):
+            copied.append(type(value).__name__)
             assert sum(p.numel() for p in value.parameters()) <= largest, "prune_model copied more than a layer"
         return original(value, *args, **kwargs)
 
     monkeypatch.setattr(copy, "deepcopy", refuse)
+    with pytest.raises(AssertionError, match="copied more than a layer"):
+        copy.deepcopy(model)  # the guard catches a copy of the model
+    copied.clear()
     ph.prune_model(model, tm.batches("llama"), progress=False)
+    assert copied and set(copied) == {"LlamaAttention"}  # the probe's copies went through the guard
 
 
 @pytest.mark.slow

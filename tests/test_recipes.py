@@ -21,6 +21,7 @@ STAND_INS = {
     "vit-base-beans": "vit",
     "all-minilm-l6-v2-embeddings": "bert",
     "smollm2-135m-gguf": "llama",
+    "demo-smollm2-gguf": "llama",
 }
 
 

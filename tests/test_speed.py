@@ -64,6 +64,16 @@ def test_benchmark_reports_settings_and_decoder_figures():
     assert result["parameters"] == sum(p.numel() for p in model.parameters())
     assert result["peak_memory_bytes"] > result["parameters"] * 4
     assert result["generate_tokens_per_s"] > 0 and result["kv_cache_bytes"] > 0
+    rows, length, d, kv, inner, vocab = 2, 12, 32, 16, 64, 128  # two of four heads' keys and values: 16 wide
+    layer = 2 * 2 * length * d * d + 2 * 2 * length * d * kv + 2 * 2 * length * length * d + 3 * 2 * length * d * inner
+    assert result["flops"] == rows * (3 * layer + 2 * length * d * vocab)  # q o, k v, attention, MLP; the head
+
+
+def test_a_thread_count_asked_for_is_set_while_timing_and_given_back():
+    before = torch.get_num_threads()
+    asked = 1 if before > 1 else 2
+    result = benchmark(tm.build("bert"), batch_size=1, seq_len=8, repeats=1, warmup=0, threads=asked)
+    assert result["settings"]["threads"] == asked and torch.get_num_threads() == before
 
 
 def test_pair_benchmark_shows_smaller_kv_cache_after_removing_groups():
@@ -82,10 +92,14 @@ def test_pair_benchmark_shows_smaller_kv_cache_after_removing_groups():
 
 
 def test_dummy_inputs_fit_vision_and_speech_models():
-    for name in ("vit", "whisper", "t5"):
+    for name in ("whisper", "t5"):
         model = tm.build(name)
-        result = benchmark(model, batch_size=1, seq_len=6, repeats=1, warmup=0)
-        assert result["flops"] > 0
+        assert benchmark(model, batch_size=1, seq_len=6, repeats=1, warmup=0)["flops"] > 0  # the inputs fit
+    vit = tm.build("vit")  # a 16-pixel image in 4-pixel patches: 16 patches and the class token
+    tokens, d, inner, patch = 17, 32, 64, 3 * 4 * 4
+    layer = 4 * 2 * tokens * d * d + 2 * 2 * tokens * tokens * d + 2 * 2 * tokens * d * inner  # q k v o, attention, MLP
+    by_hand = 2 * 16 * patch * d + 3 * layer + 2 * d * vit.config.num_labels  # patches in, 3 layers, the classifier
+    assert benchmark(vit, batch_size=1, seq_len=6, repeats=1, warmup=0)["flops"] == by_hand
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2"])

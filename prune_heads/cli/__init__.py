@@ -17,9 +17,11 @@ from ..export.persistence import load_pruned
 from ..model.layers import scan_required
 from ..recipes import load_recipe, recipe_path, shipped_recipes
 from ..scoring.methods import METHODS
+from .demo import demo
 from .options import (
     BUDGET,
     GGUF_TYPE_HELP,
+    OWN_PROCESS,
     asked_line,
     calibration_line,
     config_fields,
@@ -29,7 +31,6 @@ from .options import (
     frontier_lines,
     handle_errors,
     heldout_line,
-    in_command_process,
     kv_cache_line,
     make_recipe,
     max_loss_line,
@@ -548,31 +549,11 @@ def recipes(name: str | None) -> None:
         click.echo(f"{recipe_name:32} {description}")
 
 
-@main.command()
-@click.option("--output", "-o", default="pruned-demo", show_default=True)
-@click.option("--sparsity", type=float, default=0.5, show_default=True)
-@click.option("--force", is_flag=True, help="Overwrite the output folder.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
-@handle_errors
-def demo(output: str, sparsity: float, force: bool, as_json: bool) -> None:
-    """Prune the embedded all-MiniLM-L6-v2 encoder on a shipped text sample; no hub, no GPU, no labels.
-
-    Example: prune-heads demo --sparsity 0.5 -o pruned-demo
-    """
-    from ..pipeline import run
-
-    recipe = load_recipe("demo-minilm-embeddings", [f"selection.sparsity={sparsity}"])
-    report = run(recipe, output=output, force=force)
-    emit(
-        report.to_dict(),
-        as_json,
-        lambda: report.markdown() + f"\nSaved the pruned model, report.md, report.json and the plots to {output}/",
-    )
+main.add_command(demo)
 
 
 def entry() -> None:
     """The `prune-heads` command: `main` in a process of its own, whose C allocator its commands may set up
     (`map_large_blocks`: the scoring pass and the default path peak lower on the CPU); the library leaves that
     to its caller."""
-    in_command_process()
-    main()
+    main(obj={OWN_PROCESS: True})

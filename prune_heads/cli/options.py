@@ -40,13 +40,7 @@ class _Budget(click.ParamType):
 
 
 BUDGET = _Budget()
-_COMMAND_PROCESS = False  # this process is the prune-heads command's own (`in_command_process`)
-
-
-def in_command_process() -> None:
-    """Mark this process as the `prune-heads` command's own: its commands may then set up the C allocator."""
-    global _COMMAND_PROCESS
-    _COMMAND_PROCESS = True
+OWN_PROCESS = "own_process"  # the click context's key: the command runs in a process of its own (`entry`)
 
 
 def _fail(message: str, code: int) -> None:
@@ -61,7 +55,7 @@ def handle_errors(command: Callable) -> Callable:
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        if _COMMAND_PROCESS:
+        if (click.get_current_context().find_root().obj or {}).get(OWN_PROCESS):
             map_large_blocks()
         try:
             return command(*args, **kwargs)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,13 +87,11 @@ def kv_cache_bytes(cache: Any) -> int:
     return total
 
 
-def _prepare(model: nn.Module, device, dtype, threads) -> torch.device:
+def _prepare(model: nn.Module, device, dtype) -> torch.device:
     if device is not None:
         model.to(device)
     if dtype is not None:
         model.to(dtype)
-    if threads is not None:
-        torch.set_num_threads(threads)
     model.eval()
     return next(model.parameters()).device
 
@@ -155,7 +155,29 @@ def benchmark(
     """
     settings = dataclasses.replace(config or SpeedConfig(), **options)
     models = model if isinstance(model, list) else [model]
-    devices = [_prepare(m, device, dtype, settings.threads) for m in models]
+    with _threads(settings.threads):
+        results = _benchmarked(models, settings, device, dtype, inputs)
+    return results if isinstance(model, list) else results[0]
+
+
+@contextlib.contextmanager
+def _threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to `threads` inside (left as they are where None), then set back: the
+    caller's process keeps its own."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _benchmarked(
+    models: list[nn.Module], settings: SpeedConfig, device: Any, dtype: Any, inputs: dict | None
+) -> list[dict[str, Any]]:
+    """Each model timed, in turns, as `benchmark` says."""
+    devices = [_prepare(m, device, dtype) for m in models]
     base = inputs if inputs is not None else dummy_inputs(models[0], settings.batch_size, settings.seq_len)
     batches = [{k: v.to(d) for k, v in base.items()} for d in devices]
     timings = _latencies(models, batches, settings.repeats, settings.warmup)
@@ -175,7 +197,7 @@ def benchmark(
             ]
             result.update(result["generation"][0])
         results.append(result)
-    return results if isinstance(model, list) else results[0]
+    return results
 
 
 def _timed(

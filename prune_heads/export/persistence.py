@@ -37,7 +37,8 @@ from .standalone import standalone_config, write_code
 logger = logging.getLogger("prune_heads")
 
 
-GGUF_SOURCE_KEY = "gguf_source"  # config key of the local GGUF file a model was loaded from
+GGUF_SOURCE = "gguf_source"  # the model attribute naming the local GGUF file it was loaded from (not its config)
+GGUF_SOURCE_FILE = "gguf_source.txt"  # that file's path, saved beside the weights so a reloaded model keeps it
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -102,7 +103,8 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     """Load a model saved by `save_pruned` (or `model.save_pretrained` after `prune`).
 
     Works for unpruned checkpoints too, and for a GGUF file in the folder (`gguf_file=`; transformers
-    dequantizes it, and the file's path is kept in `config.gguf_source` for `save_gguf`). Keyword arguments
+    dequantizes it, and the file's path is kept in `model.gguf_source`, not the config, for `save_gguf`; a
+    folder `save_pruned` wrote from such a model keeps it in gguf_source.txt). Keyword arguments
     go to `from_pretrained` (dtype, device_map, revision, gguf_file, ...).
     The model comes back as an instance of its ordinary transformers class.
     """
@@ -110,9 +112,15 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
         raise ModelNotFoundError(f"no folder {path}, and not a hub id (those look like 'org/name'); check the path")
     with gguf_read_once() if "gguf_file" in from_pretrained_kwargs else contextlib.nullcontext():
         model = _load(path, from_pretrained_kwargs)
-    gguf_file = Path(path).expanduser() / from_pretrained_kwargs.get("gguf_file", "")
+    folder = Path(path).expanduser()
+    gguf_file = folder / from_pretrained_kwargs.get("gguf_file", "")
     if "gguf_file" in from_pretrained_kwargs and gguf_file.is_file():  # what save_gguf copies tensors from
-        setattr(model.config, GGUF_SOURCE_KEY, str(gguf_file.resolve()))
+        setattr(model, GGUF_SOURCE, str(gguf_file.resolve()))
+    elif (folder / GGUF_SOURCE_FILE).is_file():  # saved from a model read from a GGUF file
+        setattr(model, GGUF_SOURCE, (folder / GGUF_SOURCE_FILE).read_text().strip())
+    elif hasattr(model.config, GGUF_SOURCE):  # saved before the path left the config: moved out of it
+        setattr(model, GGUF_SOURCE, getattr(model.config, GGUF_SOURCE))
+        delattr(model.config, GGUF_SOURCE)
     return model
 
 
@@ -460,5 +468,7 @@ def write_model(model: nn.Module, folder: Path, tokenizer: Any = None, standalon
             pretrained.save_pretrained(folder, state_dict={**model.state_dict(), **fill} if fill else None, **layout)
     finally:
         model.config = original
+    if getattr(model, GGUF_SOURCE, None):
+        (folder / GGUF_SOURCE_FILE).write_text(getattr(model, GGUF_SOURCE) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)

@@ -17,8 +17,8 @@ from ..errors import ConfigError
 from ..evaluation.confidence import perplexity_change
 from ..model.layers import parameters_after
 from ..recovery.candidates import Decision, Trial, choose
-from ..recovery.depth import Depth, deepest_within, prefix_length, prefix_plan
 from ..recovery.holdout import SequenceNLL, sequence_nll
+from ..recovery.prefixes import Depth, deepest_within, prefix_length, prefix_plan
 from ..recovery.search import Searched, Unit
 from ..runtime.devices import input_device
 from ..runtime.ledger import Stage

@@ -35,10 +35,10 @@ from ..recovery.candidates import (
     heldout_summary,
     unpruned_heldout,
 )
-from ..recovery.depth import prefix_plan, ranked_order
 from ..recovery.gated import GatedModel
 from ..recovery.generated import token_batches, with_generated, writes_text
 from ..recovery.holdout import one_standard_error, split_holdout
+from ..recovery.prefixes import prefix_plan, ranked_order
 from ..recovery.search import ROUNDS, Searched, SearchSchedule, searched_plan
 from ..recovery.tuning import Schedule, tune
 from ..runtime.devices import input_device, to_device

@@ -14,9 +14,9 @@ from torch import nn
 
 from ..config import PruneConfig
 from ..recovery.candidates import Decision, Trial
-from ..recovery.depth import Depth
 from ..recovery.generated import writes_text
 from ..recovery.holdout import SequenceNLL, measures_loss, sequence_nll
+from ..recovery.prefixes import Depth
 from ..recovery.reconstruction import refit_flops
 from ..runtime.devices import input_device
 from ..runtime.ledger import Ledger, Stage, Tally

@@ -25,7 +25,7 @@ model has.
 
 from .architectures import ARCHITECTURES, FILE_TYPES, GGUF_TYPES, GgufArch, GgufError
 from .inspect import gguf_heads
-from .speed import LlamaSpeed, llama_cpp_installed, llama_speed
+from .speed import LlamaCheck, LlamaSpeed, llama_checks, llama_cpp_installed, llama_perplexity, llama_speed
 from .tokenizer import tokenizer_model
 from .writer import check_gguf, save_gguf
 
@@ -37,8 +37,11 @@ __all__ = [
     "GgufError",
     "check_gguf",
     "gguf_heads",
+    "LlamaCheck",
     "LlamaSpeed",
+    "llama_checks",
     "llama_cpp_installed",
+    "llama_perplexity",
     "llama_speed",
     "save_gguf",
     "tokenizer_model",

@@ -11,8 +11,8 @@ from .writer import _reader
 
 
 def gguf_heads(path: str | Path) -> dict[str, Any]:
-    """What a GGUF file holds, for `inspect`: architecture, per-layer heads and KV heads, and the prune record
-    prune-heads stored in it (if any)."""
+    """What a GGUF file holds, for `inspect`: architecture, per-layer heads and KV heads, the head size, the
+    prune record prune-heads stored in it (if any)."""
     reader = _reader(Path(path))
     arch = str(reader.fields["general.architecture"].contents())
     blocks = int(reader.fields[f"{arch}.block_count"].contents())
@@ -22,12 +22,16 @@ def gguf_heads(path: str | Path) -> dict[str, Any]:
         value = found.contents() if found is not None else 0
         return [int(v) for v in value] if isinstance(value, list) else [int(value)] * blocks
 
+    key_length = reader.fields.get(f"{arch}.attention.key_length")  # llama.cpp's own default where absent
+    width = int(reader.fields[f"{arch}.embedding_length"].contents())
+    head_dim = int(key_length.contents()) if key_length is not None else width // per_layer("head_count")[0]
     record = reader.fields.get(RECORD_FIELD)
     digest = reader.fields.get(DIGEST_FIELD)
     return {
         "architecture": arch,
         "heads": per_layer("head_count"),
         "kv_heads": per_layer("head_count_kv"),
+        "head_dim": head_dim,
         "record": json.loads(record.contents()) if record is not None else None,
         "source_sha256": digest.contents() if digest is not None else None,
         "tensors": len(reader.tensors),

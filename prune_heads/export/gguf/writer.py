@@ -17,7 +17,7 @@ from torch import nn
 
 from ...model.layers import find_attention
 from ...model.surgery import RECORD_KEY
-from ..persistence import GGUF_SOURCE_KEY, ensure_file_free, replace_file
+from ..persistence import GGUF_SOURCE, ensure_file_free, replace_file
 from .architectures import (
     _BLOCKED,
     DIGEST_FIELD,
@@ -61,7 +61,7 @@ class GgufWrite:
 
 
 def _source(model: nn.Module, source: str | Path | None) -> Path | None:
-    path = source if source is not None else getattr(model.config, GGUF_SOURCE_KEY, None)
+    path = source if source is not None else getattr(model, GGUF_SOURCE, None)
     if path is None:
         return None
     if not Path(path).is_file():

@@ -1,4 +1,4 @@
-"""Depths along one nested order of units (the search's, each prefix a plan of its own): the most units a
+"""Prefixes of one nested order of units (the search's, each prefix a plan of its own): the most units a
 quality bound allows (`selection.max_loss`), found by bisection over the prefix lengths, and the frontier of
 asked depths (`selection.depths`), each measured once, so a handful of held-out passes price every depth
 instead of a prune per depth."""

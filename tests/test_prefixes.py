@@ -4,7 +4,7 @@ import pytest
 import tiny_models as tm
 
 import prune_heads as ph
-from prune_heads.recovery.depth import deepest_within, prefix_length, prefix_plan, ranked_order
+from prune_heads.recovery.prefixes import deepest_within, prefix_length, prefix_plan, ranked_order
 
 
 @pytest.mark.parametrize("threshold", [0, 1, 7, 29, 30])

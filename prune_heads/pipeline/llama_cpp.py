@@ -1,0 +1,67 @@
+"""A run's models in llama.cpp: the frontier's depths timed there, and a written file checked against its GGUF
+source."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from ..export.gguf import LlamaCheck, llama_checks, llama_cpp_installed, llama_speed, save_gguf
+from ..model.layers import find_attention
+from ..model.probe import prune
+from ..pruner import FRONTIER_CACHE_TYPES, PruneResult
+from ..recipes import Recipe
+from ..runtime.progress import progress_bar
+from ..scoring.kv_cache import fits_cache
+from ..task_data import TaskData
+from .loading import load_processor, resolve_source, task_data
+
+
+def frontier_in_llama_cpp(recipe: Recipe, plan: dict | None) -> bool:
+    """Whether the frontier's depths are timed in llama.cpp: GGUF out, depths asked, llama-cpp-python here."""
+    return plan is None and recipe.written.format == "gguf" and bool(recipe.selection.depths) and llama_cpp_installed()
+
+
+def llama_speeds(
+    recipe: Recipe, original: Any, found: PruneResult, processor: Any, score: TaskData | None, progress: bool
+) -> list[dict[str, dict[str, float]]]:
+    """llama.cpp's prompt and decode speed at the frontier's context per cache type at each depth (the first
+    the unpruned model): its plan removed from `original` in place, depth after depth (the plans are nested, and
+    the speed depends on the shapes, not on the refitted values), each file written as the output is."""
+    assert score is not None  # scored whenever the frontier is measured
+    ids = [int(i) for b in score.batches for i in b["input_ids"][b["attention_mask"].bool()]]
+    caches = [c for c in FRONTIER_CACHE_TYPES if fits_cache(find_attention(original), c)]
+    speeds = []
+    runs = len(found.frontier) * len(caches)
+    with tempfile.TemporaryDirectory() as tmp, progress_bar(None, "llama.cpp", runs, progress) as bar:
+        for depth in found.frontier:  # the unpruned model first
+            present = {layer.name: layer.heads for layer in find_attention(original)}
+            prune(original, {n: [h for h in heads if h in present[n]] for n, heads in depth.plan.items()})
+            file = Path(tmp) / "depth.gguf"
+            save_gguf(original, file, tokenizer=processor, tensor_type=recipe.written.gguf_type, overwrite=True)
+            speeds.append({c: asdict(llama_speed(file, ids, recipe.selection.context, c)) for c in caches})
+            bar.update(len(caches))
+    return speeds
+
+
+def source_gguf(recipe: Recipe) -> Path:
+    """The GGUF file the recipe's model is read from (refused where it names none)."""
+    name = recipe.model_kwargs.get("gguf_file")
+    if not name:
+        raise ConfigError(f"{recipe.model} is not read from a GGUF file: give model_kwargs.gguf_file")
+    return Path(resolve_source(recipe.model)) / name
+
+
+def before_and_after(recipe: Recipe, written: Path, context: int, repeats: int = 3) -> list[LlamaCheck]:
+    """The recipe's GGUF source and the file its run wrote, checked in llama.cpp: sizes, KV caches and speeds at
+    `context` (on as many threads as torch uses), and perplexity on the recipe's evaluation split."""
+    d = recipe.data
+    if d.eval_split is None:
+        raise ConfigError("checking perplexity in llama.cpp needs an evaluation split: give data.eval_split")
+    windows = task_data(recipe, None, load_processor(recipe), d.eval_split, d.eval_examples).batches
+    return llama_checks([source_gguf(recipe), written], windows, context, repeats, torch.get_num_threads())

@@ -1,0 +1,137 @@
+"""`run`: a recipe end to end, from loading to the written model and its report."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..budgets import check_given, selection_budget
+from ..config import PruneConfig
+from ..evaluation.report import Report
+from ..export.gguf import check_gguf
+from ..export.persistence import ensure_file_free, ensure_free
+from ..model.onload import check_offload, onload_offloaded
+from ..model.probe import prune
+from ..pruner import PruneResult, prune_model
+from ..recipes import Recipe
+from ..scoring.iterative import prune_iteratively
+from ..scoring.selection import requested_heads
+from ..task_data import TaskData, without_labels
+from .evaluating import changes, measure, measure_speed
+from .llama_cpp import frontier_in_llama_cpp, llama_speeds
+from .loading import RunData, check_minimum, load_model, load_processor, run_data
+from .writing import budget_kv_cache, run_report, write_output
+
+
+def run(
+    recipe: Recipe,
+    output: str | Path | None = None,
+    force: bool = False,
+    plan: dict | None = None,
+    evaluate: bool = True,
+    progress: bool = True,
+) -> Report:
+    """Run a recipe end to end and write the pruned model with its report to the output folder.
+
+    Evaluates before, scores, selects and prunes (or applies `plan`), evaluates after, then writes the
+    model, tokenizer, report (JSON, Markdown, PNGs), scores, plan and the recipe itself into a temporary
+    folder that is renamed into place, so nothing half-written is left. With `output.format: gguf` the model
+    is one GGUF file (`save_gguf`): the output itself when its path ends in .gguf (then only that file is
+    written), else model.gguf in the folder. An existing output is an OutputExistsError unless `force`;
+    what no GGUF file can hold is refused (GgufError) before any data is read.
+    """
+    target = Path(output or recipe.written.path or "pruned-model")
+    gguf_file = recipe.written.format == "gguf" and target.suffix == ".gguf"
+    (ensure_file_free if gguf_file else ensure_free)(target, force)  # before any work
+    model = load_model(recipe)
+    config = PruneConfig.from_recipe(recipe)
+    check_offload(model)
+    _check_budget(recipe, model, config, plan)
+    recovers = _recovers(recipe, plan)
+    processor = load_processor(recipe)
+    if recipe.written.format == "gguf":
+        _check_gguf(recipe, model, config, processor, recovers, target, force)
+    data = run_data(recipe, model, processor, recovers, evaluate, progress)
+    before, evaluated = measure(model, data.evaluation, recipe, data.reference, data.train, processor, progress)
+    timed = evaluate and recipe.evaluation.speed is not None
+    in_llama = frontier_in_llama_cpp(recipe, plan)
+    original = copy.deepcopy(model) if timed or in_llama else None  # timed beside the pruned one, in turns
+    found, examples = _prune(model, data, config, plan, recovers, progress)
+    after, evaluated_after = measure(model, data.evaluation, recipe, data.reference, data.train, processor, progress)
+    if timed and original is not None:
+        before["speed"], after["speed"] = measure_speed([original, model], recipe)
+    speeds = llama_speeds(recipe, original, found, processor, data.score, progress) if in_llama else None
+    del original
+    changed = changes(evaluated, evaluated_after, recipe.scoring.seed)
+    report = run_report(recipe, found, examples, before, after, changed, budget_kv_cache(recipe, model), speeds)
+    write_output(recipe, model, processor, found, report, target, force)
+    return report
+
+
+def _recovers(recipe: Recipe, plan: dict | None) -> bool:
+    """Whether the run scores or recovers on calibration data: always without a plan; with one, where data is
+    given and recovery on (else the plan is applied as it is)."""
+    return plan is None or recipe.data.source is not None and recipe.recovery.enabled
+
+
+def _check_budget(recipe: Recipe, model: nn.Module, config: PruneConfig, plan: dict | None) -> None:
+    """The budget (or the plan) against the model's structure, before any data is read."""
+    length = recipe.evaluation.speed.seq_len if recipe.evaluation.speed else recipe.data.max_length
+    if plan is None:
+        selection_budget(model, config, seq_len=length)
+    else:
+        check_given(config)
+        check_minimum(model, plan, recipe.selection.min_heads_per_layer)
+
+
+def _check_gguf(
+    recipe: Recipe, model: nn.Module, config: PruneConfig, processor: Any, scored: bool, target: Path, force: bool
+) -> None:
+    """Whether a GGUF file can hold the result, before any data is read (a given plan's pruned model is
+    checked when written)."""
+    r = config.recovery
+    check_gguf(
+        model,
+        processor,
+        tensor_type=recipe.written.gguf_type,
+        output=target if target.suffix == ".gguf" else None,
+        overwrite=force,
+        uniform=config.selection.uniform if scored else None,
+        output_biases=r.enabled and (r.bias_compensation or r.bias_tuning) if scored else None,
+    )
+
+
+def _prune(
+    model: nn.Module, data: RunData, config: PruneConfig, plan: dict | None, recovers: bool, progress: bool
+) -> tuple[PruneResult, int]:
+    """The default path on the scoring batches where the run `recovers` (a given plan with its recovery;
+    iterative pruning where `scoring.steps` asks for it), else the given plan applied as it is; and the examples
+    scored."""
+    if config.scoring.steps > 1:
+        assert data.score is not None  # loaded whenever the run recovers, as an iterative run does
+        found = _prune_iteratively(model, data.score, config, progress)
+        return found, data.score.num_examples
+    if recovers:
+        assert data.score is not None  # loaded whenever the run recovers
+        found = prune_model(model, data.score, config, progress=progress, eval_data=data.second, plan=plan)
+        return found, data.score.num_examples
+    assert plan is not None  # a run without a plan always recovers
+    tick = time.perf_counter()
+    onload_offloaded(model)  # a plan's layers are cut where their weights are
+    prune(model, plan)
+    return PruneResult(plan=plan, seconds=time.perf_counter() - tick), 0
+
+
+def _prune_iteratively(model: nn.Module, data: TaskData, config: PruneConfig, progress: bool) -> PruneResult:
+    """`prune_iteratively` at the budget `config` sets, as the report takes it."""
+    tick, s = time.perf_counter(), config.scoring
+    budget = selection_budget(model, config)
+    onload_offloaded(model)  # its layers are cut where their weights are
+    batches = [without_labels(b) for b in data] if s.objective == "label-free" else list(data)
+    found = prune_iteratively(model, batches, budget, s.steps, s.method, seed=s.seed, progress=progress)
+    asked = requested_heads(model, budget)
+    return PruneResult(found.plan, found.scores, found.history, asked=asked, seconds=time.perf_counter() - tick)
