@@ -5,6 +5,7 @@ head matters and which go), `recovery` (what is rebuilt after removal), `evaluat
 (where the model goes); `prune_model` (pruner/) runs the whole flow, `PruneConfig` (config.py) describes it.
 """
 
+from .budgets import Budget, resolve_budget
 from .config import PruneConfig, RecoveryConfig, ScoringConfig, SelectionConfig
 from .errors import ConfigError, PruneHeadsError
 from .evaluation import LmEvalConfig, LmEvalError, Report, benchmark, benchmark_pair, compare, evaluate_task, lm_eval
@@ -53,12 +54,14 @@ from .scoring import (
     score_heads,
     select_heads,
 )
-from .task_data import DataError, TaskData, load_task_data
+from .task_data import DataConfig, DataError, TaskData, load_task_data
 
 __all__ = [
     "AttentionLayer",
     "AttentionSpec",
+    "Budget",
     "ConfigError",
+    "DataConfig",
     "DataError",
     "FAMILIES",
     "GgufError",
@@ -108,6 +111,7 @@ __all__ = [
     "prune_model",
     "push_pruned",
     "reconstruct",
+    "resolve_budget",
     "register_family",
     "save_gguf",
     "save_pruned",

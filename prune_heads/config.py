@@ -15,7 +15,7 @@ from .recovery.search import ROUNDS
 from .recovery.tuning import AVERAGE, MIN_TUNING_FLOPS
 from .scoring.kv_cache import KvCacheBudget
 from .scoring.methods import DEFAULT_METHOD, METHODS
-from .scoring.selection import GQA_MODES, GRANULARITIES, ROUNDING, HeadBudget
+from .scoring.selection import GQA_MODES, GRANULARITIES, ROUNDING
 from .task_data import TASKS
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -102,33 +102,21 @@ class SelectionConfig:
         if self.max_loss is not None and not self.max_loss > 0:
             raise ConfigError(f"selection.max_loss is {self.max_loss}; give a percentage above 0 (3 for +3%)")
         if self.depths is not None:
-            self.fractions()
+            parse_depths(self.depths)
         if self.context < 1:
             raise ConfigError(f"selection.context is {self.context}; give a number of tokens above 0")
 
-    def fractions(self) -> list[float]:
-        """`depths` as shares of the heads, shallowest first (refused unless each is in (0, 1))."""
-        try:
-            found = sorted(float(Fraction(part.strip())) for part in str(self.depths).split(","))
-        except (ValueError, ZeroDivisionError):
-            found = []
-        if not found or not all(0 < f < 1 for f in found):
-            raise ConfigError(f"selection.depths is {self.depths!r}; give shares of the heads, e.g. '1/6,1/3,1/2'")
-        return found
 
-    def constraints(self) -> dict[str, Any]:
-        """The fields that say how heads go (not how many), as `HeadBudget` keywords."""
-        return {k: v for k, v in vars(self).items() if k not in (*BUDGETS, *FRONTIER, "round") and v != []}
-
-    def budget(self, heads: int | None = None) -> HeadBudget:
-        """The `select_heads` budget this section sets; a FLOPs, KV-cache or loss budget needs the model, so the
-        caller gives the heads it comes to (`heads`: for a loss bound the deepest the structure allows), taken
-        rounded up to what the structure reaches unless `round` says."""
-        amounts = {k: getattr(self, k) for k in ("sparsity", "num_heads", "keep_per_layer", "round")}
-        fields = {**self.constraints(), **{k: v for k, v in amounts.items() if v is not None}}
-        if heads is not None:
-            fields.update(num_heads=heads, round=self.round or "up")
-        return HeadBudget(**fields)
+def parse_depths(depths: str) -> list[float]:
+    """`selection.depths` ('1/6,1/3,1/2') as shares of the heads, shallowest first (refused unless each is in
+    (0, 1))."""
+    try:
+        found = sorted(float(Fraction(part.strip())) for part in str(depths).split(","))
+    except (ValueError, ZeroDivisionError):
+        found = []
+    if not found or not all(0 < f < 1 for f in found):
+        raise ConfigError(f"selection.depths is {depths!r}; give shares of the heads, e.g. '1/6,1/3,1/2'")
+    return found
 
 
 @dataclass(frozen=True)

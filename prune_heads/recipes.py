@@ -21,33 +21,13 @@ from .config import BUDGETS, CHOICES, RecoveryConfig, ScoringConfig, SelectionCo
 from .errors import ConfigError
 from .evaluation.lm_eval import LmEvalConfig
 from .evaluation.speed import SpeedConfig
+from .task_data import DataConfig
 
 SHIPPED = Path(__file__).parent / "shipped_recipes"
 
 
 class RecipeError(ConfigError):
     """A recipe that cannot be used; the message names the key and what would be valid."""
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where the examples come from (`ph.load_task_data` arguments). No `source`: a decoder-only language
-    model calibrates on `score_examples` sequences of `max_length` tokens it writes itself (128 by default)."""
-
-    source: str | None = None
-    score_split: str = "validation"
-    eval_split: str | None = None
-    text_column: str = "sentence"
-    text_pair_column: str | None = None
-    label_column: str | None = "label"
-    image_column: str = "image"
-    name: str | None = None
-    max_length: int = 128
-    batch_size: int = 32
-    score_examples: int | None = None
-    eval_examples: int | None = None
-    stride: int | None = None
-    frontier_source: str | None = None  # a second text each of selection.depths is measured on (its score split)
 
 
 @dataclass(frozen=True)

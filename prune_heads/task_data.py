@@ -143,25 +143,42 @@ def _labels(dataset: datasets.Dataset, column: str, label2id: dict[str, int] | N
     return values, None
 
 
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the examples come from and how they are batched: a recipe's `data` section, and what
+    `load_task_data` reads. No `source`: a decoder-only language model calibrates on `score_examples`
+    sequences of `max_length` tokens it writes itself (128 by default)."""
+
+    source: str | None = None
+    score_split: str = "validation"
+    eval_split: str | None = None
+    text_column: str = "sentence"
+    text_pair_column: str | None = None
+    label_column: str | None = "label"
+    image_column: str = "image"
+    name: str | None = None
+    max_length: int = 128
+    batch_size: int = 32
+    score_examples: int | None = None
+    eval_examples: int | None = None
+    stride: int | None = None
+    frontier_source: str | None = None  # a second text each of selection.depths is measured on (its score split)
+
+
 def load_task_data(
-    source: str,
+    data: DataConfig | str,
     tokenizer: Any = None,
     task: str = "classification",
-    split: str = "validation",
-    text_column: str = "sentence",
-    text_pair_column: str | None = None,
-    label_column: str | None = "label",
-    image_column: str = "image",
-    max_length: int = 128,
-    batch_size: int = 32,
+    split: str | None = None,
     max_examples: int | None = None,
-    name: str | None = None,
     label2id: dict[str, int] | None = None,
-    stride: int | None = None,
     image_processor: Any = None,
     by_length: bool = True,
+    **options: Any,
 ) -> TaskData:
-    """Load a split and turn it into padded batches for `task`.
+    """Load a split of `data` (a `DataConfig`, or its source alone with its other fields as keywords:
+    `text_column="text", max_length=512`) and turn it into padded batches for `task`; `split` is the config's
+    `score_split` unless given.
 
     Tasks: "classification" (single text or a pair, labels), "causal-lm" (the texts joined and cut into
     windows of `max_length` tokens, each starting with the BOS token where the tokenizer adds one; `stride` <
@@ -170,34 +187,49 @@ def load_task_data(
     (images through `image_processor`, labels). String labels map through `label2id` (the model config's). Batches are
     padded to their own longest example; with `by_length` (default) text examples are batched in order of
     their token count, so a batch holds examples of similar length and padding costs little. Missing splits and
-    columns are DataError with what exists. The keywords are the recipe's `data` section, one for one.
+    columns are DataError with what exists.
     """
+    d = _data_config(data, options)
     if task not in TASKS:
         raise DataError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-    dataset = _examples(source, split, name, max_examples)
+    assert d.source is not None  # refused by _data_config
+    dataset = _examples(d.source, split or d.score_split, d.name, max_examples)
     if task == "image-classification":
-        _column(dataset, image_column, "image")
-        classes, class_names = _labels(dataset, _column(dataset, label_column, "label"), label2id)
-        return _image_data(dataset[image_column], classes, class_names, image_processor, batch_size)
-    texts = list(dataset[_column(dataset, text_column, "text")])
+        _column(dataset, d.image_column, "image")
+        classes, class_names = _labels(dataset, _column(dataset, d.label_column, "label"), label2id)
+        return _image_data(dataset[d.image_column], classes, class_names, image_processor, d.batch_size)
+    texts = list(dataset[_column(dataset, d.text_column, "text")])
     if task == "causal-lm":
-        return _lm_windows(texts, tokenizer, max_length, stride, batch_size)
-    pairs = list(dataset[_column(dataset, text_pair_column, "text pair")]) if text_pair_column else None
+        return _lm_windows(texts, tokenizer, d.max_length, d.stride, d.batch_size)
+    pairs = list(dataset[_column(dataset, d.text_pair_column, "text pair")]) if d.text_pair_column else None
     labels, names = None, None
-    if task == "classification" or task == "feature-extraction" and label_column:
-        labels, names = _labels(dataset, _column(dataset, label_column, "label"), label2id)
-    encoded = tokenizer(texts, pairs, truncation=True, max_length=max_length)
+    if task == "classification" or task == "feature-extraction" and d.label_column:
+        labels, names = _labels(dataset, _column(dataset, d.label_column, "label"), label2id)
+    encoded = tokenizer(texts, pairs, truncation=True, max_length=d.max_length)
     # batches of similar lengths (stable order by token count): padding no longer doubles the work
     order = sorted(range(len(texts)), key=lambda i: len(encoded["input_ids"][i])) if by_length else range(len(texts))
-    batches = _text_batches(encoded, tokenizer, list(order), batch_size)
+    batches = _text_batches(encoded, tokenizer, list(order), d.batch_size)
     if labels is None:
         return TaskData(task, batches, len(texts), names)
     ordered = [labels[i] for i in order]
     if task == "feature-extraction":  # the model takes no labels: they travel beside, for task metrics
         return TaskData(task, batches, len(texts), names, targets=ordered)
-    for batch, start in zip(batches, range(0, len(ordered), batch_size)):
-        batch["labels"] = torch.tensor(ordered[start : start + batch_size])
+    for batch, start in zip(batches, range(0, len(ordered), d.batch_size)):
+        batch["labels"] = torch.tensor(ordered[start : start + d.batch_size])
     return TaskData(task, batches, len(texts), names)
+
+
+def _data_config(data: DataConfig | str, options: dict[str, Any]) -> DataConfig:
+    """`data` as a DataConfig: a source with its fields as keywords, or a config given whole (without them)."""
+    if isinstance(data, DataConfig):
+        if options:
+            raise TypeError(f"give the data's fields in its DataConfig or as keywords, not both: {sorted(options)}")
+        found = data
+    else:
+        found = DataConfig(source=data, **options)
+    if found.source is None:
+        raise DataError("no data source: give a dataset name or a file (data.source, --data)")
+    return found
 
 
 def _examples(source: str, split: str, name: str | None, max_examples: int | None) -> datasets.Dataset:

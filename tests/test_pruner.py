@@ -14,7 +14,7 @@ from prune_heads.recovery.gated import GatedModel
 from prune_heads.recovery.holdout import sequence_nll, split_holdout
 from prune_heads.recovery.tuning import Schedule, tune
 from prune_heads.runtime.ledger import Stage
-from prune_heads.runtime.work import Budget, Pricer
+from prune_heads.runtime.work import Pricer, WorkLimit
 from prune_heads.scoring.methods import score_heads
 from prune_heads.scoring.objective import Objective, neighbour_divergence
 
@@ -464,7 +464,7 @@ def test_tuning_stops_when_the_held_out_check_stops_improving():
     )
     assert history == [1.0, 0.5, 0.7, 0.8] and steps == 3
     # out of budget: the first step always runs, none after it
-    budget = Budget(0.0, Pricer(1.0), check=0.0)
+    budget = WorkLimit(0.0, Pricer(1.0), check=0.0)
     assert (
         tune(forward, [{"params": [scale], "lr": 0.1}], data * 4, target * 4, objective, Schedule(10), budget=budget)[1]
         == 1
@@ -475,7 +475,7 @@ def test_tuning_stops_when_the_held_out_check_stops_improving():
 def test_tuning_budget_counts_work_and_spends_no_more_than_its_limit():
     scale, forward, objective, data, target = _scalar_problem()
     checks = iter([1.0 / k for k in range(1, 100)])  # always improving: only the budget stops it
-    budget = Budget(30.0, Pricer(1.0), check=2.0)  # a step costs 4, a check 2 (twice with the average)
+    budget = WorkLimit(30.0, Pricer(1.0), check=2.0)  # a step costs 4, a check 2 (twice with the average)
     history, steps, _, spent = tune(
         forward,
         [{"params": [scale], "lr": 0.1}],

@@ -2,12 +2,12 @@ import pytest
 import tiny_models as tm
 import torch
 
+from prune_heads.budgets import resolve_budget
 from prune_heads.config import PruneConfig, SelectionConfig
 from prune_heads.export.persistence import stock_config
 from prune_heads.model.layers import find_attention
 from prune_heads.pruner import prune_model
 from prune_heads.recipes import RecipeError, load_recipe, parse_recipe, shipped_recipes
-from prune_heads.scoring.selection import check_budget
 from prune_heads.task_data import TaskData
 
 # hub recipe -> the tiny random stand-in of the same family used to build its pipeline here (no hub)
@@ -54,7 +54,7 @@ def test_hub_recipes_build_their_pipeline_on_a_stand_in(recipe_name):
     # the tiny stand-in has other head counts than the hub model: take the nearest budget its structure allows
     selection = SelectionConfig(**{**vars(recipe.selection), "round": "nearest"})
     config = PruneConfig(selection=selection, scoring=recipe.scoring, recovery=recipe.recovery)
-    expected = check_budget(model, selection.budget())
+    expected = resolve_budget(model, config).removes
     found = prune_model(model, _synthetic(family, recipe), config, progress=False)
     assert found.heads_removed == expected > 0
     assert sum(layer.num_heads for layer in find_attention(model)) == total - expected

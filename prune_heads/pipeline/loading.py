@@ -113,20 +113,12 @@ def task_data(
         else None
     )
     return load_task_data(
-        resolve_source(d.source),
+        replace(d, source=resolve_source(d.source)),
         tokenizer=None if image else processor,
         task=recipe.task,
         split=split,
-        text_column=d.text_column,
-        text_pair_column=d.text_pair_column,
-        label_column=d.label_column,
-        image_column=d.image_column,
-        max_length=d.max_length,
-        batch_size=d.batch_size,
         max_examples=examples,
-        name=d.name,
         label2id=label2id,
-        stride=d.stride,
         image_processor=processor if image else None,
     )
 

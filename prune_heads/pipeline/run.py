@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from ..budgets import check_given, selection_budget
+from ..budgets import check_given, resolve_budget
 from ..config import PruneConfig
 from ..evaluation.report import Report
 from ..export.gguf import check_gguf
@@ -19,7 +19,6 @@ from ..model.probe import prune
 from ..pruner import PruneResult, prune_model
 from ..recipes import Recipe
 from ..scoring.iterative import prune_iteratively
-from ..scoring.selection import requested_heads
 from ..task_data import TaskData, without_labels
 from .evaluating import changes, measure, measure_speed
 from .llama_cpp import frontier_in_llama_cpp, llama_speeds
@@ -82,7 +81,7 @@ def _check_budget(recipe: Recipe, model: nn.Module, config: PruneConfig, plan: d
     """The budget (or the plan) against the model's structure, before any data is read."""
     length = recipe.evaluation.speed.seq_len if recipe.evaluation.speed else recipe.data.max_length
     if plan is None:
-        selection_budget(model, config, seq_len=length)
+        resolve_budget(model, config, seq_len=length)
     else:
         check_given(config)
         check_minimum(model, plan, recipe.selection.min_heads_per_layer)
@@ -129,9 +128,9 @@ def _prune(
 def _prune_iteratively(model: nn.Module, data: TaskData, config: PruneConfig, progress: bool) -> PruneResult:
     """`prune_iteratively` at the budget `config` sets, as the report takes it."""
     tick, s = time.perf_counter(), config.scoring
-    budget = selection_budget(model, config)
+    budget = resolve_budget(model, config)
     onload_offloaded(model)  # its layers are cut where their weights are
     batches = [without_labels(b) for b in data] if s.objective == "label-free" else list(data)
-    found = prune_iteratively(model, batches, budget, s.steps, s.method, seed=s.seed, progress=progress)
-    asked = requested_heads(model, budget)
-    return PruneResult(found.plan, found.scores, found.history, asked=asked, seconds=time.perf_counter() - tick)
+    found = prune_iteratively(model, batches, budget.heads, s.steps, s.method, seed=s.seed, progress=progress)
+    seconds = time.perf_counter() - tick
+    return PruneResult(found.plan, found.scores, found.history, asked=budget.asked, seconds=seconds)

@@ -9,9 +9,6 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from torch import nn
-
-from ..budgets import depth_heads
 from ..config import PruneConfig
 from ..errors import ConfigError
 from ..evaluation.confidence import perplexity_change
@@ -24,7 +21,6 @@ from ..runtime.devices import input_device
 from ..runtime.ledger import Stage
 from ..runtime.progress import progress_bar
 from ..scoring.kv_cache import fits_cache, kv_cache_size
-from ..scoring.selection import check_budget
 from ..task_data import DataError, TaskData
 from .run import Bench, Run, heldout_nll, refitted, rise
 
@@ -77,16 +73,14 @@ def searched_prefix(trial: Trial, decision: Decision, tried: list, measured: str
     return dataclasses.replace(kept, tried=decision.tried)
 
 
-def frontier_asked(
-    model: nn.Module, config: PruneConfig, eval_data: TaskData | Iterable[dict] | None
-) -> tuple[list[tuple[float, int]], list[dict]]:
-    """The depths a frontier measures (share, heads) and its second text's batches (none without depths)."""
+def frontier_text(config: PruneConfig, eval_data: TaskData | Iterable[dict] | None) -> list[dict]:
+    """The batches of a frontier's second text (none without depths)."""
     if config.selection.depths is None:
-        return [], []
+        return []
     second = list(eval_data or [])
     if not all("labels" in b for b in second):
         raise DataError("the frontier's second text (eval_data) needs labels: load it as a causal-lm task")
-    return list(zip(config.selection.fractions(), depth_heads(model, config))), second
+    return second
 
 
 def frontier(run: Run, bench: Bench, searched: Searched) -> list[Depth]:
@@ -101,8 +95,8 @@ def frontier(run: Run, bench: Bench, searched: Searched) -> list[Depth]:
     kv, parameters = _size(run, {})
     same, interval = (0.0, (0.0, 0.0)) if second is not None else (None, None)  # the unpruned model against itself
     found = [Depth(0.0, 0, 0, 0.0, (0.0, 0.0), same, interval, kv, parameters, {})]
-    with progress_bar(None, "frontier", len(run.depths), run.progress) as bar:
-        for share, heads in run.depths:
+    with progress_bar(None, "frontier", len(run.budget.depths), run.progress) as bar:
+        for share, heads in run.budget.depths:
             count = prefix_length(searched.order, heads)
             assert count is not None  # units of one size, checked before any data
             found.append(_depth(run, bench, share, searched.order[:count], second))
@@ -150,6 +144,6 @@ def at_budget(run: Run, searched: Searched) -> Searched:
     deeper for a frontier."""
     if searched.plan is None:
         return searched
-    count = prefix_length(searched.order, check_budget(run.model, run.budget))
+    count = prefix_length(searched.order, run.budget.removes)
     assert count is not None  # units of one size, checked before any data
     return dataclasses.replace(searched, plan=prefix_plan(searched.order, count), order=searched.order[:count])

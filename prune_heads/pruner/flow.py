@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..budgets import given_plan, selection_budget
+from ..budgets import Budget, resolve_budget
 from ..config import PruneConfig, RecoveryConfig
 from ..errors import ConfigError
 from ..export.persistence import output_biases_load
@@ -44,14 +44,14 @@ from ..recovery.tuning import Schedule, tune
 from ..runtime.devices import input_device, to_device
 from ..runtime.ledger import BEFORE_TUNING, Stage, Tally
 from ..runtime.progress import progress_bar
-from ..runtime.work import Budget, Pricer
+from ..runtime.work import Pricer, WorkLimit
 from ..scoring.head_scores import HeadScores
 from ..scoring.methods import score_heads, scoring_passes
 from ..scoring.objective import Objective, frozen
 from ..scoring.recording import Recorder, record
-from ..scoring.selection import HeadBudget, check_budget, requested_heads
+from ..scoring.selection import HeadBudget, check_budget
 from ..task_data import DataError, TaskData, with_targets, without_labels
-from .depths import at_budget, frontier, frontier_asked, searched_prefix, within_bound, within_loss
+from .depths import at_budget, frontier, frontier_text, searched_prefix, within_bound, within_loss
 from .run import Bench, Chosen, PruneResult, Run, Scored, Tuned, heldout_nll, logger, rise
 
 
@@ -112,8 +112,8 @@ def _start(
             "runs it); give prune_model scoring.steps 1"
         )
     batches = _batches(data)
-    given, budget = _budget(model, config, batches, plan)
-    depths, second = frontier_asked(model, config, eval_data)
+    budget = _budget(model, config, batches, plan)
+    second = frontier_text(config, eval_data)
     batches, generated = _with_written_text(model, batches, config)
     config, notes = _runnable(model, config)
     r = config.recovery
@@ -130,7 +130,6 @@ def _start(
         model=model,
         config=config,
         budget=budget,
-        asked=requested_heads(model, budget),
         scoring=calib,
         calib=on_device,
         heldout=heldout,
@@ -139,8 +138,6 @@ def _start(
         objective=Objective(model),
         start=start,
         progress=progress,
-        given=given,
-        depths=depths,
         second=second,
         notes=notes,
     )
@@ -154,17 +151,12 @@ def _batches(data: TaskData | Iterable[dict]) -> list[dict]:
     return batches
 
 
-def _budget(
-    model: nn.Module, config: PruneConfig, batches: list[dict], plan: dict | None
-) -> tuple[dict[str, list[int]] | None, HeadBudget]:
-    """The plan given whole (None without one) and the budget, both checked against the model's structure
-    before any data is read (a plan on the weights, so after any offloaded weights are onloaded)."""
-    if plan is None:
-        budget = selection_budget(model, config, _seq_len(batches))
-    onload_offloaded(model)  # after the budget's check: weights offloaded to the CPU, cut there, run on the device
-    if plan is None:
-        return None, budget
-    return given_plan(model, config, plan)
+def _budget(model: nn.Module, config: PruneConfig, batches: list[dict], plan: dict | None) -> Budget:
+    """The budget, checked against the model's structure before any data is read: a plan given whole once any
+    offloaded weights are onloaded (it is checked on the weights), any other budget before."""
+    budget = resolve_budget(model, config, _seq_len(batches)) if plan is None else None
+    onload_offloaded(model)  # weights offloaded to the CPU are cut there and run on the device
+    return budget or resolve_budget(model, config, plan=plan)
 
 
 def _runnable(model: nn.Module, config: PruneConfig) -> tuple[PruneConfig, tuple[str, ...]]:
@@ -202,13 +194,13 @@ def _score(run: Run) -> Scored:
     on the calibration batches: recorded while scoring, or in a no-grad pass of their own where the Gram
     matrices are needed (a share of the weights, not beside the scoring's activations)."""
     tick, s, r = time.perf_counter(), run.config.scoring, run.config.recovery
-    during = r.enabled and not r.reconstruction and run.given is None
+    during = r.enabled and not r.reconstruction and run.budget.given is None
     with Recorder(run.model, run.layers, run.objective) if during else nullcontext() as recorder:
         scores = (
             score_heads(
                 run.model, run.scoring, method=s.method, normalize=s.normalize, seed=s.seed, progress=run.progress
             )
-            if run.given is None
+            if run.budget.given is None
             else None
         )
     recorded = r.enabled and (recorder is None or recorder.calls != len(run.calib))  # no plain pass per batch
@@ -245,12 +237,12 @@ def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
     tick, r, trial = time.perf_counter(), run.config.recovery, bench.trial
     searched = _search(run, bench, scores) if scores is not None else Searched(None, 0.0)
     notes = [] if searched.note is None else [searched.note]
-    found = frontier(run, bench, searched) if run.depths else []
-    budget, summary = run.budget, {}
+    found = frontier(run, bench, searched) if run.budget.depths else []
+    budget, summary = run.budget.heads, {}
     if run.config.selection.max_loss is not None:
         searched, summary["max_loss"] = within_loss(run, bench, searched)
         budget = dataclasses.replace(budget, num_heads=summary["max_loss"]["heads"], round=None)
-    elif run.depths:
+    elif run.budget.depths:
         searched = at_budget(run, searched)
     plans, made, costed = _candidate_plans(run, trial, scores, budget)
     notes += made
@@ -268,7 +260,7 @@ def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
     bench.tally.add(Stage.RECONSTRUCTION, trial.refit_work)
     bench.tally.add(Stage.SELECTION, (len(decision.tried) + 1) * bench.tally.heldout_pass + costed)
     summary.update(heldout_summary(decision, trial.batches))
-    asked = run.asked if "max_loss" not in summary else summary["max_loss"]["heads"]
+    asked = run.budget.asked if "max_loss" not in summary else summary["max_loss"]["heads"]
     return Chosen(decision, budget, asked, found, notes, summary, time.perf_counter() - tick)
 
 
@@ -284,8 +276,8 @@ def _candidate_plans(
 ) -> tuple[dict, list[str], float]:
     """The candidate plans at `budget`, a note for each not made and their counted work (a given plan alone)."""
     r = run.config.recovery
-    if run.given is not None:
-        return {"given": run.given}, [], 0.0
+    if run.budget.given is not None:
+        return {"given": run.budget.given}, [], 0.0
     assert scores is not None  # scored wherever no plan was given
     return candidate_plans(scores, trial.calibration, run.layers, budget, r.rearrange, r.reconstruction)
 
@@ -295,12 +287,12 @@ def _search(run: Run, bench: Bench, scores: HeadScores) -> Searched:
     position) and its counted work fits in what the tuning budget has left after the passes before it (with a
     loss bound or a frontier, whatever it costs, to the deepest depth asked: the depths come from its order).
     Where it does not run and depths are measured, the plain ranking's order in its place."""
-    r, budget, tally = run.config.recovery, _deepest(run), bench.tally
+    r, budget, tally = run.config.recovery, run.budget.order, bench.tally
     rounds = _rounds(run, bench.trial)
     if not rounds:
         return _ranked(run, scores, budget)
     limit = math.inf
-    if not run.depths and r.tuning_budget is not None and run.config.selection.max_loss is None:
+    if not run.budget.depths and r.tuning_budget is not None and run.config.selection.max_loss is None:
         limit = r.tuning_budget * tally.calibration_pass - tally.spent(BEFORE_TUNING)  # the writing and recording
     schedule = SearchSchedule(rounds, r.search_examples, r.search_screen)
     searched = searched_plan(bench.trial, scores, budget, run.calib, schedule, bench.pricer, limit)
@@ -319,18 +311,10 @@ def _rounds(run: Run, trial: Trial) -> int:
     return r.search_rounds
 
 
-def _deepest(run: Run) -> HeadBudget:
-    """The budget the order goes to: the run's, or the deepest of a frontier's depths where deeper."""
-    if not run.depths:
-        return run.budget
-    deepest = max([heads for _, heads in run.depths] + [check_budget(run.model, run.budget)])
-    return dataclasses.replace(run.budget, sparsity=None, num_heads=deepest, round=None)
-
-
 def _ranked(run: Run, scores: HeadScores, budget: HeadBudget) -> Searched:
     """The plain ranking as the nested order the depths are measured along, where a loss bound or a frontier
     asks for depths and no search ran (none otherwise)."""
-    if not (run.depths or run.config.selection.max_loss is not None):
+    if not (run.budget.depths or run.config.selection.max_loss is not None):
         return Searched(None, 0.0)
     order = ranked_order(scores, budget, check_budget(run.model, budget))
     note = "depths measured along the plain ranking's order (no search ran)"
@@ -389,7 +373,7 @@ def _tune(run: Run, bench: Bench, chosen: Chosen) -> Tuned | None:
     groups = [{"params": params, "lr": rates[name]} for name, params in tunables.items()]
     check = (lambda: float(trial.divergences().mean())) if trial.batches else None
     limit = _tuning_limit(run, bench.tally)
-    budget = Budget(float("inf") if limit is None else limit, bench.pricer, check=bench.tally.heldout_pass)
+    budget = WorkLimit(float("inf") if limit is None else limit, bench.pricer, check=bench.tally.heldout_pass)
     assert trial.calibration is not None
     with progress_bar(None, "tuning", r.epochs * len(run.calib), run.progress) as bar:  # may stop early
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from ..budgets import Budget
 from ..config import PruneConfig
 from ..recovery.candidates import Decision, Trial
 from ..recovery.generated import writes_text
@@ -58,15 +59,14 @@ class PruneResult:
 @dataclass(frozen=True)
 class Run:
     """One `prune_model` call as it starts, fixed from then on: the model with its attention layers and
-    objective, the config it runs (its recovery less the steps this model cannot hold), the budget and the heads
-    it asks for, the batches (`scoring`, the calibration part as given, what scoring reads; `calib`, the same on
-    the model's device without labels; `heldout`, the held-out part), the model's written text, a plan given whole, a
-    frontier's depths (share, heads) and second text, and the notes made on the way in."""
+    objective, the config it runs (its recovery less the steps this model cannot hold), the budget resolved
+    (with a plan given whole and a frontier's depths), the batches (`scoring`, the calibration part as given,
+    what scoring reads; `calib`, the same on the model's device without labels; `heldout`, the held-out part),
+    the model's written text, a frontier's second text, and the notes made on the way in."""
 
     model: nn.Module
     config: PruneConfig
-    budget: HeadBudget
-    asked: int
+    budget: Budget
     scoring: list[dict]
     calib: list[dict]
     heldout: list[dict]
@@ -75,8 +75,6 @@ class Run:
     objective: Objective
     start: float
     progress: bool
-    given: dict[str, list[int]] | None = None
-    depths: list[tuple[float, int]] = field(default_factory=list)
     second: list[dict] = field(default_factory=list)
     notes: tuple[str, ...] = ()
 

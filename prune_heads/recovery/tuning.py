@@ -17,7 +17,7 @@ from ..model.gates import fold_gates, head_gates
 from ..model.layers import find_attention, resolve
 from ..runtime.devices import input_device, on_device_of, to_device
 from ..runtime.memory import release_freed_memory
-from ..runtime.work import Budget
+from ..runtime.work import WorkLimit
 from ..scoring.objective import Objective, frozen
 from ..task_data import without_labels
 
@@ -110,7 +110,7 @@ def tune(
     objective: Objective,
     schedule: Schedule,
     check: Callable[[], float] | None = None,
-    budget: Budget | None = None,
+    budget: WorkLimit | None = None,
 ) -> Tuning:
     """Adam over the parameter `groups` so `forward`'s outputs match the targets (the objective's divergence),
     as the schedule says. The moving average (`schedule.average` in (0, 1)) smooths out Adam's step-to-step
@@ -143,7 +143,7 @@ class _Tuner:
         objective: Objective,
         schedule: Schedule,
         check: Callable[[], float] | None,
-        budget: Budget | None,
+        budget: WorkLimit | None,
     ) -> None:
         self.forward, self.objective, self.check, self.budget = forward, objective, check, budget
         self.params = [p for group in groups for p in group["params"]]

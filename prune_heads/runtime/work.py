@@ -103,7 +103,7 @@ class Pricer:
 
 
 @dataclass
-class Budget:
+class WorkLimit:
     """A limit on counted work: `limit` FLOPs, of which `spent` are used; `step` prices one tuning step on a
     batch and `check` one held-out check."""
 
