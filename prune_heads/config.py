@@ -132,7 +132,8 @@ class RecoveryConfig:
     generated_share: float = option(
         0.0,
         "Text a decoder-only language model writes itself, added beside the calibration batches as this share of "
-        f"their examples, so recovery also fits its own distribution ({SHARE} measured; 0, the default: none).",
+        f"their examples, so recovery also fits its own distribution (0, the default: none; {SHARE} is the share "
+        "the benchmarks measured).",
     )
     rearrange: bool = option(
         True,
@@ -153,10 +154,8 @@ class RecoveryConfig:
     )
     search_screen: bool = option(
         True,
-        "Screen each search round's units on the first quarter of the search examples (after the first round, "
-        "those the earlier screen does not rule out) and race at most the cheapest (twice the round's share) over "
-        "the rest, a quarter at a time, until each is clearly in or out; off: every unit on all of them (the "
-        "earlier schedule).",
+        "Screen each search round's units on a quarter of the search examples, then race the cheapest over the "
+        "rest until each is clearly in or out (the same plan for less work); off: every unit on every example.",
     )
     bias_compensation: bool = option(
         True, "Without reconstruction: try adding the removed heads' mean output to the output bias (FLAP)."

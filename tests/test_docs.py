@@ -146,3 +146,25 @@ def test_the_benchmark_tables_are_short_and_user_docs_name_no_issues():
     assert len(tables.read_bytes()) <= 30 * 1024  # the current tables; history goes to research-log.md
     for page in [ROOT / "README.md", tables, *sorted((ROOT / "docs").glob("*.md"))]:
         assert not re.search(r"\bissues? \d", page.read_text()), f"{page.name} refers to an issue number"
+
+
+def sentences(page: Path) -> list[str]:
+    """The prose sentences of a page: code, tables and headings left out, inline code and links one word each."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    lines = [l for l in text.splitlines() if not l.lstrip().startswith(("|", "#"))]
+    prose = re.sub(r"\]\([^)]*\)", "]", re.sub(r"`[^`]*`", "X", "\n".join(lines)))
+    items = re.split(r"\n\s*\n|\n\s*(?:[-*]|\d+\.) ", prose)  # paragraphs and list items end sentences too
+    found = [s for item in items for s in re.split(r"(?<=[.!?])\s+(?=[A-Z(\[*X])", " ".join(item.split()))]
+    return [s for s in found if s.strip()]
+
+
+USER_PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "cli-reference.md")]
+
+
+def test_the_user_pages_are_short_and_their_sentences_too():
+    """A user reads a page in minutes: at most 8 KB each (the generated CLI reference aside), at most ten
+    sentences over 40 words across them and none over 60."""
+    sizes = {p.name: len(p.read_bytes()) for p in USER_PAGES}
+    assert all(size <= 8 * 1024 for size in sizes.values()), {n: s for n, s in sizes.items() if s > 8 * 1024}
+    long = [(p.name, s) for p in USER_PAGES for s in sentences(p) if len(s.split()) > 40]
+    assert len(long) <= 10 and all(len(s.split()) <= 60 for _, s in long), long
