@@ -15,6 +15,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 import prune_heads as ph
 from prune_heads.cli import main
 from prune_heads.evaluation.task import evaluate_task
+from prune_heads.recipes import load_recipe
 from prune_heads.task_data import load_task_data
 
 
@@ -640,3 +641,14 @@ def test_both_demos_refuse_an_existing_output_before_any_work(tmp_path):
         result = _invoke(["demo", *extra, "-o", str(tmp_path / "out")])
         assert result.exit_code == 2 and "--force" in result.output and len(result.output.splitlines()) == 1, extra
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["kept.txt"]
+
+
+def test_a_llama_cpp_check_that_cannot_run_is_refused_before_the_run():
+    from prune_heads.pipeline.llama_cpp import check_before_and_after
+
+    recipe = load_recipe("demo-smollm2-gguf")
+    assert check_before_and_after(recipe).name.endswith(".gguf")
+    with pytest.raises(ph.ConfigError, match="data.eval_split"):
+        check_before_and_after(load_recipe("demo-smollm2-gguf", ["data.eval_split=null"]))
+    with pytest.raises(ph.ConfigError, match="gguf_file"):
+        check_before_and_after(load_recipe("fixture-minilm-sentiment"))

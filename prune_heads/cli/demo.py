@@ -28,17 +28,18 @@ def demo(llm: bool, output: str | None, sparsity: float | None, force: bool, as_
     Example: prune-heads demo --llm
     """
     from ..pipeline import run
+    from ..pipeline.llama_cpp import before_and_after, check_before_and_after
 
     name = "demo-smollm2-gguf" if llm else "demo-minilm-embeddings"
     overrides = [] if sparsity is None else [f"selection.sparsity={sparsity}", "selection.num_heads=null"]
     recipe = load_recipe(name, overrides)
     target = output or recipe.written.path or name
+    if llm:
+        check_before_and_after(recipe)  # before the run, not after minutes of it
     report = run(recipe, output=target, force=force)
     found = report.to_dict()
     lines = [report.markdown()]
     if llm:
-        from ..pipeline.llama_cpp import before_and_after
-
         checks = before_and_after(recipe, Path(target) / "model.gguf", DEMO_CONTEXT)
         found["llama_cpp"] = {"context": DEMO_CONTEXT, "files": [dataclasses.asdict(c) for c in checks]}
         lines += ["", llama_table(checks, DEMO_CONTEXT), "", FULL_PATH.format(target=target)]

@@ -44,7 +44,8 @@ def llama_speeds(
             prune(original, {n: [h for h in heads if h in present[n]] for n, heads in depth.plan.items()})
             file = Path(tmp) / "depth.gguf"
             save_gguf(original, file, tokenizer=processor, tensor_type=recipe.written.gguf_type, overwrite=True)
-            speeds.append({c: asdict(llama_speed(file, ids, recipe.selection.context, c)) for c in caches})
+            threads = torch.get_num_threads()  # llama.cpp on the cores torch uses, not its own default
+            speeds.append({c: asdict(llama_speed(file, ids, recipe.selection.context, c, threads)) for c in caches})
             bar.update(len(caches))
     return speeds
 
@@ -57,11 +58,21 @@ def source_gguf(recipe: Recipe) -> Path:
     return Path(resolve_source(recipe.model)) / name
 
 
+def check_before_and_after(recipe: Recipe) -> Path:
+    """The recipe's GGUF source, where `before_and_after` can check its run in llama.cpp (refused before the run
+    otherwise: no GGUF source, no evaluation split, or no llama-cpp-python)."""
+    source = source_gguf(recipe)
+    if recipe.data.eval_split is None:
+        raise ConfigError("checking perplexity in llama.cpp needs an evaluation split: give data.eval_split")
+    if not llama_cpp_installed():
+        raise ConfigError("checking a GGUF file in llama.cpp needs llama-cpp-python: pip install '.[llamacpp]'")
+    return source
+
+
 def before_and_after(recipe: Recipe, written: Path, context: int, repeats: int = 3) -> list[LlamaCheck]:
     """The recipe's GGUF source and the file its run wrote, checked in llama.cpp: sizes, KV caches and speeds at
     `context` (on as many threads as torch uses), and perplexity on the recipe's evaluation split."""
-    d = recipe.data
-    if d.eval_split is None:
-        raise ConfigError("checking perplexity in llama.cpp needs an evaluation split: give data.eval_split")
+    source, d = check_before_and_after(recipe), recipe.data
+    assert d.eval_split is not None  # checked above
     windows = task_data(recipe, None, load_processor(recipe), d.eval_split, d.eval_examples).batches
-    return llama_checks([source_gguf(recipe), written], windows, context, repeats, torch.get_num_threads())
+    return llama_checks([source, written], windows, context, repeats, torch.get_num_threads())
