@@ -213,18 +213,20 @@ def run(args) -> None:
     heads = sum(l.num_heads for l in layers)
     # one KV head per layer (Gemma 3 270M): a KV group is the whole attention block, so layers may lose all heads
     groups = {"min_heads_per_layer": 0} if all(l.num_kv_heads == 1 for l in layers) else {}
+    dtype = getattr(torch, args.dtype)
     for depth in args.depth or DEPTHS:
         for method, prune in METHODS.items():
-            saved = cell_file(out, args.model, method, depth)
+            named = method if dtype == torch.float32 else f"{method} ({args.dtype})"
+            saved = cell_file(out, args.model, named, depth)
             if (args.only and method not in args.only) or saved.exists():
                 continue
-            model = copy.deepcopy(base)
+            model = copy.deepcopy(base).to(dtype)  # as the CLI loads a quantized GGUF where bfloat16 is native
             with Timer() as timer:
                 found = prune(model, calibration, round(heads * DEPTHS[depth]), groups)
-            after = measured(model, tokenizer, test, other)
+            after = measured(model.float(), tokenizer, test, other)  # judged as the float32 cells are
             saved.with_suffix(".dill").write_bytes(dill.dumps(after))  # so two methods compare paired (`--paired`)
             row = cell(unpruned, after)
-            row.update(found, seconds=timer.seconds, threads=torch_threads(), model=args.model, method=method)
+            row.update(found, seconds=timer.seconds, threads=torch_threads(), model=args.model, method=named)
             row["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
             row["depth"] = depth
             saved.write_text(json.dumps(row, indent=1, default=str))
@@ -248,7 +250,7 @@ def table(out: Path) -> None:
         ]
         cells = [json.loads(p.read_text()) for p in out.glob(f"{name}_*.json") if p != unpruned_file]
         order = {m: i for i, m in enumerate(METHODS)}
-        for c in sorted(cells, key=lambda c: (DEPTHS[c["depth"]], order[c["method"]])):
+        for c in sorted(cells, key=lambda c: (DEPTHS[c["depth"]], order.get(c["method"], len(order)))):
             perplexities = (
                 f"{c[k]['percent']:+.1f}% ({c[k]['low']:+.1f} to {c[k]['high']:+.1f})"
                 for k in ("in-domain", "other domain")
@@ -286,7 +288,8 @@ def main() -> None:
     parser.add_argument("--only", action="append", choices=list(METHODS), help="only this method (repeatable)")
     parser.add_argument("--depth", action="append", choices=list(DEPTHS))
     parser.add_argument("--table", action="store_true", help="print the table from the saved cells")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (float32 either way, TF32 off)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (TF32 off)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the pruned copy's")
     parser.add_argument("--out", type=Path, default=OUT, help="the folder of saved cells")
     parser.add_argument("--paired", nargs=2, choices=list(METHODS), help="the second method against the first")
     args = parser.parse_args()

@@ -652,3 +652,14 @@ def test_a_llama_cpp_check_that_cannot_run_is_refused_before_the_run():
         check_before_and_after(load_recipe("demo-smollm2-gguf", ["data.eval_split=null"]))
     with pytest.raises(ph.ConfigError, match="gguf_file"):
         check_before_and_after(load_recipe("fixture-minilm-sentiment"))
+
+
+def test_a_quantized_gguf_file_loads_in_bfloat16_where_the_device_multiplies_it(monkeypatch):
+    from prune_heads.pipeline import loading
+
+    recipe = load_recipe("demo-smollm2-gguf")  # SmolLM2's Q4_1 file
+    monkeypatch.setattr(loading, "native_bfloat16", lambda device: True)
+    assert loading.default_dtype(recipe) == "bfloat16"
+    assert loading.default_dtype(load_recipe("fixture-minilm-sentiment")) is None  # a checkpoint: as stored
+    monkeypatch.setattr(loading, "native_bfloat16", lambda device: False)
+    assert loading.default_dtype(recipe) is None  # float32, where bfloat16 would be emulated

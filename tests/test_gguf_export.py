@@ -820,6 +820,22 @@ def test_gemma3_gguf_in_gguf_out_is_exact_in_llama_cpp(tmp_path, gemma3, gemma3_
     assert greedy == reference_greedy
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name, plan", [("smollm2", {2: [3, 4, 5]}), ("gemma3", "one head a layer")])
+def test_a_bfloat16_model_of_a_quantized_file_still_copies_what_pruning_left(request, tmp_path, name, plan):
+    """A model held in bfloat16 (a quantized file's default where the CPU multiplies it natively) holds the
+    source's values rounded: what pruning left alone is still the source's bytes (Gemma's norms, stored as
+    1 + w, too), and a weight changed after is written anew."""
+    model = copy.deepcopy(request.getfixturevalue(f"{name}_model" if name == "gemma3" else "smollm2_loaded"))
+    model = model.to(torch.bfloat16)  # as loading with dtype=bfloat16 rounds the dequantized values
+    layers = ph.find_attention(model)
+    ph.prune(model, plan if isinstance(plan, dict) else {l.index: [1] for l in layers})
+    assert ph.save_gguf(model, tmp_path / "pruned.gguf").written == {}
+    with torch.no_grad():
+        layers[1].module.o_proj.weight[0, 0] += 1.0
+    assert set(ph.save_gguf(model, tmp_path / "changed.gguf").written) == {"blk.1.attn_output.weight"}
+
+
 LONGER = PROMPT + (
     " gave it everything they had. I left the theatre thinking about my own parents, and how little we say to each"
     " other about the things that matter most."
@@ -1065,3 +1081,10 @@ def test_a_written_file_is_checked_against_its_source_in_llama_cpp(tmp_path, smo
     ratio = after.perplexity / before.perplexity
     assert f"| perplexity | {before.perplexity:.2f} | {after.perplexity:.2f} ({ratio:.2f}x) |" in table
     assert "| KV cache at 256 tokens, MiB |" in table
+
+
+def test_a_file_is_quantized_where_every_matrix_is(tmp_path, smollm2, bpe_tokenizer):
+    assert ph.export.gguf.quantized(smollm2 / SMOLLM2_FILE)  # Q4_1, the output Q8_0, the norms F32
+    model = tiny_llama(len(bpe_tokenizer), 2)
+    plain = ph.save_gguf(model, tmp_path / "f32.gguf", tokenizer=bpe_tokenizer, tensor_type="f32").path
+    assert not ph.export.gguf.quantized(plain)

@@ -135,7 +135,13 @@ def data_options(command: Callable) -> Callable:
         click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True),
         click.option("--max-length", type=click.IntRange(min=2), default=128, show_default=True),
         click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: where the model loads)."),
-        click.option("--dtype", default=None, type=click.Choice(CHOICES["dtype"])),
+        click.option(
+            "--dtype",
+            default=None,
+            type=click.Choice(CHOICES["dtype"]),
+            help="Weights' type (default: as stored; a quantized GGUF file in bfloat16 where the device multiplies "
+            "it natively, else float32).",
+        ),
         config_option(ScoringConfig, "seed", type=int),
         click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout; logs go to stderr."),
     ]

@@ -26,3 +26,15 @@ def input_device(model: torch.nn.Module) -> torch.device:
         return torch.device(f"cuda:{placed[0]}" if isinstance(placed[0], int) else placed[0])
     device = next(model.parameters()).device
     return torch.device("cpu") if device.type == "meta" else device
+
+
+def native_bfloat16(device: torch.device | str = "cpu") -> bool:
+    """Whether `device` multiplies bfloat16 natively: a CUDA GPU that supports it, or a CPU with AVX-512 BF16 or
+    AMX tiles (elsewhere torch emulates it, slower than float32)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's own probes of the instructions
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)

@@ -24,7 +24,7 @@ model has.
 """
 
 from .architectures import ARCHITECTURES, FILE_TYPES, GGUF_TYPES, GgufArch, GgufError
-from .inspect import gguf_heads
+from .inspect import gguf_heads, quantized
 from .speed import LlamaCheck, LlamaSpeed, llama_checks, llama_cpp_installed, llama_perplexity, llama_speed
 from .tokenizer import tokenizer_model
 from .writer import check_gguf, save_gguf
@@ -43,6 +43,7 @@ __all__ = [
     "llama_cpp_installed",
     "llama_perplexity",
     "llama_speed",
+    "quantized",
     "save_gguf",
     "tokenizer_model",
 ]

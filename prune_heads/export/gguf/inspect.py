@@ -37,3 +37,13 @@ def gguf_heads(path: str | Path) -> dict[str, Any]:
         "tensors": len(reader.tensors),
         "bytes": Path(path).stat().st_size,
     }
+
+
+def quantized(path: str | Path) -> bool:
+    """Whether every matrix of the GGUF file is stored quantized (no F32 or F16 matrix; norms and biases are
+    F32 in any file): bfloat16 holds such weights within a small share of their own quantization step."""
+    import gguf
+
+    plain = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+    matrices = [t for t in _reader(Path(path)).tensors if len(t.shape) > 1]
+    return bool(matrices) and all(t.tensor_type not in plain for t in matrices)

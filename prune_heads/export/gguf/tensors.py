@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 
 from ...model.layers import AttentionLayer, find_attention
@@ -213,10 +214,28 @@ def _values(raw: np.ndarray, qtype) -> np.ndarray:
     return gguf.quants.dequantize(raw, qtype).astype(np.float32, copy=False)
 
 
-def _unchanged(name: str, value: np.ndarray | None, tensors: dict, blocks: dict[int, _Block], interleave: bool):
-    """The source bytes for `name` (its kept rows or columns) when they hold exactly `value` (always for a
-    tensor the model has no weight for), else None. A missing output.weight stands in as the token
-    embeddings it was tied to."""
+@dataclass(frozen=True)
+class Held:
+    """How the model holds a source tensor's values: in `dtype` (a bfloat16 model holds them rounded), the
+    norms with `shift` added after (as `GgufArch.norm_shift` writes them)."""
+
+    dtype: torch.dtype = torch.float32
+    shift: float = 0.0
+
+    def of(self, name: str, values: np.ndarray) -> np.ndarray:
+        """The source's `values` of `name` as the model holds them."""
+        if self.dtype == torch.float32:
+            return values
+        shift = np.float32(self.shift if name.endswith("norm.weight") else 0.0)
+        return torch.from_numpy(values - shift).to(self.dtype).float().numpy() + shift
+
+
+def _unchanged(
+    name: str, value: np.ndarray | None, tensors: dict, blocks: dict[int, _Block], interleave: bool, held: Held
+):
+    """The source bytes for `name` (its kept rows or columns) when the model holds exactly their values as
+    `value` (always for a tensor the model has no weight for), else None. A missing output.weight stands in as
+    the token embeddings it was tied to."""
     tensor = tensors.get(name, tensors.get("token_embd.weight") if name == "output.weight" else None)
     if tensor is None:
         return None
@@ -225,7 +244,7 @@ def _unchanged(name: str, value: np.ndarray | None, tensors: dict, blocks: dict[
         return None
     if value is None or raw is None:
         return raw
-    values = _values(*raw)
+    values = held.of(name, _values(*raw))
     return raw if values.size == value.size and np.array_equal(values.reshape(value.shape), value) else None
 
 

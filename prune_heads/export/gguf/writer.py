@@ -34,6 +34,7 @@ from .architectures import (
 from .tensors import (
     _BIAS_REFUSED,
     _UNEVEN_REFUSED,
+    Held,
     _architecture,
     _attention_free,
     _Block,
@@ -291,6 +292,7 @@ class _Layout:
     architecture: str
     targets: dict[str, np.ndarray]
     head_dim: int
+    held: Held
 
 
 def _layout(model: nn.Module, arch: GgufArch) -> _Layout:
@@ -313,7 +315,8 @@ def _layout(model: nn.Module, arch: GgufArch) -> _Layout:
     targets = {n: v for n, v in targets.items() if arch.output_bias or not n.endswith("attn_output.bias")}
     if architecture == UNEVEN:
         _attention_free(targets, blocks, bool(getattr(model.config, "tie_word_embeddings", False)))
-    return _Layout(blocks, architecture, targets, max(b.layer.head_dim for b in blocks))
+    held = Held(next(model.parameters()).dtype, arch.norm_shift)
+    return _Layout(blocks, architecture, targets, max(b.layer.head_dim for b in blocks), held)
 
 
 def _metadata(
@@ -366,7 +369,7 @@ def _tensors(writer, arch: GgufArch, layout: _Layout, reader, wanted: str, resul
         n for n in targets if n not in source_tensors
     ]
     for name in order:
-        raw = _unchanged(name, targets.get(name), source_tensors, by_index, interleave)
+        raw = _unchanged(name, targets.get(name), source_tensors, by_index, interleave, layout.held)
         if raw is not None:
             result.copied.append(name)
         else:
