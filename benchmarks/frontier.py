@@ -220,10 +220,13 @@ def run(args) -> None:
             saved = cell_file(out, args.model, named, depth)
             if (args.only and method not in args.only) or saved.exists():
                 continue
-            model = copy.deepcopy(base).to(dtype)  # as the CLI loads a quantized GGUF where bfloat16 is native
+            # as the CLI loads a quantized GGUF where bfloat16 is native (nn.Module's own cast: transformers refuses
+            # one on a model read from GGUF)
+            model = torch.nn.Module.to(copy.deepcopy(base), dtype)
             with Timer() as timer:
                 found = prune(model, calibration, round(heads * DEPTHS[depth]), groups)
-            after = measured(model.float(), tokenizer, test, other)  # judged as the float32 cells are
+            print(f"{named} at {depth}: pruned in {timer.seconds:.0f} s", file=sys.stderr, flush=True)
+            after = measured(torch.nn.Module.to(model, torch.float32), tokenizer, test, other)  # as float32 cells
             saved.with_suffix(".dill").write_bytes(dill.dumps(after))  # so two methods compare paired (`--paired`)
             row = cell(unpruned, after)
             row.update(found, seconds=timer.seconds, threads=torch_threads(), model=args.model, method=named)
