@@ -83,3 +83,11 @@ def test_the_tables_and_intervals(bench):
     found = quality.change(before, after)
     assert found["delta"] == pytest.approx(-25.0) and found["low"] < -25.0 < found["high"] < 0
     assert quality.summary([0.5]) == "0.500" and quality.summary([0.5, 0.7]).startswith("0.600 ±")
+
+
+def test_the_dtype_check_measures_perplexity_per_text(bench):
+    dtype = bench("dtype")
+    model = tm.build("llama")
+    batches = [dict(b, labels=b["input_ids"]) for b in tm.batches("llama", n=2)]
+    found = dtype.perplexities(model, {"a": ph.TaskData("causal-lm", batches, 8)})
+    assert set(found) == {"a"} and found["a"].value() > 1
