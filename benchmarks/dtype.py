@@ -16,7 +16,6 @@ from common import Timer
 from llm import windows
 
 import prune_heads as ph
-from prune_heads.evaluation.confidence import compare
 from prune_heads.evaluation.task import evaluation
 
 
@@ -46,10 +45,8 @@ def main() -> None:
     passes = found["fisher_passes"]
     print(f"{args.model} at {args.depth} in {args.dtype}: {timer.seconds:.0f} s, {passes:.2f} fisher passes")
     for name in texts:
-        change, unpruned = compare(before[name], after[name]), before[name].value()
-        percent = 100 * (after[name].value() / unpruned - 1)
-        low, high = (100 * change[k] / unpruned for k in ("low", "high"))
-        print(f"  {name}: {percent:+.1f}% ({low:+.1f} to {high:+.1f})")
+        change = frontier.percent_change(before[name], after[name])
+        print(f"  {name}: {change['percent']:+.1f}% ({change['low']:+.1f} to {change['high']:+.1f})")
 
 
 if __name__ == "__main__":

@@ -162,18 +162,21 @@ def measured(model, tokenizer, test, other) -> dict:
     return out
 
 
+def percent_change(before, after) -> dict:
+    """A perplexity's change in percent of the unpruned value, with its 95% paired interval."""
+    change, base = compare(before, after), before.value()
+    percent = 100 * (after.value() / base - 1)
+    return {
+        "value": after.value(),
+        "percent": percent,
+        "low": 100 * change["low"] / base,
+        "high": 100 * change["high"] / base,
+    }
+
+
 def cell(before: dict, after: dict) -> dict:
     """The change of each measure with its 95% paired interval."""
-    row = {}
-    for name in ("in-domain", "other domain"):
-        change = compare(before[name], after[name])
-        base = before[name].value()
-        row[name] = {
-            "value": after[name].value(),
-            "percent": 100 * (after[name].value() / base - 1),
-            "low": 100 * change["low"] / base,
-            "high": 100 * change["high"] / base,
-        }
+    row = {name: percent_change(before[name], after[name]) for name in ("in-domain", "other domain")}
     for task in TASKS:
         change = compare(before[task][0], after[task][0], correct=(before[task][1], after[task][1]))
         row[task] = {

@@ -19,7 +19,7 @@ from ..recipes import Recipe
 from ..runtime.progress import progress_bar
 from ..scoring.kv_cache import fits_cache
 from ..task_data import TaskData
-from .loading import load_processor, resolve_source, task_data
+from .loading import gguf_file, load_processor, task_data
 
 
 def frontier_in_llama_cpp(recipe: Recipe, plan: dict | None) -> bool:
@@ -38,30 +38,26 @@ def llama_speeds(
     caches = [c for c in FRONTIER_CACHE_TYPES if fits_cache(find_attention(original), c)]
     speeds = []
     runs = len(found.frontier) * len(caches)
+    threads = torch.get_num_threads()  # llama.cpp on the cores torch uses, not its own default
     with tempfile.TemporaryDirectory() as tmp, progress_bar(None, "llama.cpp", runs, progress) as bar:
         for depth in found.frontier:  # the unpruned model first
             present = {layer.name: layer.heads for layer in find_attention(original)}
             prune(original, {n: [h for h in heads if h in present[n]] for n, heads in depth.plan.items()})
             file = Path(tmp) / "depth.gguf"
             save_gguf(original, file, tokenizer=processor, tensor_type=recipe.written.gguf_type, overwrite=True)
-            threads = torch.get_num_threads()  # llama.cpp on the cores torch uses, not its own default
             speeds.append({c: asdict(llama_speed(file, ids, recipe.selection.context, c, threads)) for c in caches})
             bar.update(len(caches))
     return speeds
 
 
-def source_gguf(recipe: Recipe) -> Path:
-    """The GGUF file the recipe's model is read from (refused where it names none)."""
-    name = recipe.model_kwargs.get("gguf_file")
-    if not name:
-        raise ConfigError(f"{recipe.model} is not read from a GGUF file: give model_kwargs.gguf_file")
-    return Path(resolve_source(recipe.model)) / name
-
-
 def check_before_and_after(recipe: Recipe) -> Path:
     """The recipe's GGUF source, where `before_and_after` can check its run in llama.cpp (refused before the run
     otherwise: no GGUF source, no evaluation split, or no llama-cpp-python)."""
-    source = source_gguf(recipe)
+    source = gguf_file(recipe)
+    if source is None:
+        raise ConfigError(
+            f"{recipe.model} is not read from a GGUF file that is there: give model_kwargs.gguf_file, a file in it"
+        )
     if recipe.data.eval_split is None:
         raise ConfigError("checking perplexity in llama.cpp needs an evaluation split: give data.eval_split")
     if not llama_cpp_installed():

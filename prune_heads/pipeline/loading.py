@@ -73,23 +73,25 @@ def default_dtype(recipe: Recipe) -> str | None:
     """The weights' type where the recipe names none: a quantized GGUF file in bfloat16 where the device
     multiplies it natively (every pass about twice as fast as in float32, at no loss the file's quantization
     leaves room for), else None (a checkpoint as stored, a GGUF file dequantized to float32)."""
-    name = recipe.model_kwargs.get("gguf_file")
-    if not name or not native_bfloat16(recipe.device or "cpu"):
+    if not recipe.model_kwargs.get("gguf_file") or not native_bfloat16(recipe.device or "cpu"):
         return None
-    file = _gguf_path(resolve_source(recipe.model), name)
+    file = gguf_file(recipe)
     return "bfloat16" if file is not None and quantized(file) else None
 
 
-def _gguf_path(source: str, name: str) -> Path | None:
-    """The GGUF file `name` of a local folder, or of a hub repo (fetched as `from_pretrained` would fetch it);
-    None where it cannot be had (transformers then says why)."""
-    local = Path(source).expanduser() / name
-    if local.is_file() or Path(source).expanduser().is_dir():
-        return local if local.is_file() else None
+def gguf_file(recipe: Recipe) -> Path | None:
+    """The GGUF file the recipe's model is read from: in a local folder, or in a hub repo (fetched as
+    `from_pretrained` fetches it); None where it names none or the file cannot be had."""
+    name = recipe.model_kwargs.get("gguf_file")
+    if not name:
+        return None
+    folder = Path(resolve_source(recipe.model)).expanduser()
+    if folder.is_dir():
+        return folder / name if (folder / name).is_file() else None
     try:
         from huggingface_hub import hf_hub_download
 
-        return Path(hf_hub_download(source, name))
+        return Path(hf_hub_download(recipe.model, name))
     except Exception:  # no network, no such repo or file: loading the model reports it
         return None
 

@@ -154,9 +154,12 @@ def _batches(data: TaskData | Iterable[dict]) -> list[dict]:
 def _budget(model: nn.Module, config: PruneConfig, batches: list[dict], plan: dict | None) -> Budget:
     """The budget, checked against the model's structure before any data is read: a plan given whole once any
     offloaded weights are onloaded (it is checked on the weights), any other budget before."""
-    budget = resolve_budget(model, config, _seq_len(batches)) if plan is None else None
-    onload_offloaded(model)  # weights offloaded to the CPU are cut there and run on the device
-    return budget or resolve_budget(model, config, plan=plan)
+    if plan is None:
+        budget = resolve_budget(model, config, _seq_len(batches))
+        onload_offloaded(model)  # weights offloaded to the CPU are cut there and run on the device
+        return budget
+    onload_offloaded(model)
+    return resolve_budget(model, config, plan=plan)
 
 
 def _runnable(model: nn.Module, config: PruneConfig) -> tuple[PruneConfig, tuple[str, ...]]:
