@@ -135,6 +135,12 @@ class RecoveryConfig:
         f"their examples, so recovery also fits its own distribution (0, the default: none; {SHARE} is the share "
         "the benchmarks measured).",
     )
+    domain_only: bool = option(
+        False,
+        "Judge every decision on the calibration's held-out text alone, for a model that serves that domain only. "
+        "Default: each decision also weighs a second held-out set, equally (the model's own written text, or "
+        "--eval-data), so pruning on one domain does not spend what the model does elsewhere.",
+    )
     rearrange: bool = option(
         True,
         "Also try the Fisher-block (Kwon), fluctuation (FLAP) and, with reconstruction, structured-OBS and "

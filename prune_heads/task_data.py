@@ -162,7 +162,7 @@ class DataConfig:
     score_examples: int | None = None
     eval_examples: int | None = None
     stride: int | None = None
-    frontier_source: str | None = None  # a second text each of selection.depths is measured on (its score split)
+    general_source: str | None = None  # the general-ability guard's text and the depths' second text (its score split)
 
 
 def load_task_data(

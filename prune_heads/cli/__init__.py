@@ -217,9 +217,10 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
 @config_option(SelectionConfig, "depths")
 @click.option(
     "--eval-data",
-    "frontier_source",
+    "general_source",
     default=None,
-    help="A second text each of --depths is measured on (read as --data is, its --split).",
+    help="A second text (read as --data is, its --split) every decision weighs beside the held-out calibration "
+    "text, in place of the model's own written text, and each of --depths is measured on.",
 )
 @config_option(SelectionConfig, "context", type=click.IntRange(min=1))
 @click.option(
@@ -250,6 +251,7 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
 @config_option(RecoveryConfig, "gate_tuning")
 @config_option(RecoveryConfig, "bias_tuning")
 @config_option(RecoveryConfig, "projection_tuning")
+@config_option(RecoveryConfig, "domain_only", is_flag=True)
 @config_option(RecoveryConfig, "generated_share", type=click.FloatRange(min=0))
 @config_option(RecoveryConfig, "search_rounds", type=click.IntRange(min=0))
 @config_option(RecoveryConfig, "search_screen")
@@ -299,8 +301,10 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
             "give exactly one of --sparsity, --num-heads, --keep-flops, --kv-cache, --max-loss or --plan"
         )
     plan = read_plan(plan_file) if plan_file else None
-    if opts["frontier_source"] and not selection.get("depths"):
-        raise click.UsageError("--eval-data is the frontier's second text: give --depths with it")
+    if opts["general_source"] and opts["domain_only"] and not selection.get("depths"):
+        raise click.UsageError(
+            "--domain-only judges on the calibration's text alone: give --eval-data only with --depths"
+        )
     if plan is not None and selection.get("depths"):
         raise click.UsageError("--depths measures the searched order, and --plan applies a plan without one")
     selection.update({k: v for k, v in budgets.items() if v is not None} or {"sparsity": 0.0})
@@ -317,7 +321,7 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
         standalone=opts["standalone"],
         recovery=recovery_section,
         output={"path": output, "format": fmt, "gguf_type": opts["gguf_type"]},
-        data={"frontier_source": opts["frontier_source"]},
+        data={"general_source": opts["general_source"]},
     )
     report = run(recipe, output=output, force=opts["force"], plan=plan, evaluate=False)
     emit(

@@ -224,9 +224,11 @@ def heldout_line(report) -> str:
     if heldout.get("final") is None:
         return ""
     final, plain = heldout["final"], heldout["plain"]
-    change = heldout.get("perplexity_change")
+    change, general = heldout.get("perplexity_change"), heldout.get("general_perplexity_change")
     labels = " label" if report.meta.get("task") == "classification" else ""
     perplexity = "" if change is None else f"; held-out{labels} perplexity {100 * change:+.1f}%"
+    if general is not None:
+        perplexity += f", on {heldout['general']['source']} {100 * general:+.1f}%"
     return f" (held-out divergence from the unpruned model {final:.4g}; the plain selection's {plain:.4g}{perplexity})"
 
 

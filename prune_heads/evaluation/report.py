@@ -213,9 +213,11 @@ class Report:
         if not self.recovery:
             return []
         held = self.meta.get("heldout") or {}
+        general = held.get("general")
+        beside = f" and {general['examples']} of {general['source']}, weighed equally" if general else ""
         lines = [
             "",
-            f"Recovery, decided on {held.get('examples', 0)} held-out calibration examples "
+            f"Recovery, decided on {held.get('examples', 0)} held-out calibration examples{beside} "
             f"(divergence from the unpruned model, for embeddings plus that of each example's "
             f"neighbour distribution; lower is better):",
             "",

@@ -157,13 +157,13 @@ def task_data(
 class RunData:
     """A run's data: the scoring batches (None where a plan is applied and nothing trains on them), the
     evaluation batches, an embedding model's training split for its task metrics, its unpruned embeddings
-    of the evaluation batches and the frontier's second text."""
+    of the evaluation batches and the second text (the general-ability guard's and the depths')."""
 
     score: TaskData | None
     evaluation: TaskData | None
     train: TaskData | None
     reference: Any
-    second: TaskData | None = None  # the frontier's second text
+    second: TaskData | None = None  # the guard's and the depths' second text
 
 
 def run_data(
@@ -189,11 +189,11 @@ def run_data(
 
 
 def _second_text(recipe: Recipe, model: nn.Module, processor: Any) -> TaskData | None:
-    """The frontier's second text (`data.frontier_source`, its score split) where depths are measured."""
+    """The second text (`data.general_source`, its score split): the general-ability guard's and the depths'."""
     d = recipe.data
-    if d.frontier_source is None or recipe.selection.depths is None:
+    if d.general_source is None:
         return None
-    second = replace(recipe, data=replace(d, source=d.frontier_source))
+    second = replace(recipe, data=replace(d, source=d.general_source))
     return task_data(second, model, processor, d.score_split, d.score_examples)
 
 

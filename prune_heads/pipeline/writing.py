@@ -89,7 +89,7 @@ def _frontier(recipe: Recipe, found: PruneResult, speeds: list[dict[str, Any]] |
         depth["llama_cpp"] = speed
     return {
         "context": recipe.selection.context,
-        "second_text": recipe.data.frontier_source,
+        "second_text": recipe.data.general_source or (found.heldout.get("general") or {}).get("source"),
         "rule": FRONTIER_RULE,
         "depths": depths,
     }

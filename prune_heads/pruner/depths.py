@@ -22,12 +22,13 @@ from ..runtime.ledger import Stage
 from ..runtime.progress import progress_bar
 from ..scoring.kv_cache import fits_cache, kv_cache_size
 from ..task_data import DataError, TaskData
-from .run import Bench, Run, heldout_nll, refitted, rise
+from .run import Bench, Run, heldout_nll, refitted, worst_rise
 
 MAX_LOSS_RULE = (
     "the longest prefix of the searched order (the plain ranking's where no search ran) whose held-out perplexity "
     "rise (point estimate; a classifier's on its labels, the exp of the mean cross-entropy), each pruned layer "
-    "refitted, is at most the bound; another candidate plan or tuning is kept only where the rise stays within it"
+    "refitted, is at most the bound, on the calibration's held-out text and on the general-ability guard's where "
+    "it is on; another candidate plan or tuning is kept only where the rises stay within it"
 )
 FRONTIER_RULE = (
     "each depth is the prefix of one nested order (the search's, else the plain ranking's; to the deepest asked) "
@@ -48,7 +49,7 @@ def within_loss(run: Run, bench: Bench, searched: Searched) -> tuple[Searched, d
 
     def rise_at(count: int) -> float:
         refitted(run, bench, prefix_plan(searched.order, count), Stage.DEPTH)
-        return rise(run, bench, bench.trial.gated, Stage.DEPTH)
+        return worst_rise(run, bench, bench.trial.gated, Stage.DEPTH)
 
     count, rises = deepest_within(len(searched.order), rise_at, bound)
     bench.trial.gated.use({})
@@ -60,9 +61,9 @@ def within_loss(run: Run, bench: Bench, searched: Searched) -> tuple[Searched, d
 
 
 def within_bound(run: Run, bench: Bench) -> bool:
-    """Whether the gated model's held-out perplexity rise is within `selection.max_loss` (always without one)."""
+    """Whether the gated model's held-out perplexity rises are within `selection.max_loss` (always without one)."""
     percent = run.config.selection.max_loss
-    return percent is None or rise(run, bench, bench.trial.gated, Stage.DEPTH) <= percent / 100
+    return percent is None or worst_rise(run, bench, bench.trial.gated, Stage.DEPTH) <= percent / 100
 
 
 def searched_prefix(trial: Trial, decision: Decision, tried: list, measured: str) -> Decision:
@@ -110,7 +111,7 @@ def _depth(run: Run, bench: Bench, share: float, prefix: list[Unit], second: Seq
     text."""
     plan, gated = prefix_plan(prefix, len(prefix)), bench.trial.gated
     refitted(run, bench, plan, Stage.FRONTIER)
-    seed, heldout = run.config.scoring.seed, heldout_nll(run, bench.tally, gated, Stage.FRONTIER)
+    seed, heldout = run.config.scoring.seed, heldout_nll(run, bench.tally, bench.pricer, gated, Stage.FRONTIER)
     assert bench.unpruned is not None and heldout is not None  # measured where the search ran
     change, interval = perplexity_change(bench.unpruned, heldout, seed)
     eval_change = eval_interval = None

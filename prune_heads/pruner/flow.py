@@ -36,6 +36,7 @@ from ..recovery.candidates import (
     unpruned_heldout,
 )
 from ..recovery.gated import GatedModel
+from ..recovery.general import General, general_text
 from ..recovery.generated import token_batches, with_generated, writes_text
 from ..recovery.holdout import one_standard_error, split_holdout
 from ..recovery.prefixes import prefix_plan, ranked_order
@@ -50,9 +51,9 @@ from ..scoring.methods import score_heads, scoring_passes
 from ..scoring.objective import Objective, frozen
 from ..scoring.recording import Recorder, record
 from ..scoring.selection import HeadBudget, check_budget
-from ..task_data import DataError, TaskData, with_targets, without_labels
+from ..task_data import DataError, TaskData, batch_size, with_targets, without_labels
 from .depths import at_budget, frontier, frontier_text, searched_prefix, within_bound, within_loss
-from .run import Bench, Chosen, PruneResult, Run, Scored, Tuned, heldout_nll, logger, rise
+from .run import Bench, Chosen, PruneResult, Run, Scored, Tuned, general_rise, heldout_nll, logger, rise
 
 
 def prune_model(
@@ -113,11 +114,12 @@ def _start(
         )
     batches = _batches(data)
     budget = _budget(model, config, batches, plan)
-    second = frontier_text(config, eval_data)
     batches, generated = _with_written_text(model, batches, config)
     config, notes = _runnable(model, config)
     r = config.recovery
     calib, heldout = split_holdout(batches, r.holdout if r.enabled else 0.0)
+    general, off = _general(model, config, calib, heldout, eval_data, progress)
+    second = general.heldout if general is not None and config.selection.depths else frontier_text(config, eval_data)
     if config.selection.max_loss is not None and not (heldout and all("labels" in b for b in heldout)):
         raise ConfigError(
             "selection.max_loss measures the loss on held-out calibration examples with labels, and this data gave "
@@ -139,7 +141,8 @@ def _start(
         start=start,
         progress=progress,
         second=second,
-        notes=notes,
+        general=general,
+        notes=notes + off,
     )
 
 
@@ -192,6 +195,26 @@ def _with_written_text(model: nn.Module, batches: list[dict], config: PruneConfi
     return batches, generated
 
 
+def _general(
+    model: nn.Module,
+    config: PruneConfig,
+    calib: list[dict],
+    heldout: list[dict],
+    eval_data: TaskData | Iterable[dict] | None,
+    progress: bool,
+) -> tuple[General | None, tuple[str, ...]]:
+    """The general-ability guard's text where decisions are made on held-out data and the config does not say
+    the model serves its calibration's domain alone (`recovery.domain_only`), with a note where there is none."""
+    r = config.recovery
+    if not (r.enabled and heldout) or r.domain_only:
+        return None, ()
+    seed = config.scoring.seed
+    general, note = general_text(model, calib, heldout, eval_data, r.search_examples, seed, progress)
+    if note is not None:
+        logger.info(note)
+    return general, () if note is None else (note,)
+
+
 def _score(run: Run) -> Scored:
     """The heads' scores (none for a given plan) and, for recovery, the unpruned model's statistics and outputs
     on the calibration batches: recorded while scoring, or in a no-grad pass of their own where the Gram
@@ -217,19 +240,23 @@ def _bench(run: Run, gated: GatedModel, scored: Scored) -> Bench:
     batches on the model's device with the unpruned model's outputs there (and its Gram matrices, which choose
     each reconstruction's ridge) and its held-out NLL."""
     pricer = Pricer.of(gated.model, run.calib[0])
-    tally = Tally(pricer.forward_backward(run.calib), pricer.forward(run.heldout))
+    general = run.general.heldout if run.general is not None else []
+    tally = Tally(pricer.forward_backward(run.calib), pricer.forward(run.heldout + general))
     if scored.scores is not None:
         tally.add(Stage.SCORING, scoring_passes(run.config.scoring.method, run.layers) * pricer.forward(run.calib))
     if scored.recorded:
         tally.add(Stage.RECORDING, pricer.forward(run.calib))
-    if run.generated:  # sampled with the KV cache: a forward pass over the written tokens
-        tally.add(Stage.GENERATION, pricer.forward(run.generated))
+    written = run.generated + (run.general.written if run.general is not None else [])
+    if written:  # sampled with the KV cache: a forward pass over the written tokens
+        tally.add(Stage.GENERATION, pricer.forward(written))
     r = run.config.recovery
-    heldout = [to_device(without_labels(b), input_device(run.model)) for b in run.heldout]
+    heldout = [to_device(without_labels(b), input_device(run.model)) for b in run.heldout + general]
     reference = unpruned_heldout(gated, heldout, run.objective, r.reconstruction) if heldout else None
     bias = r.bias_tuning or r.bias_compensation
-    trial = Trial(gated, run.objective, scored.recorder, reference, heldout, bias, run.progress)
-    return Bench(trial, pricer, tally, heldout_nll(run, tally, gated))
+    domain = sum(batch_size(b) for b in run.heldout) if general else None
+    trial = Trial(gated, run.objective, scored.recorder, reference, heldout, bias, run.progress, domain)
+    unpruned = heldout_nll(run, tally, pricer, gated)
+    return Bench(trial, pricer, tally, unpruned, heldout_nll(run, tally, pricer, gated, batches=general))
 
 
 def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
@@ -262,7 +289,7 @@ def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
     notes += trial.notes + _warned(unmeasured_long_range(run.layers, decision.plan, _seq_len(run.calib)))
     bench.tally.add(Stage.RECONSTRUCTION, trial.refit_work)
     bench.tally.add(Stage.SELECTION, (len(decision.tried) + 1) * bench.tally.heldout_pass + costed)
-    summary.update(heldout_summary(decision, trial.batches))
+    summary.update(heldout_summary(decision, run.heldout))
     asked = run.budget.asked if "max_loss" not in summary else summary["max_loss"]["heads"]
     return Chosen(decision, budget, asked, found, notes, summary, time.perf_counter() - tick)
 
@@ -298,9 +325,18 @@ def _search(run: Run, bench: Bench, scores: HeadScores) -> Searched:
     if not run.budget.depths and r.tuning_budget is not None and run.config.selection.max_loss is None:
         limit = r.tuning_budget * tally.calibration_pass - tally.spent(BEFORE_TUNING)  # the writing and recording
     schedule = SearchSchedule(rounds, r.search_examples, r.search_screen)
-    searched = searched_plan(bench.trial, scores, budget, run.calib, schedule, bench.pricer, limit)
+    beside = _beside(run)
+    searched = searched_plan(bench.trial, scores, budget, run.calib, schedule, bench.pricer, limit, beside)
     tally.add(Stage.SEARCH, searched.work)
     return searched
+
+
+def _beside(run: Run) -> list[dict] | None:
+    """The guard's batches the search measures beside its calibration batches, on the model's device (None
+    without a guard)."""
+    if run.general is None or not run.general.search:
+        return None
+    return [to_device(without_labels(b), input_device(run.model)) for b in run.general.search]
 
 
 def _rounds(run: Run, trial: Trial) -> int:
@@ -332,6 +368,10 @@ def _result(run: Run, bench: Bench, scored: Scored, chosen: Chosen, tuned: Tuned
         summary["final"] = tuned.final
     if bench.unpruned is not None and summary:
         summary["perplexity_change"] = rise(run, bench, lambda batch: run.model(**batch))
+    if run.general is not None and summary:
+        summary["general"] = {"source": run.general.source, "examples": sum(map(batch_size, run.general.heldout))}
+        if bench.general is not None:
+            summary["general_perplexity_change"] = general_rise(run, bench, lambda batch: run.model(**batch))
     notes = [*run.notes, *chosen.notes]
     steps = [chosen.decision.entry(round(chosen.seconds, 3))] + ([tuned.entry] if tuned is not None else [])
     timings = {"scoring": scored.seconds, "selection": chosen.seconds}

@@ -15,6 +15,7 @@ from torch import nn
 from ..budgets import Budget
 from ..config import PruneConfig
 from ..recovery.candidates import Decision, Trial
+from ..recovery.general import General
 from ..recovery.generated import writes_text
 from ..recovery.holdout import SequenceNLL, measures_loss, sequence_nll
 from ..recovery.prefixes import Depth
@@ -62,7 +63,8 @@ class Run:
     objective, the config it runs (its recovery less the steps this model cannot hold), the budget resolved
     (with a plan given whole and a frontier's depths), the batches (`scoring`, the calibration part as given,
     what scoring reads; `calib`, the same on the model's device without labels; `heldout`, the held-out part),
-    the model's written text, a frontier's second text, and the notes made on the way in."""
+    the model's written text beside them, a frontier's second text, the general-ability guard's text (None where
+    it is off) and the notes made on the way in."""
 
     model: nn.Module
     config: PruneConfig
@@ -76,6 +78,7 @@ class Run:
     start: float
     progress: bool
     second: list[dict] = field(default_factory=list)
+    general: General | None = None
     notes: tuple[str, ...] = ()
 
 
@@ -83,12 +86,14 @@ class Run:
 class Bench:
     """What every decision after scoring is measured on: the trial (the gated model, the unpruned model's
     statistics and held-out outputs), the price of passes, the work counted as it is spent and the unpruned
-    model's held-out NLL (a language model's; None otherwise)."""
+    model's held-out NLL, on the calibration's and on the guard's held-out text (a language model's; None
+    otherwise)."""
 
     trial: Trial
     pricer: Pricer
     tally: Tally
     unpruned: SequenceNLL | None = None
+    general: SequenceNLL | None = None
 
 
 @dataclass(frozen=True)
@@ -135,20 +140,39 @@ def refitted(run: Run, bench: Bench, plan: dict[str, list[int]], stage: Stage) -
     bench.tally.add(stage, refit_flops(run.layers, plan))
 
 
-def heldout_nll(run: Run, tally: Tally, forward: Any, stage: Stage = Stage.PERPLEXITY) -> SequenceNLL | None:
+def heldout_nll(
+    run: Run, tally: Tally, pricer: Pricer, forward: Any, stage: Stage = Stage.PERPLEXITY, batches: list | None = None
+) -> SequenceNLL | None:
     """A language model's next-token NLL per held-out sequence (a classifier's on its labels, under a loss
-    bound; None for other tasks), its pass counted for `stage`."""
+    bound; None for other tasks), on `batches` (the held-out calibration batches by default), their pass
+    (priced by `pricer`) counted for `stage`."""
+    batches = run.heldout if batches is None else batches
     measured = writes_text(run.model) or run.config.selection.max_loss is not None and measures_loss(run.model)
-    if not (run.heldout and measured and all("labels" in b for b in run.heldout)):
+    if not (batches and measured and all("labels" in b for b in batches)):
         return None
-    tally.add(stage, tally.heldout_pass)
-    return sequence_nll(forward, run.heldout, input_device(run.model))
+    tally.add(stage, pricer.forward(batches))
+    return sequence_nll(forward, batches, input_device(run.model))
 
 
 def rise(run: Run, bench: Bench, forward: Any, stage: Stage = Stage.PERPLEXITY) -> float:
     """The held-out perplexity's relative change from the unpruned model's under `forward`, its pass counted
     for `stage`."""
     assert bench.unpruned is not None
-    pruned = heldout_nll(run, bench.tally, forward, stage)
+    pruned = heldout_nll(run, bench.tally, bench.pricer, forward, stage)
     assert pruned is not None  # the same batches as the unpruned model's
     return math.exp(pruned.mean - bench.unpruned.mean) - 1
+
+
+def general_rise(run: Run, bench: Bench, forward: Any, stage: Stage = Stage.PERPLEXITY) -> float:
+    """The same on the guard's held-out text."""
+    assert bench.general is not None and run.general is not None
+    pruned = heldout_nll(run, bench.tally, bench.pricer, forward, stage, run.general.heldout)
+    assert pruned is not None  # the same batches as the unpruned model's
+    return math.exp(pruned.mean - bench.general.mean) - 1
+
+
+def worst_rise(run: Run, bench: Bench, forward: Any, stage: Stage) -> float:
+    """The larger of the held-out perplexity's rises: the calibration's and, where the guard measures one, its
+    text's."""
+    found = rise(run, bench, forward, stage)
+    return found if bench.general is None else max(found, general_rise(run, bench, forward, stage))

@@ -25,7 +25,7 @@ from ..scoring.recording import Recorder
 from ..scoring.selection import HeadBudget, select_heads
 from ..task_data import batch_size
 from .gated import GatedModel
-from .holdout import one_standard_error
+from .holdout import balanced, one_standard_error
 from .reconstruction import Refit, RemovalCost, refit, refit_flops
 
 Plan = dict[str, list[int]]
@@ -114,9 +114,10 @@ class State:
 class Trial:
     """What candidates are tried with: the gated model, the objective, the unpruned model's statistics on the
     calibration batches (`calibration`, None without recovery) and on the held-out ones (`reference`, None
-    without held-out data), those held-out batches, whether a refit fits an output bias (`bias`) and whether
-    the search and the choice show progress bars (`progress`). Refits made here count their work in
-    `refit_work`; a refit that fell back says so in `notes`."""
+    without held-out data), those held-out batches (the calibration's, then the general-ability guard's:
+    `domain` says how many examples are the calibration's; `prune_heads.recovery.general`), whether a refit
+    fits an output bias (`bias`) and whether the search and the choice show progress bars (`progress`). Refits
+    made here count their work in `refit_work`; a refit that fell back says so in `notes`."""
 
     gated: GatedModel
     objective: Objective
@@ -125,6 +126,7 @@ class Trial:
     batches: list[dict]
     bias: bool
     progress: bool = False
+    domain: int | None = None
     refit_work: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -167,8 +169,10 @@ class Trial:
         return self.divergences() if self.batches else None
 
     def divergences(self) -> torch.Tensor:
-        """The per-example held-out divergences of the gated model as it is."""
-        return self.gated.divergences(self.batches, self.targets, self.objective)
+        """The per-example held-out divergences of the gated model as it is, the two sets weighted equally
+        (`holdout.balanced`) where a guard's text follows the calibration's."""
+        values = self.gated.divergences(self.batches, self.targets, self.objective)
+        return values if self.domain is None else balanced(values, self.domain)
 
     def release(self) -> None:
         """Drop the held-out Gram matrices once every reconstruction is made (the outputs stay)."""

@@ -101,6 +101,17 @@ def with_generated(model: nn.Module, batches: list[dict], share: float, seed: in
     return out, generated
 
 
+def start_token(model: nn.Module) -> int | None:
+    """The token a decoder-only language model's own text starts from: its beginning-of-text token, else its
+    end-of-text token (None where it has neither, or writes no text)."""
+    config: Any = getattr(model, "config", None)
+    starts = (getattr(config, "bos_token_id", None), getattr(config, "eos_token_id", None))
+    start = next((t for t in starts if t is not None), None)
+    if not writes_text(model) or start is None:
+        return None
+    return start if isinstance(start, int) else start[0]
+
+
 @torch.no_grad()
 def written_batches(
     model: nn.Module, examples: int, batch_size: int, length: int, seed: int, progress: bool = True
@@ -108,15 +119,12 @@ def written_batches(
     """Calibration batches the model writes itself, for a decoder given no data: `examples` sequences of
     `length` tokens in batches of `batch_size`, each `sample`d from the beginning-of-text token (the end-of-text
     token where there is none), the tokens their own labels. The same model and seed write the same text."""
-    config: Any = getattr(model, "config", None)
-    starts = (getattr(config, "bos_token_id", None), getattr(config, "eos_token_id", None))
-    start = next((t for t in starts if t is not None), None)
-    if not writes_text(model) or start is None or length < 2:
+    start = start_token(model)
+    if start is None or length < 2:
         raise DataError(
             "--data is required: only a decoder-only language model with a beginning- or end-of-text token "
             "calibrates on text it writes itself (and only with --max-length 2 or more)"
         )
-    start = start if isinstance(start, int) else start[0]
     generator = torch.Generator().manual_seed(seed)
     out = []
     for first in progress_bar(range(0, examples, batch_size), "writing calibration text", enabled=progress):

@@ -60,6 +60,34 @@ def one_standard_error(values: dict[str, torch.Tensor]) -> str:
     return best
 
 
+def set_weights(domain: int, general: int) -> tuple[float, float]:
+    """Each example's weight where `domain` calibration examples and `general` of a second set are measured
+    together, so each set counts the same whatever its size: (the calibration's, the second set's)."""
+    total = domain + general
+    return total / (2 * domain), total / (2 * general)
+
+
+def balanced(values: torch.Tensor, domain: int) -> torch.Tensor:
+    """Per-example `values` of `domain` calibration examples then a second set's, weighted (`set_weights`) so
+    their mean is the mean of the two sets' means."""
+    general = len(values) - domain
+    if not (domain and general):
+        return values
+    first, second = set_weights(domain, general)
+    weights = torch.full_like(values, first)
+    weights[domain:] = second
+    return values * weights
+
+
+def set_means(values: torch.Tensor, domain: int) -> tuple[float, float | None]:
+    """The mean of each set's values (unweighted) from `balanced` ones: the calibration's, a second set's."""
+    general = len(values) - domain
+    if not general:
+        return float(values.mean()), None
+    half = 2 / len(values)  # undoes each set's weight
+    return float(values[:domain].mean()) * domain * half, float(values[domain:].mean()) * general * half
+
+
 @dataclass(frozen=True)
 class SequenceNLL:
     """Each held-out sequence's summed next-token negative log-likelihood and its labelled tokens (for a

@@ -10,7 +10,6 @@ the unit's block on where the model is one chain of blocks (`prune_heads.model.b
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +24,8 @@ from ..runtime.work import Pricer, module_shares
 from ..scoring.head_scores import HeadScores
 from ..scoring.selection import HeadBudget, removal_units, requested_heads, select_heads
 from ..task_data import batch_size
-from .candidates import Plan, Trial
+from .candidates import Plan, Trial, unpruned_heldout
+from .holdout import set_weights
 from .reconstruction import Refit, refit_flops
 
 Unit = tuple[str, tuple[int, ...]]  # (layer name, original heads that go together)
@@ -306,25 +306,33 @@ def searched_plan(
     schedule: SearchSchedule,
     pricer: Pricer,
     limit: float,
+    beside: list[dict] | None = None,
 ) -> Searched:
     """The plan searched on `calib` as `schedule` says for the selection's `budget`, with its counted work
-    (priced by `pricer`), or None and why when that work would pass `limit`. A unit is measured by a forward
+    (priced by `pricer`), or None and why when that work would pass `limit`; with `beside` (batches of a second
+    text, the i-th beside the i-th calibration batch: the general-ability guard's), each measurement also on
+    them, the two texts weighted equally (`holdout.balanced`). A unit is measured by a forward
     pass that starts at the unit's block where the model is one chain of blocks and starting there is proven
     exact on it (`prune_heads.model.blocks`), else over the whole model. A bar per round where the trial
     shows progress."""
     asked, rounds = requested_heads(trial.gated.model, budget), schedule.rounds
-    batches = _first_examples(calib, schedule.examples)
-    search = _Search(trial, scores, budget, _parts(batches, schedule.screen), pricer)
+    batches = first_examples(calib, schedule.examples)
+    targets = trial.calibration.targets if trial.calibration is not None else []
+    parts = _parts(len(batches), schedule.screen)
+    extra = beside or []
+    parts_measured = _measured_parts(batches, targets, extra, parts, pricer)
+    search = _Search(trial, scores, budget, parts_measured, pricer, extra)
     one = pricer.forward_backward(calib)  # a calibration pass: the unit of the budget a refusal names
     if search.bound(rounds, asked) > limit:
         return search.refused(0.0, one, limit, rounds, asked)
+    search.record_beside()
     note = search.start()
     if note is not None and search.bound(rounds, asked) > limit:
-        return search.refused(search.proof, one, limit, rounds, asked)
+        return search.refused(search.proof + search.recording, one, limit, rounds, asked)
     order, priced = search_order(search.units, asked, rounds, search.cost, len(search.parts), trial.progress)
     trial.gated.restore()
     spent = sum(n * search.pass_price(p) for p, n in enumerate(priced)) + search.refitted
-    spent += search.proof + search.kept_outputs()
+    spent += search.proof + search.recording + search.kept_outputs()
     try:
         plan = select_heads(searched_scores(scores, order), budget)
     except PlanError as error:
@@ -332,7 +340,7 @@ def searched_plan(
     return Searched(plan, spent, note, [(n, u) for n, u in order if set(u) <= set(plan.get(n, ()))])
 
 
-def _first_examples(calib: list[dict], examples: int) -> list[dict]:
+def first_examples(calib: list[dict], examples: int) -> list[dict]:
     """The first whole batches that hold `examples` examples (or all of them)."""
     count, batches = 0, []
     for batch in calib:
@@ -343,23 +351,46 @@ def _first_examples(calib: list[dict], examples: int) -> list[dict]:
     return batches
 
 
-def _parts(batches: list[dict], screen: bool) -> list[list[dict]]:
-    """The search's batches as the parts it measures on: with `screen` (and two batches or more) runs of the
-    first `1/SCREEN` of them (at least one batch each), else all of them as one part."""
-    size = max(1, len(batches) // SCREEN)
-    if not screen or size >= len(batches):
-        return [batches]
-    return [batches[i : i + size] for i in range(0, len(batches), size)]
+def _parts(count: int, screen: bool) -> list[range]:
+    """The search's `count` batches as the parts it measures on: with `screen` (and two batches or more) runs of
+    the first `1/SCREEN` of them (at least one batch each), else all of them as one part."""
+    size = max(1, count // SCREEN)
+    if not screen or size >= count:
+        return [range(count)]
+    return [range(i, min(i + size, count)) for i in range(0, count, size)]
+
+
+def _measured_parts(
+    batches: list[dict], targets: list, beside: list[dict], parts: list[range], pricer: Pricer
+) -> list[_Part]:
+    """Each part's batches (its calibration batches, then those `beside` them) with the unpruned outputs on the
+    calibration's, which of `beside` it holds, their forward pass's work and each example's weight (the two
+    texts weighted equally over the search)."""
+    domain = sum(batch_size(batches[i]) for r in parts for i in r)
+    general = sum(batch_size(beside[i]) for r in parts for i in r if i < len(beside))
+    weights = set_weights(domain, general) if general else (1.0, 1.0)
+    found = []
+    for part in parts:
+        inside = [i for i in part if i < len(beside)]
+        both = [batches[i] for i in part] + [beside[i] for i in inside]
+        rows = [weights[0]] * sum(batch_size(batches[i]) for i in part)
+        rows += [weights[1]] * sum(batch_size(beside[i]) for i in inside)
+        weighed = torch.tensor(rows, dtype=torch.float64)
+        found.append(_Part(both, [targets[i] for i in part], inside, pricer.forward(both), weighed))
+    return found
 
 
 @dataclass
 class _Part:
-    """Batches the search measures on, the unpruned outputs there, their forward pass's work and, once the
-    start at a unit's block is proven, what keeps the states entering each block."""
+    """Batches the search measures on (the calibration's, then a second text's), the unpruned outputs on the
+    calibration's, which of the second text's batches it holds, their forward pass's work, each example's weight
+    and, once the start at a unit's block is proven, what keeps the states entering each block."""
 
     batches: list[dict]
     targets: list
+    beside: list[int]
     work: float
+    weights: torch.Tensor
     resume: Resume | None = None
 
 
@@ -367,19 +398,26 @@ class _Search:
     """One search's measurements and their prices. A measurement on a part is priced by a forward pass over
     it from the unit's block on; the refits run are counted as they run (`refitted`); the blocks run to keep
     what enters a block are added (at most one pass per round and part); proving that starting part-way is
-    exact costs the first part's whole pass and two passes of it from the block that starts latest (`proof`)."""
+    exact costs the first part's whole pass and two passes of it from the block that starts latest (`proof`);
+    recording the unpruned outputs on a second text's batches costs a pass over them (`recording`)."""
 
-    def __init__(self, trial: Trial, scores: HeadScores, budget: HeadBudget, parts: list[list[dict]], pricer: Pricer):
+    def __init__(
+        self,
+        trial: Trial,
+        scores: HeadScores,
+        budget: HeadBudget,
+        parts: list[_Part],
+        pricer: Pricer,
+        beside: list[dict],
+    ):
         gated = trial.gated
         self.trial = trial
-        targets = trial.calibration.targets if trial.calibration is not None else []
-        cuts = [0, *itertools.accumulate(len(b) for b in parts)]
-        self.parts = [_Part(b, targets[i : i + len(b)], pricer.forward(b)) for i, b in zip(cuts, parts)]
+        self.parts = parts
         self.units = removal_units(scores, budget)
         self.every = [(name, unit) for name, (layer_units, _) in self.units.items() for unit in layer_units]
         self.refit_most = max((self._refit_work(n, u) for n, u in self.every), default=0.0)
         self.chain = chain = block_chain(gated.model, gated.layers)
-        first = parts[0][0]
+        first = parts[0].batches[0]
         self.shares = None if chain is None else module_shares(gated.model, first, list(chain[0]))
         self.block = {} if chain is None or self.shares is None else dict(zip([l.name for l in gated.layers], chain[1]))
         self.probe = max(self.every, key=lambda u: self.block.get(u[0], 0), default=None)  # starts latest
@@ -392,6 +430,15 @@ class _Search:
             self.proof = self.parts[0].work + 2 * self.price(self.probe[0], 0)
         self.fitted: dict[Unit, Refit] = {}  # refits a later measurement asks for again (`_refits`)
         self.refitted = 0.0
+        self.beside_batches = beside
+        self.beside: list = []  # the unpruned outputs on them (`record_beside`)
+        self.recording = pricer.forward(beside) if beside else 0.0  # their pass
+
+    def record_beside(self) -> None:
+        """Record the unpruned model's outputs on the second text's batches."""
+        if self.beside_batches:
+            gated, objective = self.trial.gated, self.trial.objective
+            self.beside = unpruned_heldout(gated, self.beside_batches, objective, gram=False).targets
 
     def price(self, name: str, part: int) -> float:
         """A forward pass over `part` from the unit's block on."""
@@ -402,7 +449,7 @@ class _Search:
         return sum(self.price(n, part) for n, _ in self.every) / max(len(self.every), 1)
 
     def bound(self, rounds: int, asked: int) -> float:
-        """The most the search can cost: the proof, every unit screened in every round, at most `MARGIN`
+        """The most the search can cost: the proof, the recording, every unit screened in every round, at most `MARGIN`
         times the `asked` heads' units measured on each later part per round, a refit per measurement and per
         layer's state in each round, and one pass per round to keep outputs."""
         size = _heads_per_unit([u for _, u in self.every])
@@ -411,7 +458,7 @@ class _Search:
         counts = [raced if p else len(self.every) for p in range(len(self.parts))]
         passes = sum(n * self.pass_price(p) for p, n in enumerate(counts))
         refits = (sum(counts) + len(self.units)) * self.refit_most
-        return self.proof + rounds * (passes + refits + keep)
+        return self.proof + self.recording + rounds * (passes + refits + keep)
 
     def refused(self, spent: float, one: float, limit: float, rounds: int, asked: int) -> Searched:
         """The search left out, its work (`spent` so far) more than `limit`, said in calibration passes (`one`)."""
@@ -445,7 +492,9 @@ class _Search:
 
     def _whole_model(self, part: int) -> torch.Tensor:
         p = self.parts[part]
-        return self.trial.gated.divergences(p.batches, p.targets, self.trial.objective)
+        targets = p.targets + [self.beside[i] for i in p.beside]
+        values = self.trial.gated.divergences(p.batches, targets, self.trial.objective)
+        return values * p.weights.to(values.device)
 
     def _measured(self, plan: dict[str, tuple[int, ...]], changed: str, part: int) -> torch.Tensor:
         """The divergences on `part` of the model as `use`d (in `plan`, which differs from the searched state

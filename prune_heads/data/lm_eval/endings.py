@@ -12,9 +12,13 @@ CHOICES, CONTEXT, SHORTEST = 4, 0.6, 8  # endings to choose from; share of words
 
 
 def documents(**kwargs) -> dict[str, datasets.Dataset]:
-    """Every sentence of at least SHORTEST words: its first CONTEXT of words, its true ending and three
-    others' endings in a seeded order (`label`: where the true one is)."""
-    texts = [json.loads(line)["text"] for line in SENTENCES.read_text().splitlines()]
+    """The task's documents from the sentences prune-heads ships (`endings`)."""
+    return endings([json.loads(line)["text"] for line in SENTENCES.read_text().splitlines()])
+
+
+def endings(texts: list[str]) -> dict[str, datasets.Dataset]:
+    """Every text of at least SHORTEST words: its first CONTEXT of words, its true ending and three others'
+    endings in a seeded order (`label`: where the true one is)."""
     split = [
         (words[: math.ceil(CONTEXT * len(words))], words[math.ceil(CONTEXT * len(words)) :])
         for words in (text.split() for text in texts)
