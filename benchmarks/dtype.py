@@ -1,8 +1,8 @@
 """The default path in another weight type, judged in float32: perplexity on the calibration's domain and on
 another, against the unpruned float32 model, with 95% paired intervals (no lm-eval: the quick check of a dtype;
-`frontier.py --dtype` runs the whole cell).
+`frontier.py --dtype` runs the whole cell); `--domain-only` without the general-ability guard.
 
-    .venv/bin/python benchmarks/dtype.py --model gemma3 --depth 1/3 --dtype bfloat16
+    .venv/bin/python benchmarks/dtype.py --model gemma3 --depth 1/3 --dtype bfloat16 [--domain-only]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--model", choices=list(frontier.MODELS), default="smollm2")
     parser.add_argument("--depth", choices=list(frontier.DEPTHS), default="1/3")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--domain-only", action="store_true", help="every decision on the calibration alone")
     args = parser.parse_args()
     base, tokenizer = frontier.MODELS[args.model]()
     calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
@@ -38,12 +39,12 @@ def main() -> None:
     groups = {"min_heads_per_layer": 0} if all(l.num_kv_heads == 1 for l in layers) else {}
     model = torch.nn.Module.to(copy.deepcopy(base), getattr(torch, args.dtype))  # transformers refuses a GGUF's
     with Timer() as timer:
-        found = frontier.default(
-            model, calibration, round(sum(l.num_heads for l in layers) * frontier.DEPTHS[args.depth]), **groups
-        )
+        heads = round(sum(l.num_heads for l in layers) * frontier.DEPTHS[args.depth])
+        found = frontier.default(model, calibration, heads, recovery={"domain_only": args.domain_only}, **groups)
     after = perplexities(torch.nn.Module.to(model, torch.float32), texts)
     passes = found["fisher_passes"]
     print(f"{args.model} at {args.depth} in {args.dtype}: {timer.seconds:.0f} s, {passes:.2f} fisher passes")
+    print(f"  held-out: {found['heldout']}; kept: {found['kept']}")
     for name in texts:
         change = frontier.percent_change(before[name], after[name])
         print(f"  {name}: {change['percent']:+.1f}% ({change['low']:+.1f} to {change['high']:+.1f})")

@@ -16,6 +16,7 @@ import prune_heads as ph
 from prune_heads.cli import main
 from prune_heads.evaluation.task import evaluate_task
 from prune_heads.recipes import load_recipe
+from prune_heads.recovery.general import OFF, WRITTEN
 from prune_heads.task_data import load_task_data
 
 
@@ -142,11 +143,12 @@ def test_prune_without_flags_is_the_default_path(tmp_path, fixture_model_path, f
     report = json.loads(result.stdout)
     assert report["meta"]["method"] == "fisher" and report["summary"]["heads"]["after"] == 36
     steps = [e["step"] for e in report["recovery"]]
-    assert steps == ["selection", "gate, bias and projection tuning"]
-    tried = set(report["recovery"][0]["tried"])
+    assert steps == ["notes", "selection", "gate, bias and projection tuning"]  # a classifier: the guard off
+    assert report["recovery"][0]["notes"] == [OFF]
+    tried = set(report["recovery"][1]["tried"])
     assert {"ranked", "interactions + reconstruction", "fluctuation + reconstruction", "OBS + reconstruction"} <= tried
     assert report["meta"]["heldout"]["final"] <= report["meta"]["heldout"]["plain"]
-    tuning = report["recovery"][1]
+    tuning = report["recovery"][2]
     assert isinstance(tuning["averaged"], bool)  # whether the moving average or the last step was kept
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "Recovery, decided on" in markdown
@@ -478,6 +480,10 @@ def test_the_prune_line_says_what_the_held_out_data_measured():
     assert heldout_line(SimpleNamespace(meta={"heldout": {"final": None, "plain": None}})) == ""  # nothing held out
     language = SimpleNamespace(meta={"heldout": {"final": 0.01, "plain": 0.02, "perplexity_change": 0.0141}})
     assert heldout_line(language).endswith("the plain selection's 0.02; held-out perplexity +1.4%)")
+    guarded = {**language.meta["heldout"], "general_perplexity_change": 0.052, "general": {"source": WRITTEN}}
+    assert heldout_line(SimpleNamespace(meta={"heldout": guarded})).endswith(
+        "held-out perplexity +1.4%, on the model's own text +5.2%)"
+    )
 
 
 def _tiny_llama_folder(tmp_path: Path) -> Path:

@@ -73,9 +73,11 @@ def prune_model(
     on, `recovery.holdout` of the batches is held out, and every candidate plan with its recovery
     (`prune_heads.recovery.candidates`) and the tuning after it are kept only when they lower the divergence
     from the unpruned model there, so the result is never worse on held-out data than the plain selection
-    (docs/recovery.md). No copy of the model is made: candidates and tuning run on the model itself through
-    gates, then folded in. With `selection.depths`, each depth is measured along the searched order
-    (`PruneResult.frontier`), also on `eval_data` (a second text with labels) where given. With `plan`
+    (docs/recovery.md). Every such decision also weighs, equally, a second held-out set (the general-ability
+    guard, docs/general-ability.md): `eval_data` (with labels) where given, else for a language model text it
+    writes itself; `recovery.domain_only` leaves it out. No copy of the model is made: candidates and tuning
+    run on the model itself through gates, then folded in. With `selection.depths`, each depth is measured
+    along the searched order (`PruneResult.frontier`), also on that second set. With `plan`
     (`{layer: [heads]}`, such as a frontier depth's), that plan goes with the same recovery: no scoring, no
     search, no other candidate. Iterative pruning (`scoring.steps > 1`) is `ph.prune_iteratively`'s.
     """

@@ -21,6 +21,10 @@ SHARE = 0.5  # written examples per calibration example in each set measured: a 
 SEED = 7919  # added to the run's seed, so the guard's text is never the one a run without data calibrates on
 WRITTEN = "the model's own text"
 GIVEN = "eval_data"
+OFF = (
+    "general-ability guard off: this model writes no text; give eval_data (--eval-data) with the task's labels "
+    "to judge on a second text"
+)
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ def general_text(
             )
         return _split(given, len(first_examples(calib, search_examples))), None
     if not (writes_text(model) and start_token(model) is not None and token_batches(calib)):
-        return None, "general-ability guard off: this model writes no text; give eval_data with labels to judge on"
+        return None, OFF
     return _written(model, calib, heldout, search_examples, seed, progress), None
 
 
