@@ -79,15 +79,6 @@ def balanced(values: torch.Tensor, domain: int) -> torch.Tensor:
     return values * weights
 
 
-def set_means(values: torch.Tensor, domain: int) -> tuple[float, float | None]:
-    """The mean of each set's values (unweighted) from `balanced` ones: the calibration's, a second set's."""
-    general = len(values) - domain
-    if not general:
-        return float(values.mean()), None
-    half = 2 / len(values)  # undoes each set's weight
-    return float(values[:domain].mean()) * domain * half, float(values[domain:].mean()) * general * half
-
-
 @dataclass(frozen=True)
 class SequenceNLL:
     """Each held-out sequence's summed next-token negative log-likelihood and its labelled tokens (for a
