@@ -4,6 +4,7 @@ import torch
 
 from prune_heads.model.blocks import Resume, block_chain
 from prune_heads.model.layers import find_attention
+from prune_heads.model.onload import held
 from prune_heads.recovery.gated import GatedModel
 
 DECODERS = [n for n, spec in tm.FAMILIES.items() if spec[3] == "decoder"]
@@ -78,4 +79,22 @@ def test_a_block_that_changes_what_it_was_given_is_not_proven():
     last.forward = changing
     assert not resume.proven(whole, resumed)
     assert resume.kept == [] and resume.state == ()
+    gated.__exit__(None, None, None)
+
+
+def test_held_blocks_run_layer_major_one_block_at_a_time_and_a_resumed_pass_is_the_whole_one():
+    gated, blocks, _, whole, _ = _resumed("llama")
+    order = []
+    for i, block in enumerate(blocks):  # a replayed block's own hooks still run: watch what it holds
+        block.self_attn.register_forward_hook(lambda module, args, out, i=i: order.append(i))
+    resume = Resume(blocks, [tm.make_inputs("llama", batch=2, seq=6, seed=s) for s in range(3)], gated, held)
+    expected = whole()
+    order.clear()
+    with resume.resumed(), torch.no_grad():
+        found = torch.cat([gated(b).logits for b in resume.batches])
+    assert torch.equal(found, expected)
+    assert order == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # every batch through a block before the next
+    assert resume.state == () and resume.ran == [0, 0, 0]  # a resumed pass keeps nothing
+    resume.start(2, ((), ()))
+    assert resume.ran == [1, 1, 0]  # held: one block per pass over the batches
     gated.__exit__(None, None, None)

@@ -10,7 +10,18 @@ from accelerate.hooks import attach_align_device_hook_on_blocks
 from accelerate.utils import OffloadedWeightsLoader
 
 import prune_heads as ph
-from prune_heads.model.onload import OffloadError, check_offload, offload_hooks, onload_offloaded
+from prune_heads.model.onload import (
+    OffloadError,
+    check_offload,
+    moved_bytes,
+    offload_hooks,
+    offloaded_bytes,
+    onload_offloaded,
+    passes,
+    prove_layer_major,
+)
+from prune_heads.scoring.objective import Objective
+from prune_heads.scoring.recording import record
 
 
 def offloaded(name: str, how: str = "blocks") -> torch.nn.Module:
@@ -66,10 +77,38 @@ def test_the_default_path_on_an_offloaded_model_gives_the_plan_and_weights_of_th
     expected = ph.prune_model(plain, tm.batches(name, labels=False), config, progress=False)
     found = ph.prune_model(model, tm.batches(name, labels=False), config, progress=False)
     assert found.plan == expected.plan
+    assert found.work.offloaded_bytes > 0 and found.work.moved_bytes > found.work.offloaded_bytes
     state = plain.state_dict()
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     generated = model.generate(**tm.make_inputs(name), max_new_tokens=3, do_sample=False)
     assert torch.equal(generated, plain.generate(**tm.make_inputs(name), max_new_tokens=3, do_sample=False))
+
+
+@pytest.mark.parametrize("how", ["blocks", "leaves"])
+def test_a_pass_without_gradients_runs_layer_major_and_moves_each_offloaded_weight_once(how):
+    model, batches = offloaded("llama", how), tm.batches("llama", labels=False)
+    onload_offloaded(model)
+    with torch.no_grad():
+        before = moved_bytes(model)
+        plain = [model(**b).logits for b in batches]
+        assert moved_bytes(model) - before == len(batches) * offloaded_bytes(model)  # batch by batch: a copy each
+        assert prove_layer_major(model, batches[0])
+        before = moved_bytes(model)
+        swept = [out.logits for out in passes(model, batches, lambda b: model(**b))]
+    assert moved_bytes(model) - before == offloaded_bytes(model) > 0
+    assert all(torch.equal(a, b) for a, b in zip(swept, plain))
+    assert prove_layer_major(model, batches[0]) and not prove_layer_major(tm.build("llama"), batches[0])
+
+
+def test_recording_layer_major_gives_the_statistics_and_outputs_of_the_whole_model():
+    plain, model, batches = tm.build("llama"), offloaded("llama"), tm.batches("llama", labels=False)
+    onload_offloaded(model)
+    assert prove_layer_major(model, batches[0])
+    expected, found = (record(m, batches, Objective(m), gram=True) for m in (plain, model))
+    assert found.calls == len(batches)
+    pairs = [(a, b) for x, y in zip(expected.targets, found.targets) for a, b in zip(x, y)]  # compact targets
+    assert len(pairs) >= len(batches) and all(torch.equal(a, b) for a, b in pairs)
+    assert all(torch.equal(a.values, b.values) for a, b in zip(expected.moments, found.moments))
 
 
 def test_weights_offloaded_to_disk_are_refused_naming_max_memory():

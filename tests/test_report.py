@@ -88,3 +88,18 @@ def test_changes_are_shown_with_their_interval_and_lm_eval_errors():
         "| task:acc | 0.6000 ± 0.0200 | 0.6100 ± 0.0210 | +0.0100 (95% CI -0.0300 to +0.0500): within noise |" in text
     )
     assert "± is lm-eval's standard error" in text
+
+
+def test_the_work_line_says_what_onloading_moved_against_the_offloaded_weights():
+    work = {"calibration_pass": 1e12, "scoring": 1e12, "total": 1e12}
+    meta = {"model": "m", "work": work}
+    recovery = [{"step": "selection", "tried": {"plan": 0.1}, "kept": "plan", "seconds": 1.0}]
+    plain = compare(
+        measurement(0.8, 10.0, 1e9, {"l": 2}), measurement(0.8, 9.0, 1e9, {"l": 1}), recovery=recovery, meta=meta
+    )
+    assert "Work, counted in FLOPs" in plain.markdown() and "Onloading" not in plain.markdown()
+    meta["work"] = {**work, "moved_bytes": 3 * 2**30, "offloaded_bytes": 2**30}
+    onloaded = compare(
+        measurement(0.8, 10.0, 1e9, {"l": 2}), measurement(0.8, 9.0, 1e9, {"l": 1}), recovery=recovery, meta=meta
+    )
+    assert "Onloading moved 3.00 GiB to the device, 3.0 times the offloaded weights' 1.00 GiB." in onloaded.markdown()

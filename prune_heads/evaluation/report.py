@@ -311,11 +311,18 @@ def _work_line(work: dict[str, float]) -> str:
             capped = stage is Stage.TUNING and "tuning_budget" in work
             budget = f" of its {_tflops(work['tuning_budget'])} budget" if capped else ""
             stages.append(f"{stage.label} {_tflops(work[stage.value])}{budget}")
-    return (
+    line = (
         f"Work, counted in FLOPs (the limits never read a clock): one forward and backward pass over the "
         f"calibration batches {_tflops(work['calibration_pass'])}; {'; '.join(stages)}; in all "
         f"{_tflops(work.get('total', 0))}."
     )
+    if work.get("offloaded_bytes"):
+        moved, offloaded = work["moved_bytes"], work["offloaded_bytes"]
+        line += (
+            f" Onloading moved {moved / 2**30:.2f} GiB to the device, {moved / offloaded:.1f} times the "
+            f"offloaded weights' {offloaded / 2**30:.2f} GiB."
+        )
+    return line
 
 
 def _number(value: float | None) -> str:

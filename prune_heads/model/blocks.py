@@ -10,7 +10,7 @@ on the model itself, bit for bit."""
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from typing import Any
 
 import torch
@@ -51,35 +51,65 @@ class Resume:
     `blocks`: `start(j, state)` keeps what enters block j, `state` holding a hashable key of each earlier
     block's state (the model must be in it), running only the blocks not passed since an earlier `start`
     whose blocks were in the same state; then `replaying()` runs the model with the blocks before j returning
-    what was kept. `ran` counts, per block, the passes that ran it to keep outputs."""
+    what was kept. With `hold` (a context keeping some blocks' weights on the device: `onload.held`), blocks
+    run layer-major: every batch through one block before the next, each block's weights moved once
+    (`resumed`). `ran` counts, per block, the passes that ran it to keep outputs."""
 
-    def __init__(self, blocks: nn.ModuleList, batches: list[dict], run: Callable[[dict], Any]) -> None:
-        self.blocks, self.batches, self.run = blocks, batches, run
+    def __init__(
+        self,
+        blocks: nn.ModuleList,
+        batches: list[dict],
+        run: Callable[[dict], Any],
+        hold: Callable[[list[nn.Module]], AbstractContextManager] | None = None,
+    ) -> None:
+        self.blocks, self.batches, self.run, self.hold = blocks, batches, run, hold
         self.state: tuple = ()  # the state of the blocks before the kept outputs' block, len(state) of them
         self.kept: list[Any] = []  # per batch, what block len(state) - 1 returned
         self.ran = [0] * len(blocks)  # per block, the passes over the batches that ran it to keep outputs
 
     def start(self, j: int, state: tuple[Hashable, ...]) -> None:
         """Keep what enters block j with the blocks before it in `state` (j keys), going on from the outputs
-        already kept where their blocks are in the same state."""
+        already kept where their blocks are in the same state; with `hold`, one block at a time."""
         assert len(state) == j
         if state[: len(self.state)] != self.state:  # an earlier block changed, or j lies before the kept
             self.state, self.kept = (), []
         if j == len(self.state):
             return
+        for k in range(len(self.state) + 1, j + 1) if self.hold else (j,):
+            self._keep(k, tuple(state[:k]))
+
+    def _keep(self, j: int, state: tuple[Hashable, ...]) -> None:
+        """Run the batches from the kept outputs to block j (exclusive) and keep what it is given."""
         at, kept = len(self.state), []
 
         def keep(module: nn.Module, args: tuple, output: Any) -> None:
             kept.append(output)
             raise _Stop
 
-        with hooks([(self.blocks[j - 1], "forward", keep)]), self.replaying():
+        held = self.hold(list(self.blocks)[at:j]) if self.hold else nullcontext()
+        with hooks([(self.blocks[j - 1], "forward", keep)]), self.replaying(), held:
             for batch in self.batches:
                 with suppress(_Stop):
                     self.run(batch)
         for i in range(at, j):
             self.ran[i] += 1
-        self.state, self.kept = tuple(state), kept
+        self.state, self.kept = state, kept
+
+    @contextmanager
+    def resumed(self) -> Iterator[None]:
+        """The context a pass over the batches starts at the kept outputs in: `replaying` them and, with
+        `hold`, every later block first run over all the batches in turn (layer-major), so the pass runs only
+        what follows the chain. Nothing is kept after."""
+        if not self.hold:
+            with self.replaying():
+                yield
+            return
+        tail = Resume(self.blocks, self.batches, self.run, self.hold)
+        tail.state, tail.kept = self.state, self.kept
+        later = len(self.blocks) - len(self.state)
+        tail.start(len(self.blocks), self.state + (None,) * later)
+        with tail.replaying():
+            yield
 
     @contextmanager
     def replaying(self) -> Iterator[None]:

@@ -5,12 +5,15 @@ its offloaded weights on the meta device, where surgery cannot cut them; `onload
 ordinary CPU tensors and runs each offloaded module on accelerate's execution device, moving its weights there
 for the call and dropping them after. In a pass with gradients the module's weights are moved again for its
 backward (activation checkpointing) instead of kept, so beyond what lives on the device only the module being
-run holds weights there."""
+run holds weights there. A pass without gradients can run layer-major instead (`passes`): every batch through
+one block before the next, each block's weights moved once (`held`); `moved_bytes` counts what was moved."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
@@ -19,6 +22,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import PruneHeadsError
 from ..runtime.memory import weight_bytes
+from .blocks import Resume, block_chain
+from .layers import find_attention
 
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
@@ -82,16 +87,114 @@ def _managed(module: nn.Module, hook: Any) -> list[tuple[str, torch.Tensor]]:
     return tensors
 
 
+def onloaded(model: nn.Module) -> list[_Onloaded]:
+    """The onloaded modules' forwards (`onload_offloaded`'s), in the model's order."""
+    found = [m.__dict__.get("forward") for m in model.modules()]
+    return [f for f in found if isinstance(f, _Onloaded)]
+
+
+def moved_bytes(model: nn.Module) -> int:
+    """The bytes onloading has moved to the execution device so far (0 where nothing is onloaded; a move to the
+    device the weights are on counts too, so a CPU run counts what a GPU's would)."""
+    return sum(f.moved for f in onloaded(model))
+
+
+def offloaded_bytes(model: nn.Module) -> int:
+    """The bytes of the onloaded modules' weights (what one layer-major pass moves)."""
+    tensors = [t for f in onloaded(model) for t in [*f.module.parameters(), *f.module.buffers()]]
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
+@contextmanager
+def held(modules: list[nn.Module]) -> Iterator[None]:
+    """The onloaded modules among `modules` and their submodules keep their weights on the device, moved once,
+    until the block ends (a layer-major sweep runs every batch through them in turn)."""
+    with ExitStack() as stack:
+        for forward in {id(f): f for m in modules for f in onloaded(m)}.values():
+            stack.enter_context(forward.held())
+        yield
+
+
+_CHAINS: WeakKeyDictionary[nn.Module, nn.ModuleList | None] = WeakKeyDictionary()  # `prove_layer_major`'s
+
+
+def prove_layer_major(model: nn.Module, batch: dict) -> bool:
+    """Whether passes without gradients run layer-major on this onloaded model from now on (`passes`): its
+    onloaded blocks lie in one chain that no onloaded module holds whole, and on `batch` a layer-major pass
+    gives the model's outputs bit for bit (call it outside any hooks; False where nothing is onloaded)."""
+    found = block_chain(model, find_attention(model)) if onloaded(model) else None
+    chain = found[0] if found is not None else None
+    if chain is not None and any(chain in list(f.module.modules()) for f in onloaded(model)):
+        chain = None  # moved whole with the module that holds it: nothing to gain
+    if chain is not None:
+        resume = Resume(chain, [batch], lambda b: model(**b), held)
+
+        def resumed() -> torch.Tensor:
+            with resume.resumed():
+                return _tensors(model(**batch))
+
+        chain = chain if resume.proven(lambda: _tensors(model(**batch)), resumed) else None
+    _CHAINS[model] = chain
+    return chain is not None
+
+
+def layer_major_chain(model: nn.Module) -> nn.ModuleList | None:
+    """The chain of blocks `prove_layer_major` proved on this model, or None."""
+    return _CHAINS.get(model)
+
+
+def passes(model: nn.Module, batches: list[dict], run: Callable[[dict], Any]) -> Iterable[Any]:
+    """`run(batch)` for each batch in turn, in a pass without gradients: layer-major where
+    `prove_layer_major` proved it on `model` (every batch through one block before the next, each onloaded
+    module's weights moved once), else batch by batch."""
+    chain = _CHAINS.get(model)
+    if chain is None or torch.is_grad_enabled():
+        return map(run, batches)
+    return _layer_major(model, chain, batches, run)
+
+
+def _layer_major(model: nn.Module, chain: nn.ModuleList, batches: list[dict], run: Callable) -> Iterator[Any]:
+    inner = {id(f) for f in onloaded(chain)}
+    outside = [f.module for f in onloaded(model) if id(f) not in inner]
+    resume = Resume(chain, batches, run, held)
+    with held(outside), resume.resumed():
+        for batch in batches:
+            yield run(batch)
+
+
+def _tensors(output: Any) -> torch.Tensor:
+    """Every tensor of a model's output, flat (float64 holds each value exactly), to compare bit for bit."""
+    values = output.to_tuple() if hasattr(output, "to_tuple") else output if isinstance(output, tuple) else (output,)
+    return torch.cat([v.detach().flatten().double() for v in values if torch.is_tensor(v)])
+
+
 class _Onloaded:
-    """A module's forward run with its weights moved to `device` for the call; with gradients, moved again for
-    the backward instead of kept (no KV cache then: the recomputation would fill it twice, and a pass with
-    gradients discards it). An object, not a closure, so that a deep copy of the module runs its own weights."""
+    """A module's forward run with its weights moved to `device` for the call (or once, while `held`); with
+    gradients, moved again for the backward instead of kept (no KV cache then: the recomputation would fill it
+    twice, and a pass with gradients discards it). `moved` counts the bytes moved. An object, not a closure, so
+    that a deep copy of the module runs its own weights."""
 
     def __init__(self, module: nn.Module, forward: Callable[..., Any], device: torch.device) -> None:
         bound = getattr(forward, "__self__", None) is module
         self.module, self.device = module, device
         self.forward = getattr(forward, "__func__", forward) if bound else forward
         self.bound = bound
+        self.moved = 0
+        self.kept: dict[str, torch.Tensor] | None = None
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        self.kept = self._moved()
+        try:
+            yield
+        finally:
+            self.kept = None
+
+    def _moved(self) -> dict[str, torch.Tensor]:
+        module = self.module
+        tensors = [*module.named_parameters(), *module.named_buffers()]
+        self.moved += sum(t.numel() * t.element_size() for _, t in tensors)
+        return {name: t.to(self.device) for name, t in tensors}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -103,7 +206,7 @@ class _Onloaded:
         from accelerate.utils import send_to_device
 
         module = self.module
-        weights = {name: t.to(self.device) for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        weights = self.kept if self.kept is not None else self._moved()
         args, kwargs = send_to_device(args, self.device), send_to_device(kwargs, self.device)  # as accelerate did
         with _reparametrize_module(module, weights):
             return self.forward(module, *args, **kwargs) if self.bound else self.forward(*args, **kwargs)

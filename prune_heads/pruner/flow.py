@@ -24,7 +24,7 @@ from ..config import PruneConfig, RecoveryConfig
 from ..errors import ConfigError
 from ..export.persistence import output_biases_load
 from ..model.layers import require_attention, unmeasured_long_range
-from ..model.onload import onload_offloaded
+from ..model.onload import moved_bytes, offloaded_bytes, onload_offloaded, prove_layer_major
 from ..model.probe import probe_layers
 from ..recovery.candidates import (
     Trial,
@@ -145,6 +145,9 @@ def _start(
         second=second,
         general=general,
         notes=notes + off,
+        moved=moved_bytes(model),
+        offloaded=offloaded_bytes(model),
+        layer_major=prove_layer_major(model, on_device[0]),  # an onloaded model's no-grad passes: blocks moved once
     )
 
 
@@ -248,6 +251,8 @@ def _bench(run: Run, gated: GatedModel, scored: Scored) -> Bench:
         tally.add(Stage.SCORING, scoring_passes(run.config.scoring.method, run.layers) * pricer.forward(run.calib))
     if scored.recorded:
         tally.add(Stage.RECORDING, pricer.forward(run.calib))
+    if run.layer_major:  # its proof: a whole pass and two layer-major ones over the first batch
+        tally.add(Stage.RECORDING, 3 * pricer.forward(run.calib[:1]))
     written = run.generated + (run.general.written if run.general is not None else [])
     if written:  # sampled with the KV cache: a forward pass over the written tokens
         tally.add(Stage.GENERATION, pricer.forward(written))
@@ -387,7 +392,9 @@ def _result(run: Run, bench: Bench, scored: Scored, chosen: Chosen, tuned: Tuned
         asked=chosen.asked,
         seconds=time.perf_counter() - run.start,
         timings={k: round(v, 3) for k, v in timings.items()},
-        work=bench.tally.ledger(tuned.limit if tuned is not None else None),
+        work=bench.tally.ledger(
+            tuned.limit if tuned is not None else None, moved_bytes(run.model) - run.moved, run.offloaded
+        ),
         frontier=chosen.frontier,
     )
 

@@ -64,7 +64,8 @@ class Run:
     (with a plan given whole and a frontier's depths), the batches (`scoring`, the calibration part as given,
     what scoring reads; `calib`, the same on the model's device without labels; `heldout`, the held-out part),
     the model's written text beside them, a frontier's second text, the general-ability guard's text (None where
-    it is off) and the notes made on the way in."""
+    it is off), the notes made on the way in and, where weights are onloaded, the bytes onloading had moved
+    before the run, the offloaded weights' bytes and whether passes without gradients run layer-major."""
 
     model: nn.Module
     config: PruneConfig
@@ -80,6 +81,9 @@ class Run:
     second: list[dict] = field(default_factory=list)
     general: General | None = None
     notes: tuple[str, ...] = ()
+    moved: int = 0
+    offloaded: int = 0
+    layer_major: bool = False
 
 
 @dataclass(frozen=True)

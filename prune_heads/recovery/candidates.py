@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..model.onload import passes
 from ..model.surgery import PlanError
 from ..runtime.memory import release_freed_memory
 from ..runtime.progress import progress_bar
@@ -244,8 +245,7 @@ def unpruned_heldout(gated: GatedModel, heldout: list[dict], objective: Objectiv
     `gram`, the Gram matrices there (what chooses each reconstruction's ridge)."""
     with Recorder(gated.model, gated.layers, objective, gram=gram) as recorder:
         gated.use({})
-        for batch in heldout:
-            gated(batch)
+        for _ in passes(gated.model, heldout, gated):
             release_freed_memory()
     return recorder
 

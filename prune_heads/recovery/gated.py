@@ -13,6 +13,7 @@ from torch import nn
 from ..model.gates import fold_gates, gated_features, head_gates
 from ..model.hooks import hooks
 from ..model.layers import AttentionLayer, find_attention, output_projection, resolve
+from ..model.onload import passes
 from ..model.probe import probe_plan, remove_proven
 from ..model.surgery import add_output_bias, head_features, normalize_plan
 from ..runtime.devices import on_device_of
@@ -195,10 +196,14 @@ class GatedModel:
         return self.model(**batch)
 
     @torch.no_grad()
-    def divergences(self, batches: list[dict], targets: list, objective: Objective) -> torch.Tensor:
+    def divergences(
+        self, batches: list[dict], targets: list, objective: Objective, layer_major: bool = True
+    ) -> torch.Tensor:
         """Per-example held-out values of the gated model against the targets (`Objective.heldout`: the
-        divergence, plus the neighbour divergence for embeddings), [examples] float64."""
-        return objective.heldout((self(b), b, on_device_of(t, b)) for b, t in zip(batches, targets))
+        divergence, plus the neighbour divergence for embeddings), [examples] float64; layer-major where
+        onloading proved it (`onload.passes`) unless the caller runs the blocks itself (`layer_major` False)."""
+        outputs = passes(self.model, batches, self) if layer_major else map(self, batches)
+        return objective.heldout((out, b, on_device_of(t, b)) for out, b, t in zip(outputs, batches, targets))
 
     def compensation(self, plan: dict[str, list[int]], means: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """FLAP's bias compensation: per pruned layer, the removed heads' mean contribution to the output,

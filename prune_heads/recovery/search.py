@@ -18,6 +18,7 @@ from functools import partial
 import torch
 
 from ..model.blocks import Resume, block_chain
+from ..model.onload import held, layer_major_chain
 from ..model.surgery import PlanError
 from ..runtime.progress import progress_bar
 from ..runtime.work import Pricer, module_shares
@@ -399,7 +400,9 @@ class _Search:
     it from the unit's block on; the refits run are counted as they run (`refitted`); the blocks run to keep
     what enters a block are added (at most one pass per round and part); proving that starting part-way is
     exact costs the first part's whole pass and two passes of it from the block that starts latest (`proof`);
-    recording the unpruned outputs on a second text's batches costs a pass over them (`recording`)."""
+    recording the unpruned outputs on a second text's batches costs a pass over them (`recording`). On an
+    onloaded model proven layer-major (`onload.prove_layer_major`), each measurement runs its blocks so, each
+    moved once."""
 
     def __init__(
         self,
@@ -417,6 +420,7 @@ class _Search:
         self.every = [(name, unit) for name, (layer_units, _) in self.units.items() for unit in layer_units]
         self.refit_most = max((self._refit_work(n, u) for n, u in self.every), default=0.0)
         self.chain = chain = block_chain(gated.model, gated.layers)
+        self.hold = held if layer_major_chain(gated.model) is not None else None  # onloaded: layer-major
         first = parts[0].batches[0]
         self.shares = None if chain is None else module_shares(gated.model, first, list(chain[0]))
         self.block = {} if chain is None or self.shares is None else dict(zip([l.name for l in gated.layers], chain[1]))
@@ -472,7 +476,7 @@ class _Search:
         if not self.block or self.chain is None or self.probe is None:
             return None
         for part in self.parts:
-            part.resume = Resume(self.chain[0], part.batches, self.trial.gated)
+            part.resume = Resume(self.chain[0], part.batches, self.trial.gated, self.hold)
         name, unit = self.probe
         self.trial.gated.use({name: list(unit)})
         resume = self.parts[0].resume
@@ -493,7 +497,7 @@ class _Search:
     def _whole_model(self, part: int) -> torch.Tensor:
         p = self.parts[part]
         targets = p.targets + [self.beside[i] for i in p.beside]
-        values = self.trial.gated.divergences(p.batches, targets, self.trial.objective)
+        values = self.trial.gated.divergences(p.batches, targets, self.trial.objective, layer_major=False)
         return values * p.weights.to(values.device)
 
     def _measured(self, plan: dict[str, tuple[int, ...]], changed: str, part: int) -> torch.Tensor:
@@ -505,7 +509,7 @@ class _Search:
         j = self.block[changed]
         before = tuple(tuple((n, h) for n, h in sorted(plan.items()) if self.block[n] == i) for i in range(j))
         resume.start(j, before)
-        with resume.replaying():
+        with resume.resumed():
             return self._whole_model(part)
 
     @torch.no_grad()

@@ -1,5 +1,6 @@
 """The counted work of one pruning run, by stage: a `Tally` the flow's stages add to while it runs, and the
-`Ledger` it closes into, which the tuning budget and the report read. Every figure is FLOPs."""
+`Ledger` it closes into, which the tuning budget and the report read. Every figure is FLOPs but the bytes
+onloading moved."""
 
 from __future__ import annotations
 
@@ -56,12 +57,15 @@ BEFORE_TUNING = (
 class Ledger:
     """Counted work: the price of one pass over each set of batches (a forward and backward pass over the
     calibration batches, a forward pass over the held-out ones), each stage's FLOPs (a stage the run did not
-    reach is absent) and the tuning's cap (None without one). `total` is the stages' sum."""
+    reach is absent), the tuning's cap (None without one) and, where weights were onloaded, the bytes moved to
+    the device and the offloaded weights' bytes (0 where none). `total` is the stages' sum."""
 
     calibration_pass: float
     heldout_pass: float
     stages: Mapping[Stage, float] = field(default_factory=dict)
     tuning_budget: float | None = None
+    moved_bytes: int = 0
+    offloaded_bytes: int = 0
 
     def __getitem__(self, stage: Stage) -> float:
         return self.stages.get(Stage(stage), 0.0)
@@ -89,6 +93,8 @@ class Ledger:
         found["total"] = self.total
         if self.tuning_budget is not None:
             found["tuning_budget"] = self.tuning_budget
+        if self.offloaded_bytes:
+            found.update(moved_bytes=self.moved_bytes, offloaded_bytes=self.offloaded_bytes)
         return found
 
 
@@ -107,7 +113,7 @@ class Tally:
         """The work of `stages` so far."""
         return sum(self._stages.get(s, 0.0) for s in stages)
 
-    def ledger(self, tuning_budget: float | None = None) -> Ledger:
-        """The work counted, closed: nothing added after this shows."""
+    def ledger(self, tuning_budget: float | None = None, moved: int = 0, offloaded: int = 0) -> Ledger:
+        """The work counted, closed (nothing added after this shows), with the bytes onloading moved."""
         stages = MappingProxyType({s: self._stages[s] for s in Stage if s in self._stages})
-        return Ledger(self.calibration_pass, self.heldout_pass, stages, tuning_budget)
+        return Ledger(self.calibration_pass, self.heldout_pass, stages, tuning_budget, moved, offloaded)

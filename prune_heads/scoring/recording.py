@@ -11,6 +11,7 @@ from torch import nn
 
 from ..model.hooks import Hook, hooks
 from ..model.layers import AttentionLayer, find_attention, resolve
+from ..model.onload import passes
 from ..runtime.memory import release_freed_memory
 from ..runtime.parallel import sum_across
 from ..runtime.progress import progress_bar
@@ -146,9 +147,9 @@ class Recorder:
 def record(
     model: nn.Module, batches: list[dict], objective: Objective, gram: bool = False, progress: bool = False
 ) -> Recorder:
-    """A `Recorder` filled by one plain no-grad pass over the batches (a bar with `progress`)."""
+    """A `Recorder` filled by one plain no-grad pass over the batches (layer-major where onloading proved it:
+    `onload.passes`; a bar with `progress`)."""
     with frozen(model), Recorder(model, find_attention(model), objective, gram) as recorder:
-        for batch in progress_bar(batches, "recording", len(batches), progress):
-            model(**batch)
+        for _ in progress_bar(passes(model, batches, lambda b: model(**b)), "recording", len(batches), progress):
             release_freed_memory()
     return recorder
