@@ -99,6 +99,9 @@ def default(
     tried = next((e["tried"] for e in result.recovery if e.get("step") == "selection"), {})
     kept = [e.get("kept") for e in result.recovery if e.get("step") != "notes"]
     found = {"fisher_passes": spent, "kept": kept, "heldout_kl": tried, "work": work.as_dict()}
+    found["timings"] = result.timings  # seconds by stage: scoring, selection (search, candidates), tuning
+    tuned = [e for e in result.recovery if "epochs_run" in e]
+    found["tuning"] = {k: tuned[0][k] for k in ("epochs_run", "heldout_by_epoch")} if tuned else None
     found["heldout"] = {k: result.heldout.get(k) for k in ("perplexity_change", "general_perplexity_change")}
     if "max_loss" in result.heldout:  # the depth a quality bound chose, and the held-out rise at the end
         groups = sum(len(h) for h in result.plan.values()) / ph.find_attention(model)[0].group_size
