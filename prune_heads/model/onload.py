@@ -101,8 +101,7 @@ def moved_bytes(model: nn.Module) -> int:
 
 def offloaded_bytes(model: nn.Module) -> int:
     """The bytes of the onloaded modules' weights (what one layer-major pass moves)."""
-    tensors = [t for f in onloaded(model) for t in [*f.module.parameters(), *f.module.buffers()]]
-    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+    return sum(weight_bytes(f.module) for f in onloaded(model))
 
 
 @contextmanager
@@ -192,9 +191,8 @@ class _Onloaded:
 
     def _moved(self) -> dict[str, torch.Tensor]:
         module = self.module
-        tensors = [*module.named_parameters(), *module.named_buffers()]
-        self.moved += sum(t.numel() * t.element_size() for _, t in tensors)
-        return {name: t.to(self.device) for name, t in tensors}
+        self.moved += weight_bytes(module)
+        return {name: t.to(self.device) for name, t in [*module.named_parameters(), *module.named_buffers()]}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():

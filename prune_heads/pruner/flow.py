@@ -24,7 +24,7 @@ from ..config import PruneConfig, RecoveryConfig
 from ..errors import ConfigError
 from ..export.persistence import output_biases_load
 from ..model.layers import require_attention, unmeasured_long_range
-from ..model.onload import moved_bytes, offloaded_bytes, onload_offloaded, prove_layer_major
+from ..model.onload import layer_major_chain, moved_bytes, offloaded_bytes, onload_offloaded, prove_layer_major
 from ..model.probe import probe_layers
 from ..recovery.candidates import (
     Trial,
@@ -130,6 +130,8 @@ def _start(
     layers = require_attention(model)
     on_device = [to_device(without_labels(b), input_device(model)) for b in calib]
     probe_layers(model, layers, on_device[0])
+    moved = moved_bytes(model)  # before the proof, which is this run's work
+    prove_layer_major(model, on_device[0])  # an onloaded model's no-grad passes: each block moved once
     return Run(
         model=model,
         config=config,
@@ -145,9 +147,8 @@ def _start(
         second=second,
         general=general,
         notes=notes + off,
-        moved=moved_bytes(model),
+        moved=moved,
         offloaded=offloaded_bytes(model),
-        layer_major=prove_layer_major(model, on_device[0]),  # an onloaded model's no-grad passes: blocks moved once
     )
 
 
@@ -251,7 +252,9 @@ def _bench(run: Run, gated: GatedModel, scored: Scored) -> Bench:
         tally.add(Stage.SCORING, scoring_passes(run.config.scoring.method, run.layers) * pricer.forward(run.calib))
     if scored.recorded:
         tally.add(Stage.RECORDING, pricer.forward(run.calib))
-    if run.layer_major:  # its proof: a whole pass and two layer-major ones over the first batch
+    if (
+        layer_major_chain(run.model) is not None
+    ):  # its proof: a whole pass and two layer-major ones over the first batch
         tally.add(Stage.RECORDING, 3 * pricer.forward(run.calib[:1]))
     written = run.generated + (run.general.written if run.general is not None else [])
     if written:  # sampled with the KV cache: a forward pass over the written tokens

@@ -65,7 +65,7 @@ class Run:
     what scoring reads; `calib`, the same on the model's device without labels; `heldout`, the held-out part),
     the model's written text beside them, a frontier's second text, the general-ability guard's text (None where
     it is off), the notes made on the way in and, where weights are onloaded, the bytes onloading had moved
-    before the run, the offloaded weights' bytes and whether passes without gradients run layer-major."""
+    before the run and the offloaded weights' bytes."""
 
     model: nn.Module
     config: PruneConfig
@@ -83,7 +83,6 @@ class Run:
     notes: tuple[str, ...] = ()
     moved: int = 0
     offloaded: int = 0
-    layer_major: bool = False
 
 
 @dataclass(frozen=True)
