@@ -1,5 +1,7 @@
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,3 +55,67 @@ def test_two_gloo_processes_give_the_single_process_scores_and_plans(
                 one, sparsity=sparsity
             )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # one writer, nothing half-written
+
+
+SCRIPT = str(Path(__file__).parent / "parallel_prune.py")
+LAUNCH = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517"]
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_two_gloo_processes_prune_as_one_process_does(name, tmp_path):
+    """The whole default path on 2 processes (each its rows of every batch, the statistics, held-out values and
+    tuning gradients joined) gives one process's plan, recovery decisions and weights within float rounding."""
+    subprocess.run([sys.executable, SCRIPT, name, str(tmp_path / "one.pt")], check=True)
+    subprocess.run([*LAUNCH, SCRIPT, name, str(tmp_path / "two.pt")], check=True, env=ONE_THREAD)
+    one, two = (torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("one", "two"))
+    assert two["plan"] == one["plan"]
+    found, expected = _flat(two["recovery"]), _flat(one["recovery"])
+    assert {k: v for k, v in found.items() if not isinstance(v, float)} == {
+        k: v for k, v in expected.items() if not isinstance(v, float)
+    }
+    floats = [k for k, v in expected.items() if isinstance(v, float)]
+    assert [found[k] for k in floats] == pytest.approx(
+        [expected[k] for k in floats], rel=1e-2, abs=1e-9
+    )  # Adam amplifies rounding
+    assert two["weights"].keys() == one["weights"].keys()
+    for key, value in one["weights"].items():
+        torch.testing.assert_close(two["weights"][key], value, rtol=1e-4, atol=1e-5)
+
+
+def _flat(found, path: str = "") -> dict:
+    """The report's recovery steps as {path: value}, their timings left out (floats compare approximately)."""
+    if isinstance(found, dict | list):
+        items = found.items() if isinstance(found, dict) else enumerate(found)
+        return {k: v for key, item in items if key != "seconds" for k, v in _flat(item, f"{path}/{key}").items()}
+    return {path: found}
+
+
+@pytest.mark.slow
+def test_more_processes_than_calibration_examples_are_refused_before_scoring(tmp_path):
+    done = subprocess.run(
+        [*LAUNCH, SCRIPT, "llama", str(tmp_path / "two.pt"), "1"], env=ONE_THREAD, capture_output=True
+    )
+    assert done.returncode != 0 and not (tmp_path / "two.pt").exists()
+    assert b"2 data-parallel processes share 1 calibration examples: run at most 1 processes" in done.stderr
+
+
+def test_more_processes_than_devices_are_refused_in_one_line(tmp_path):
+    result = CliRunner().invoke(
+        main,
+        [
+            "prune",
+            "some/model",
+            "--data",
+            "some/data",
+            "--num-heads",
+            "2",
+            "--processes",
+            "100000",
+            "-o",
+            str(tmp_path / "out"),
+        ],
+    )
+    assert result.exit_code == 2 and "--processes 100000 is more than the" in result.output
+    assert list(tmp_path.iterdir()) == []

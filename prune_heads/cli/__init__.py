@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,12 +31,13 @@ from .options import (
     handle_errors,
     heldout_line,
     kv_cache_line,
+    launched,
     make_recipe,
     max_loss_line,
+    processes_option,
     quiet_transformers,
     read_plan,
     task_metrics,
-    without_option,
 )
 
 
@@ -159,13 +159,7 @@ def _inspect_gguf(path: str, as_json: bool) -> None:
     "--output", "-o", default="head-scores", show_default=True, help="Folder for scores.json and heatmap.png."
 )
 @click.option("--force", is_flag=True, help="Overwrite the output folder.")
-@click.option(
-    "--processes",
-    type=int,
-    default=1,
-    show_default=True,
-    help="Score data-parallel on this many processes (accelerate launch: one per GPU, else CPU over gloo).",
-)
+@processes_option("Score")
 @handle_errors
 def score(model: str, method: str, label_free: bool, output: str, force: bool, processes: int, **opts: Any) -> None:
     """Score every head on a dataset; writes scores.json and heatmap.png.
@@ -175,14 +169,11 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
     from ..evaluation.report import heatmap
     from ..export.persistence import ensure_free, replace_folder
     from ..pipeline import load_model, load_processor, task_data
-    from ..runtime.parallel import distributed, relaunch
     from ..scoring.methods import score_heads
 
     recipe = make_recipe(model, opts, scoring={"method": method, "objective": "label-free" if label_free else "auto"})
     ensure_free(Path(output), force)  # before any work
-    state = distributed()
-    if processes > 1 and state is None:
-        sys.exit(relaunch(processes, without_option(sys.argv[1:], "--processes")))
+    state = launched(processes)
     loaded = load_model(recipe)
     processor = load_processor(recipe)
     data = task_data(recipe, loaded, processor, opts["split"], opts["examples"])
@@ -282,8 +273,9 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
     help=GGUF_TYPE_HELP,
 )
 @click.option("--force", is_flag=True, help="Overwrite the output folder.")
+@processes_option("Prune")
 @handle_errors
-def prune_command(model: str, plan_file: str | None, recovery: bool, output: str, **opts: Any) -> None:
+def prune_command(model: str, plan_file: str | None, recovery: bool, output: str, processes: int, **opts: Any) -> None:
     """Score, select and remove heads (or apply --plan); saves a model that ph.load_pruned loads (or a GGUF
     file that llama.cpp runs: --output-format gguf -o FILE.gguf).
 
@@ -323,7 +315,10 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
         output={"path": output, "format": fmt, "gguf_type": opts["gguf_type"]},
         data={"general_source": opts["general_source"]},
     )
+    state = launched(processes)
     report = run(recipe, output=output, force=opts["force"], plan=plan, evaluate=False)
+    if state is not None and not state.is_main_process:
+        return  # every process holds the same model; the first one wrote it and says so
     emit(
         report.to_dict(),
         opts["as_json"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -65,6 +66,43 @@ def handle_errors(command: Callable) -> Callable:
             _fail(str(error).splitlines()[0] if str(error) else type(error).__name__, 2)
 
     return wrapper
+
+
+def processes_option(verb: str) -> Callable:
+    """`--processes N`: the command data-parallel on N processes."""
+    return click.option(
+        "--processes",
+        type=click.IntRange(min=1),
+        default=1,
+        show_default=True,
+        help=f"{verb} data-parallel on this many processes (accelerate launch: one per GPU, else CPU over gloo).",
+    )
+
+
+def _devices() -> tuple[int, str]:
+    """The devices data-parallel processes take one each of: GPUs where there are, else CPU cores."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), "GPUs"
+    return os.cpu_count() or 1, "CPU cores"
+
+
+def launched(processes: int) -> Any:
+    """accelerate's state where this process is one of several; with `processes` > 1 outside such a launch,
+    the command run again on that many processes (this one exits with their code). More processes than
+    devices (GPUs, else CPU cores) is refused."""
+    from ..runtime.parallel import distributed, relaunch
+
+    state = distributed()
+    if processes > 1 and state is None:
+        devices, kind = _devices()
+        if processes > devices:
+            raise click.UsageError(
+                f"--processes {processes} is more than the {devices} {kind} here: give at most {devices}"
+            )
+        sys.exit(relaunch(processes, without_option(sys.argv[1:], "--processes")))
+    return state
 
 
 def without_option(args: list[str], name: str) -> list[str]:

@@ -18,6 +18,7 @@ from ..model.onload import check_offload, onload_offloaded
 from ..model.probe import prune
 from ..pruner import PruneResult, prune_model
 from ..recipes import Recipe
+from ..runtime.parallel import is_main
 from ..scoring.iterative import prune_iteratively
 from ..task_data import TaskData, without_labels
 from .evaluating import changes, measure, measure_speed
@@ -63,11 +64,13 @@ def run(
     after, evaluated_after = measure(model, data.evaluation, recipe, data.reference, data.train, processor, progress)
     if timed and original is not None:
         before["speed"], after["speed"] = measure_speed([original, model], recipe)
-    speeds = llama_speeds(recipe, original, found, processor, data.score, progress) if in_llama else None
+    main = is_main()  # data-parallel: every process holds the same model; the first one writes it
+    speeds = llama_speeds(recipe, original, found, processor, data.score, progress) if in_llama and main else None
     del original
     changed = changes(evaluated, evaluated_after, recipe.scoring.seed)
     report = run_report(recipe, found, examples, before, after, changed, budget_kv_cache(recipe, model), speeds)
-    write_output(recipe, model, processor, found, report, target, force)
+    if main:
+        write_output(recipe, model, processor, found, report, target, force)
     return report
 
 

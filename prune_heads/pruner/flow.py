@@ -44,6 +44,7 @@ from ..recovery.search import ROUNDS, Searched, SearchSchedule, searched_plan
 from ..recovery.tuning import Schedule, tune
 from ..runtime.devices import input_device, to_device
 from ..runtime.ledger import BEFORE_TUNING, Stage, Tally
+from ..runtime.parallel import any_across, check_shares, is_main, rank_and_size, same_everywhere
 from ..runtime.progress import progress_bar
 from ..runtime.work import Pricer, WorkLimit
 from ..scoring.head_scores import HeadScores
@@ -108,7 +109,7 @@ def _start(
     """The run: the budget (checked against the structure before any data), the model's written text beside
     the batches where asked, the held-out split, the attention layers (each proven to be one, on the first
     batch), the objective, and the recovery it runs (no bias steps where the model cannot hold output biases)."""
-    start = time.perf_counter()
+    start, progress = time.perf_counter(), progress and is_main()  # data-parallel: the first process's bars
     if config.scoring.steps > 1:
         raise ConfigError(
             "scoring.steps > 1 prunes iteratively, which is ph.prune_iteratively's path (prune-heads prune --steps "
@@ -127,6 +128,7 @@ def _start(
             "selection.max_loss measures the loss on held-out calibration examples with labels, and this data gave "
             "none: give more examples (or a shorter --max-length for a causal-lm task), with their labels"
         )
+    _check_processes(model, config, [calib, heldout] + ([general.heldout, general.search] if general else []))
     layers = require_attention(model)
     on_device = [to_device(without_labels(b), input_device(model)) for b in calib]
     probe_layers(model, layers, on_device[0])
@@ -150,6 +152,14 @@ def _start(
         moved=moved,
         offloaded=offloaded_bytes(model),
     )
+
+
+def _check_processes(model: nn.Module, config: PruneConfig, lists: list[list[dict]]) -> None:
+    """Data-parallel, before scoring: every process holds calibration rows and runs the same model, config
+    and batches (else their decisions would part)."""
+    check_shares(lists[0], "calibration")
+    shapes = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    same_everywhere(repr((shapes, config)), [b for batches in lists for b in batches])
 
 
 def _batches(data: TaskData | Iterable[dict]) -> list[dict]:
@@ -226,7 +236,8 @@ def _score(run: Run) -> Scored:
     on the calibration batches: recorded while scoring, or in a no-grad pass of their own where the Gram
     matrices are needed (a share of the weights, not beside the scoring's activations)."""
     tick, s, r = time.perf_counter(), run.config.scoring, run.config.recovery
-    during = r.enabled and not r.reconstruction and run.budget.given is None
+    single = rank_and_size()[1] == 1  # data-parallel scoring takes whole batches, recording each batch's rows
+    during = r.enabled and not r.reconstruction and run.budget.given is None and single
     with Recorder(run.model, run.layers, run.objective) if during else nullcontext() as recorder:
         scores = (
             score_heads(
@@ -356,7 +367,8 @@ def _rounds(run: Run, trial: Trial) -> int:
     if not (r.rearrange and r.reconstruction and trial.calibration is not None and trial.reference is not None):
         return 0
     if r.search_rounds is None:
-        return ROUNDS if run.objective.per_position(trial.targets[0]) else 0
+        held = [t for t in trial.targets if t is not None]  # data-parallel: this process's, so asked of all
+        return ROUNDS if any_across(any(map(run.objective.per_position, held))) else 0
     return r.search_rounds
 
 

@@ -18,6 +18,7 @@ import torch
 from ..model.onload import passes
 from ..model.surgery import PlanError
 from ..runtime.memory import release_freed_memory
+from ..runtime.parallel import Shards
 from ..runtime.progress import progress_bar
 from ..scoring.head_scores import HeadScores
 from ..scoring.methods import fluctuation, head_scores
@@ -243,10 +244,12 @@ def _summary(refits: dict[str, Refit]) -> dict[str, Any]:
 def unpruned_heldout(gated: GatedModel, heldout: list[dict], objective: Objective, gram: bool) -> Recorder:
     """The unpruned model's outputs on the held-out batches (what every candidate is compared with) and, with
     `gram`, the Gram matrices there (what chooses each reconstruction's ridge)."""
+    shards = Shards(heldout)  # data-parallel: this process's rows, the statistics summed
     with Recorder(gated.model, gated.layers, objective, gram=gram) as recorder:
         gated.use({})
-        for _ in passes(gated.model, heldout, gated):
+        for _ in passes(gated.model, shards.local, gated):
             release_freed_memory()
+    recorder.gather(shards)
     return recorder
 
 

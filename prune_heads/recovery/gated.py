@@ -17,6 +17,7 @@ from ..model.onload import passes
 from ..model.probe import probe_plan, remove_proven
 from ..model.surgery import add_output_bias, head_features, normalize_plan
 from ..runtime.devices import on_device_of
+from ..runtime.parallel import Shards
 from ..scoring.objective import Objective
 from .reconstruction import Refit, kept_and_removed
 
@@ -202,8 +203,10 @@ class GatedModel:
         """Per-example held-out values of the gated model against the targets (`Objective.heldout`: the
         divergence, plus the neighbour divergence for embeddings), [examples] float64; layer-major where
         onloading proved it (`onload.passes`) unless the caller runs the blocks itself (`layer_major` False)."""
-        outputs = passes(self.model, batches, self) if layer_major else map(self, batches)
-        return objective.heldout((out, b, on_device_of(t, b)) for out, b, t in zip(outputs, batches, targets))
+        shards = Shards(batches)  # data-parallel: this process's rows, every process's values
+        outputs = passes(self.model, shards.local, self) if layer_major else map(self, shards.local)
+        runs = zip(outputs, shards.local, shards.mine(targets))
+        return objective.heldout(((out, b, on_device_of(t, b)) for out, b, t in runs), shards.gathered)
 
     def compensation(self, plan: dict[str, list[int]], means: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """FLAP's bias compensation: per pruned layer, the removed heads' mean contribution to the output,

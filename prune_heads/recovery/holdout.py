@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..runtime.devices import to_device
+from ..runtime.parallel import Shards
 from ..task_data import TASK_HEADS, batch_size, without_labels
 from .generated import writes_text
 
@@ -107,10 +108,10 @@ def sequence_nll(forward: Callable[[dict], Any], batches: list[dict], device: to
     """Every labelled next token's negative log-likelihood of `batches` (labels as transformers' causal language
     models take them, shifted inside; class labels, one per example, as its one token), from `forward(batch)`'s
     logits, summed per sequence. None where the batches hold no labels or no labelled token."""
-    sums, counts = [], []
-    for batch in batches:
-        if "labels" not in batch:
-            return None
+    if any("labels" not in batch for batch in batches):
+        return None
+    sums, counts, shards = [], [], Shards(batches)  # data-parallel: this process's rows, every process's gathered
+    for batch in shards.local:
         logits = forward(to_device(without_labels(batch), device)).logits.float()
         labels = batch["labels"].to(logits.device)
         if labels.dim() == 1:  # a class per example
@@ -120,5 +121,5 @@ def sequence_nll(forward: Callable[[dict], Any], batches: list[dict], device: to
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
         sums.append(nll.double().sum(-1).cpu())
         counts.append((labels != -100).sum(-1).cpu())
-    found = SequenceNLL(torch.cat(sums).numpy(), torch.cat(counts).numpy())
+    found = SequenceNLL(torch.cat(shards.gathered(sums)).numpy(), torch.cat(shards.gathered(counts)).numpy())
     return found if found.tokens.sum() else None

@@ -20,6 +20,7 @@ import torch
 from ..model.blocks import Resume, block_chain
 from ..model.onload import held, layer_major_chain
 from ..model.surgery import PlanError
+from ..runtime.parallel import Shards
 from ..runtime.progress import progress_bar
 from ..runtime.work import Pricer, module_shares
 from ..scoring.head_scores import HeadScores
@@ -476,7 +477,8 @@ class _Search:
         if not self.block or self.chain is None or self.probe is None:
             return None
         for part in self.parts:
-            part.resume = Resume(self.chain[0], part.batches, self.trial.gated, self.hold)
+            local = Shards(part.batches).local  # the rows `divergences` runs (data-parallel: this process's)
+            part.resume = Resume(self.chain[0], local, self.trial.gated, self.hold)
         name, unit = self.probe
         self.trial.gated.use({name: list(unit)})
         resume = self.parts[0].resume

@@ -17,9 +17,10 @@ from ..model.gates import fold_gates, head_gates
 from ..model.layers import find_attention, resolve
 from ..runtime.devices import input_device, on_device_of, to_device
 from ..runtime.memory import release_freed_memory
+from ..runtime.parallel import Shards, sum_gradients
 from ..runtime.work import WorkLimit
 from ..scoring.objective import Objective, frozen
-from ..task_data import without_labels
+from ..task_data import batch_size, without_labels
 
 PATIENCE = 2  # epochs without a better held-out value before tuning stops
 AVERAGE = 0.9  # decay per step of the moving average that tuning checks beside its last step
@@ -174,9 +175,14 @@ class _Tuner:
         return self.steps - begun
 
     def _step(self, batch: dict, target: object) -> None:
-        loss = self.objective.divergence(self.forward(batch), batch, on_device_of(target, batch)).mean()
+        """One Adam step on the batch's mean divergence (data-parallel: each process's rows' share of it, the
+        gradients summed)."""
+        shards = Shards([batch])
         self.optimizer.zero_grad()
-        loss.backward()
+        for local in shards.local:  # none where this process holds no rows of the batch
+            divergence = self.objective.divergence(self.forward(local), local, on_device_of(target, local))
+            (divergence.sum() / batch_size(batch)).backward()
+        sum_gradients(self.params)
         self.optimizer.step()
         release_freed_memory()
         if self.averaged:
@@ -245,7 +251,8 @@ def tune_gates(
     objective = Objective(model)
     reference.eval()
     with torch.no_grad():
-        targets = [objective.reference(reference(**b), b) for b in batches]
+        shards = Shards(batches)  # data-parallel: the rows a step runs
+        targets = shards.spread([objective.reference(reference(**b), b) for b in shards.local])
     layers = find_attention(model)
     biases = [b for b in (resolve(l.module, l.spec.o).bias for l in layers) if b is not None] if bias_lr else []
     with frozen(model), head_gates(model) as gates:  # frozen restores every requires_grad flag on exit

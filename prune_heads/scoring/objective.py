@@ -15,6 +15,7 @@ from ..runtime.memory import release_freed_memory
 from ..task_data import without_labels
 
 Loss = Callable[[object, dict], torch.Tensor]
+Gather = Callable[[list[torch.Tensor]], list[torch.Tensor]]  # per-batch values joined across processes
 Reference = torch.Tensor | tuple[torch.Tensor, ...]  # what `Objective.reference` keeps of an output
 TOP_K = 64  # classes kept per token in a reference distribution (the rest share one bin)
 
@@ -250,9 +251,10 @@ class Objective:
             kl = (top.exp() * (top - q_top)).sum(-1) + rest.exp() * (rest - _log_rest(q_top))
         return self._token_mean(kl, batch)
 
-    def heldout(self, runs: Iterable[tuple[Any, dict, Any]]) -> torch.Tensor:
+    def heldout(self, runs: Iterable[tuple[Any, dict, Any]], gathered: Gather = list) -> torch.Tensor:
         """Per-example held-out values [examples] float64, which recovery's decisions minimise, from
-        (outputs, batch, reference) per batch (a generator keeps one batch's outputs at a time): the
+        (outputs, batch, reference) per batch (a generator keeps one batch's outputs at a time; data-parallel,
+        this process's rows of each, joined with every process's by `gathered`, `Shards.gathered`): the
         divergence from the reference; for embeddings plus the divergence of its neighbour distribution among all
         these examples (`neighbour_divergence`), so ranking, what a retrieval user sees, is judged beside cosine."""
         parts, embeddings, references = [], [], []
@@ -263,7 +265,8 @@ class Objective:
                 embeddings.append(embedding.detach().cpu())
                 references.append(reference.cpu())
             release_freed_memory()
-        values = torch.cat(parts)
+        values = torch.cat(gathered(parts))
+        embeddings, references = gathered(embeddings), gathered(references)  # every process calls each gather
         if embeddings:
             values += neighbour_divergence(torch.cat(references), torch.cat(embeddings))
         return values

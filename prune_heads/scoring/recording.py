@@ -13,7 +13,7 @@ from ..model.hooks import Hook, hooks
 from ..model.layers import AttentionLayer, find_attention, resolve
 from ..model.onload import passes
 from ..runtime.memory import release_freed_memory
-from ..runtime.parallel import sum_across
+from ..runtime.parallel import Shards, sum_across
 from ..runtime.progress import progress_bar
 from .objective import Objective, frozen
 
@@ -124,10 +124,17 @@ class Recorder:
         return hook
 
     def reduce(self) -> None:
-        """Sum the statistics over data-parallel processes (a no-op in a single process)."""
-        summed = sum_across([m.values for m in self.moments] + [torch.tensor([float(m.tokens) for m in self.moments])])
+        """The statistics summed over the data-parallel processes (a single process's unchanged)."""
+        counts = torch.tensor([float(m.tokens) for m in self.moments])
+        summed = sum_across([m.values for m in self.moments] + [counts])
         for moments, values, tokens in zip(self.moments, summed, summed[-1].tolist()):
-            moments.values, moments.tokens = values, int(tokens)
+            moments.values, moments.tokens = values.to(moments.values), int(tokens)
+
+    def gather(self, shards: Shards) -> None:
+        """After a pass over `shards.local`: the statistics summed (`reduce`) and the targets placed at their
+        batches (None where this process ran no rows)."""
+        self.reduce()
+        self.targets = shards.spread(self.targets)
 
     def release_moments(self) -> None:
         """Drop the per-layer statistics (the Gram matrices: beside the model, the largest thing the flow
@@ -149,7 +156,10 @@ def record(
 ) -> Recorder:
     """A `Recorder` filled by one plain no-grad pass over the batches (layer-major where onloading proved it:
     `onload.passes`; a bar with `progress`)."""
+    shards = Shards(batches)  # data-parallel: this process's rows, the statistics summed
     with frozen(model), Recorder(model, find_attention(model), objective, gram) as recorder:
-        for _ in progress_bar(passes(model, batches, lambda b: model(**b)), "recording", len(batches), progress):
+        steps = passes(model, shards.local, lambda b: model(**b))
+        for _ in progress_bar(steps, "recording", len(shards.local), progress):
             release_freed_memory()
+    recorder.gather(shards)
     return recorder
