@@ -285,6 +285,7 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
     prune-heads prune ./model --data reviews.jsonl --sparsity 0.5 -o ./pruned
     """
     from ..pipeline import run
+    from ..runtime.parallel import is_main
 
     selection = config_fields(SelectionConfig, opts)
     budgets = {k: selection.pop(k) for k in BUDGETS if k in selection}  # the command's: keep_per_layer is not
@@ -315,9 +316,9 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
         output={"path": output, "format": fmt, "gguf_type": opts["gguf_type"]},
         data={"general_source": opts["general_source"]},
     )
-    state = launched(processes)
+    launched(processes)
     report = run(recipe, output=output, force=opts["force"], plan=plan, evaluate=False)
-    if state is not None and not state.is_main_process:
+    if not is_main():
         return  # every process holds the same model; the first one wrote it and says so
     emit(
         report.to_dict(),

@@ -72,13 +72,13 @@ def _rows(batch: dict) -> int:
     return next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim())
 
 
-def _span(batch: dict) -> slice:
-    """This process's contiguous share of the batch's rows. Where they do not divide, the processes from a
-    place fixed by the batch's tokens take one more each, so small batches spread over every process and any
-    list holding the batch cuts it the same way (a process may take none)."""
+def _span(batch: dict, offset: int) -> slice:
+    """This process's contiguous share of the batch's rows. Where they do not divide, the processes from
+    `offset` on (`_offset`, fixed by the batch's tokens) take one more each, so small batches spread over every
+    process and any list holding the batch cuts it the same way (a process may take none)."""
     rank, size = rank_and_size()
     share, extra = divmod(_rows(batch), size)
-    place = (rank - _offset(batch)) % size  # this process's place in the order the rows are dealt in
+    place = (rank - offset) % size  # this process's place in the order the rows are dealt in
     start = place * share + min(place, extra)
     return slice(start, start + share + (place < extra))
 
@@ -101,11 +101,12 @@ class Shards:
     per-batch values between the local batches and the whole list."""
 
     def __init__(self, batches: list[dict]) -> None:
-        self.batches, self.count = batches, len(batches)
+        self.count = len(batches)
         if rank_and_size()[1] == 1:
-            self.local, self.index = list(batches), list(range(len(batches)))
+            self.local, self.index, self.offsets = list(batches), list(range(len(batches))), [0] * len(batches)
             return
-        spans = [_span(b) for b in batches]
+        self.offsets = [_offset(b) for b in batches]
+        spans = [_span(b, offset) for b, offset in zip(batches, self.offsets)]
         self.index = [i for i, span in enumerate(spans) if span.stop > span.start]
         self.local = [_cut(batches[i], spans[i]) for i in self.index]
 
@@ -130,8 +131,7 @@ class Shards:
         everyone: list = [None] * size
         dist.all_gather_object(everyone, dict(zip(self.index, (v.detach().cpu() for v in values))))
         joined = []
-        for i in range(self.count):
-            first = _offset(self.batches[i])  # the rows are dealt from this process on (`_span`)
+        for i, first in enumerate(self.offsets):  # the rows are dealt from process `first` on (`_span`)
             parts = [everyone[(first + place) % size].get(i) for place in range(size)]
             if any(part is not None for part in parts):
                 joined.append(torch.cat([part for part in parts if part is not None]))
