@@ -1,7 +1,8 @@
 """`ph.prune_model`'s default path on a tiny model, as each data-parallel process runs it (torchrun or
 accelerate launch starts it; alone it is the single process): the first process saves the plan, the pruned
 weights and the report's decisions to the path given. Arguments: the tiny family, that path, and the
-calibration examples (40 unless given)."""
+calibration examples (40 unless given). A language model's saved record holds text it writes before pruning,
+each process writing its share of the rows."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import torch
 
 import prune_heads as ph
+from prune_heads.recovery.generated import written_batches
 from prune_heads.runtime.parallel import is_main
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
@@ -22,10 +24,11 @@ def main(name: str, out: str, examples: int = 40) -> None:
     if name == "llama":  # a language model calibrates on its own next tokens
         batches = [dict(b, labels=b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)) for b in batches]
     model = tm.sensitive(tm.build(name)) if name == "bert" else tm.build(name)  # decisions above float noise
+    written = written_batches(model, 5, 2, 9, 0, progress=False) if name == "llama" else []
     result = ph.prune_model(model, batches, ph.PruneConfig(), progress=False)
     if is_main():
-        decisions = result.recovery
-        torch.save({"plan": result.plan, "weights": model.state_dict(), "recovery": decisions}, out)
+        found = {"plan": result.plan, "weights": model.state_dict(), "recovery": result.recovery}
+        torch.save({**found, "written": [b["input_ids"] for b in written]}, out)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,15 @@ def test_the_same_seed_writes_the_same_text_and_leaves_the_callers_random_state(
     assert not all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(once, other))
 
 
+def test_a_rows_text_does_not_depend_on_the_rows_written_beside_it(monkeypatch):
+    model = tm.build("llama")
+    wide = written_batches(model, examples=5, batch_size=5, length=6, seed=0, progress=False)[0]["input_ids"]
+    monkeypatch.setattr("prune_heads.recovery.generated.WRITE_TOKENS", 12)  # 2 rows at a time
+    narrow = written_batches(model, examples=5, batch_size=5, length=6, seed=0, progress=False)[0]["input_ids"]
+    assert torch.equal(wide, narrow)
+    assert torch.equal(written_batches(model, 3, 3, 6, 0, progress=False)[0]["input_ids"], wide[:3])
+
+
 def test_nucleus_keeps_the_most_likely_tokens_until_their_mass_reaches_top_p():
     probs = torch.tensor([[0.15, 0.5, 0.05, 0.3], [0.97, 0.01, 0.01, 0.01]])
     kept = nucleus(probs.clone(), 0.75)
@@ -67,7 +76,7 @@ def test_sampling_with_the_kv_cache_follows_the_models_own_next_token(name, monk
     model = tm.build(name)
     model.config.eos_token_id = [5, 7]
     monkeypatch.setattr("prune_heads.recovery.generated.TOP_P", 1e-6)  # only the most likely token: greedy
-    written = sample(model, torch.tensor([[3], [9]]), 6, torch.Generator().manual_seed(0))
+    written = sample(model, torch.tensor([[3], [9]]), 6, [torch.Generator().manual_seed(i) for i in range(2)])
     expected = torch.tensor([[3], [9]])
     for _ in range(6):  # the whole sequence each step, no cache
         logits = model(expected).logits[:, -1]
@@ -79,7 +88,7 @@ def test_sampling_with_the_kv_cache_follows_the_models_own_next_token(name, monk
 def test_the_end_of_text_tokens_are_never_written():
     model = tm.build("llama")
     model.config.eos_token_id = list(range(3, model.config.vocab_size))  # all but 0, 1 and 2 end the text
-    written = sample(model, torch.tensor([[1]] * 4), 12, torch.Generator().manual_seed(0))
+    written = sample(model, torch.tensor([[1]] * 4), 12, [torch.Generator().manual_seed(i) for i in range(4)])
     assert written.shape == (4, 13) and bool((written[:, 1:] < 3).all())
 
 

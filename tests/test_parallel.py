@@ -66,11 +66,14 @@ ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_two_gloo_processes_prune_as_one_process_does(name, tmp_path):
     """The whole default path on 2 processes (each its rows of every batch, the statistics, held-out values and
-    tuning gradients joined) gives one process's plan, recovery decisions and weights within float rounding."""
+    tuning gradients joined) gives one process's plan, recovery decisions and weights within float rounding;
+    the text a language model writes (each process its share of the rows) is one process's."""
     subprocess.run([sys.executable, SCRIPT, name, str(tmp_path / "one.pt")], check=True)
     subprocess.run([*LAUNCH, SCRIPT, name, str(tmp_path / "two.pt")], check=True, env=ONE_THREAD)
     one, two = (torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("one", "two"))
     assert two["plan"] == one["plan"]
+    assert len(two["written"]) == len(one["written"]) == (3 if name == "llama" else 0)
+    assert all(torch.equal(a, b) for a, b in zip(two["written"], one["written"]))
     found, expected = _flat(two["recovery"]), _flat(one["recovery"])
     assert {k: v for k, v in found.items() if not isinstance(v, float)} == {
         k: v for k, v in expected.items() if not isinstance(v, float)

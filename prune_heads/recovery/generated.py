@@ -6,12 +6,14 @@ the model (SmolLM2 and Gemma 3: benchmarks/README.md, the frontier), so it is of
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..runtime import parallel
 from ..runtime.devices import input_device
 from ..runtime.progress import progress_bar
 from ..scoring.objective import frozen
@@ -20,6 +22,7 @@ from ..task_data import DataError
 SHARE = 0.375  # written examples per calibration example, the share measured: 3 for every 8
 WRITTEN_EXAMPLES = 128  # sequences a decoder writes to calibrate on when no data is given
 TOP_P = 0.95  # nucleus sampling at temperature 1: the model's own distribution without its unlikely tail
+WRITE_TOKENS = 8192  # written at once: a step reads the weights once for all its rows; their cache stays small
 
 
 def writes_text(model: nn.Module) -> bool:
@@ -52,10 +55,17 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, order, ordered)
 
 
-def sample(model: nn.Module, prompt: torch.Tensor, new_tokens: int, generator: torch.Generator) -> torch.Tensor:
+def row_generator(seed: int, length: int, row: int) -> torch.Generator:
+    """The CPU generator that row `row` of the text written `length` tokens long with `seed` draws from: one per
+    row, so a row's text does not depend on the rows written beside it or on the process that writes it."""
+    digest = hashlib.sha256(f"{seed}:{length}:{row}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def sample(model: nn.Module, prompt: torch.Tensor, new_tokens: int, generators: list[torch.Generator]) -> torch.Tensor:
     """`prompt` (rows x 1 token ids) and `new_tokens` tokens more, sampled from `model` with its KV cache at
-    temperature 1 and top-p `TOP_P`, the end-of-text tokens held back so every row is as long as asked. The
-    draws come from `generator` on the CPU, so the same seed writes the same text on any device (a CUDA
+    temperature 1 and top-p `TOP_P`, the end-of-text tokens held back so every row is as long as asked. Row i
+    draws from `generators[i]` on the CPU, so the same seeds write the same text on any device (a CUDA
     generator's stream differs from the CPU's; only a draw within float rounding of a boundary can differ)."""
     lm: Any = model  # a transformers model: its config and KV cache
     ends = lm.config.eos_token_id
@@ -67,38 +77,66 @@ def sample(model: nn.Module, prompt: torch.Tensor, new_tokens: int, generator: t
             out = lm(tokens[:, -1:], attention_mask=torch.ones_like(tokens), use_cache=True, **{named: cache})
             cache, logits = out[named], out.logits[:, -1].float()
             logits[:, ends] = -torch.inf
-            drawn = torch.multinomial(nucleus(logits.softmax(-1), TOP_P).cpu(), 1, generator=generator)
+            probs = nucleus(logits.softmax(-1), TOP_P).cpu()
+            drawn = torch.stack([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
             tokens = torch.cat([tokens, drawn.to(tokens.device)], 1)
     return tokens
 
 
 @torch.no_grad()
+def write(model: nn.Module, prompts: torch.Tensor, length: int, seed: int, what: str, progress: bool) -> torch.Tensor:
+    """`prompts` (rows x 1 token ids) each `sample`d on to `length` tokens, row i from `row_generator(seed,
+    length, i)`: the rows shared out over the data-parallel processes, each writing `WRITE_TOKENS` at a time,
+    then joined, so every process holds all of them (on the CPU). The same model, prompts and seed write the
+    same text at any number of processes (but for a draw within float rounding of a boundary)."""
+    mine, width, device = parallel.share(len(prompts)), max(1, WRITE_TOKENS // length), input_device(model)
+    parts = [torch.empty(0, length, dtype=torch.long)]
+    for first in progress_bar(range(mine.start, mine.stop, width), what, enabled=progress):
+        rows = range(first, min(first + width, mine.stop))
+        generators = [row_generator(seed, length, i) for i in rows]
+        parts.append(sample(model, prompts[rows.start : rows.stop].to(device), length - 1, generators).cpu())
+    return parallel.joined(torch.cat(parts))
+
+
 def with_generated(model: nn.Module, batches: list[dict], share: float, seed: int) -> tuple[list[dict], list[dict]]:
     """(all batches, the generated ones): after each calibration batch, a batch of sequences as wide as it, as
     many as bring the written ones to `round(share * the examples so far)` (3 for every 8 examples at the
-    default share, whatever the batch size), `sample`d from `model`, each started from `prompts`, with the
-    tokens themselves as labels where the batch has labels. Drawn from a generator seeded with `seed`: the same
-    inputs and seed give the same text on any device, the caller's random state untouched."""
-    device = input_device(model)
-    generator = torch.Generator().manual_seed(seed)
+    default share, whatever the batch size), `write`n from `prompts` of the batch, with the tokens themselves as
+    labels where the batch has labels. The same inputs and seed give the same text on any device, the caller's
+    random state untouched."""
+    written = _written_rows(batches, share)
+    text: dict[int, torch.Tensor] = {}
+    for width in sorted({b["input_ids"].shape[1] for b, rows in zip(batches, written) if rows}):
+        chosen = [i for i, rows in enumerate(written) if rows and batches[i]["input_ids"].shape[1] == width]
+        starts = torch.cat([prompts(batches[i], written[i]) for i in chosen]).cpu()
+        tokens = write(model, starts, width, seed, "writing calibration text", progress=False)
+        text.update(zip(chosen, tokens.split([written[i] for i in chosen])))
     out: list[dict] = []
     generated: list[dict] = []
-    seen = written = 0
-    for batch in batches:
+    for i, batch in enumerate(batches):
         out.append(batch)
-        ids = batch["input_ids"]
-        seen += ids.shape[0]
-        rows, width = round(share * seen) - written, ids.shape[1]  # the share of all examples so far
-        if rows == 0 or width < 2:
+        if i not in text:
             continue
-        tokens = sample(model, prompts(batch, rows).to(device), width - 1, generator).to(ids.device)
+        tokens = text[i].to(batch["input_ids"].device)
         extra = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}
         if "labels" in batch:
             extra["labels"] = tokens.clone()
         out.append(extra)
         generated.append(extra)
-        written += rows
     return out, generated
+
+
+def _written_rows(batches: list[dict], share: float) -> list[int]:
+    """The rows written after each batch: as many as bring them to `round(share * the examples so far)` (none
+    beside a batch narrower than 2 tokens, nothing to write on)."""
+    rows, seen, written = [], 0, 0
+    for batch in batches:
+        ids = batch["input_ids"]
+        seen += ids.shape[0]
+        count = round(share * seen) - written if ids.shape[1] >= 2 else 0
+        rows.append(count)
+        written += count
+    return rows
 
 
 def start_token(model: nn.Module) -> int | None:
@@ -118,18 +156,15 @@ def written_batches(
 ) -> list[dict]:
     """Calibration batches the model writes itself, for a decoder given no data: `examples` sequences of
     `length` tokens in batches of `batch_size`, each `sample`d from the beginning-of-text token (the end-of-text
-    token where there is none), the tokens their own labels. The same model and seed write the same text."""
+    token where there is none) and `write`n on, the tokens their own labels. The same model and seed write the
+    same text."""
     start = start_token(model)
     if start is None or length < 2:
         raise DataError(
             "--data is required: only a decoder-only language model with a beginning- or end-of-text token "
             "calibrates on text it writes itself (and only with --max-length 2 or more)"
         )
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    for first in progress_bar(range(0, examples, batch_size), "writing calibration text", enabled=progress):
-        rows = min(batch_size, examples - first)
-        prompt = torch.full((rows, 1), start, dtype=torch.long, device=input_device(model))
-        tokens = sample(model, prompt, length - 1, generator).cpu()
-        out.append({"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "labels": tokens.clone()})
-    return out
+    tokens = write(model, torch.full((examples, 1), start), length, seed, "writing calibration text", progress)
+    return [
+        {"input_ids": t, "attention_mask": torch.ones_like(t), "labels": t.clone()} for t in tokens.split(batch_size)
+    ]

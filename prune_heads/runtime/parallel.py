@@ -72,20 +72,31 @@ def _rows(batch: dict) -> int:
     return next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim())
 
 
-def _span(batch: dict, offset: int) -> slice:
-    """This process's contiguous share of the batch's rows. Where they do not divide, the processes from
-    `offset` on (`_offset`, fixed by the batch's tokens) take one more each, so small batches spread over every
-    process and any list holding the batch cuts it the same way (a process may take none)."""
+def share(count: int, offset: int = 0) -> slice:
+    """This process's contiguous share of `count` items dealt over the processes in turn from process `offset`
+    on: where they do not divide, the first processes dealt to take one more each (a process may take none)."""
     rank, size = rank_and_size()
-    share, extra = divmod(_rows(batch), size)
-    place = (rank - offset) % size  # this process's place in the order the rows are dealt in
-    start = place * share + min(place, extra)
-    return slice(start, start + share + (place < extra))
+    each, extra = divmod(count, size)
+    place = (rank - offset) % size  # this process's place in the order the items are dealt in
+    start = place * each + min(place, extra)
+    return slice(start, start + each + (place < extra))
+
+
+def joined(part: torch.Tensor) -> torch.Tensor:
+    """Every process's `part` (its `share` of some rows, on the CPU) joined in process order: all the rows, on
+    every process; `part` itself in a single process. Every process must call it (a collective)."""
+    size = rank_and_size()[1]
+    if size == 1:
+        return part
+    everyone: list = [None] * size
+    dist.all_gather_object(everyone, part.detach().cpu())
+    return torch.cat(everyone)
 
 
 def _offset(batch: dict) -> int:
     """The first process to take one more of the batch's rows: from its integer tensors (the tokens), the same
-    on every process that holds the same batch."""
+    on every process that holds the same batch, so small batches spread over every process and any list holding
+    the batch cuts it the same way."""
     tokens = [v for _, v in sorted(batch.items()) if torch.is_tensor(v) and not v.is_floating_point()]
     return int(tokens[0].long().sum()) % rank_and_size()[1] if tokens else 0
 
@@ -106,7 +117,7 @@ class Shards:
             self.local, self.index, self.offsets = list(batches), list(range(len(batches))), [0] * len(batches)
             return
         self.offsets = [_offset(b) for b in batches]
-        spans = [_span(b, offset) for b, offset in zip(batches, self.offsets)]
+        spans = [share(_rows(b), offset) for b, offset in zip(batches, self.offsets)]  # see `_offset`
         self.index = [i for i, span in enumerate(spans) if span.stop > span.start]
         self.local = [_cut(batches[i], spans[i]) for i in self.index]
 
@@ -131,7 +142,7 @@ class Shards:
         everyone: list = [None] * size
         dist.all_gather_object(everyone, dict(zip(self.index, (v.detach().cpu() for v in values))))
         joined = []
-        for i, first in enumerate(self.offsets):  # the rows are dealt from process `first` on (`_span`)
+        for i, first in enumerate(self.offsets):  # the rows are dealt from process `first` on (`share`)
             parts = [everyone[(first + place) % size].get(i) for place in range(size)]
             if any(part is not None for part in parts):
                 joined.append(torch.cat([part for part in parts if part is not None]))
