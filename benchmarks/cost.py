@@ -24,8 +24,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import gc
 import json
+import os
 import pstats
 import statistics
 import subprocess
@@ -34,8 +36,8 @@ from pathlib import Path
 
 import torch
 from common import PeakRSS, Timer, markdown_table, random_batches, torch_threads
-from memory import SHAPES
-from transformers import AutoConfig, AutoModelForCausalLM
+from cost_model import CONFIG, H100, Counted, Device, config, count, predict, structure
+from transformers import AutoModelForCausalLM
 
 import prune_heads as ph
 from prune_heads.recovery.reconstruction import refit, refit_flops
@@ -43,63 +45,24 @@ from prune_heads.runtime.ledger import BEFORE_TUNING, Stage
 from prune_heads.runtime.memory import map_large_blocks, weight_bytes
 from prune_heads.scoring.recording import Moments
 
-LLAMA_31_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
-CONFIGS = {  # the Hugging Face configs' shapes; weights random
-    "llama-3.2-1b": ("llama", SHAPES["1b"]),
-    "qwen2.5-1.5b": (
-        "qwen2",
-        dict(
-            hidden_size=1536,
-            intermediate_size=8960,
-            num_hidden_layers=28,
-            num_attention_heads=12,
-            num_key_value_heads=2,
-            vocab_size=151936,
-            tie_word_embeddings=True,
-            rope_theta=1000000.0,
-        ),
-    ),
-    "llama-3.1-8b": (
-        "llama",
-        dict(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=128256,
-            tie_word_embeddings=False,
-            rope_scaling=LLAMA_31_ROPE,
-            rope_theta=500000.0,
-        ),
-    ),
-}
-CONFIG = ph.PruneConfig(selection=ph.SelectionConfig(sparsity=1 / 3, round="nearest"))
 STAGES = ("scoring", "selection", "tuning")
+MEASURED = "llama-3.2-1b,qwen2.5-1.5b,llama-3.1-8b"  # the shapes a GPU's run holds whole
+PROCESSES = (1, 4, 8)
 
 
 def build(shape: str, device: str, onload: bool, layers: int | None = None):
     """The random-weight model of `shape` in bfloat16 on `device` (its first `layers` blocks only, for a quick
     check); with `onload`, its decoder blocks in CPU memory under accelerate's CPU offload (each moved to the
     device for its own passes)."""
-    model_type, shape_config = CONFIGS[shape]
-    if layers:
-        shape_config = {**shape_config, "num_hidden_layers": layers}
-    config = AutoConfig.for_model(model_type, max_position_embeddings=4096, **shape_config)
+    found = config(shape, **({"num_hidden_layers": layers} if layers else {}))
     torch.manual_seed(0)
     with torch.device("cpu" if onload else device):  # drawn where it runs: an 8B's draw takes a minute on a CPU
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_config(found, dtype=torch.bfloat16).eval()
     if not onload:
         return model
     from accelerate import dispatch_model
 
-    blocks = {f"model.layers.{i}": "cpu" for i in range(config.num_hidden_layers)}
+    blocks = {f"model.layers.{i}": "cpu" for i in range(found.num_hidden_layers)}
     return dispatch_model(model, device_map={"": device, **blocks}, main_device=device)
 
 
@@ -114,8 +77,9 @@ def refit_seconds(shape: str, device: str, count: int) -> list:
     the median seconds and the counted work."""
     model = build(shape, device, onload=False, layers=1)
     layer = ph.find_attention(model)[0]
-    config = model.config
-    width, group = layer.num_heads * layer.head_dim, config.num_attention_heads // config.num_key_value_heads
+    shape_config = model.config
+    width = layer.num_heads * layer.head_dim
+    group = shape_config.num_attention_heads // shape_config.num_key_value_heads
     moments = []
     for seed in (0, 1):  # the calibration tokens' statistics and the held-out tokens'
         found = Moments(width, True, torch.float32)  # as a bfloat16 model's are kept
@@ -131,6 +95,73 @@ def refit_seconds(shape: str, device: str, count: int) -> list:
         seconds.append(timer.seconds)
     work = refit_flops([layer], {layer.name: removed}) / 1e9
     return [shape, f"{width} of which {width - group * layer.head_dim} kept", statistics.median(seconds), work]
+
+
+def synchronized(device: str) -> None:
+    """Wait for the device's queued work (a GPU's), so a timer around it measures it."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def pass_rate(shape: str, device: str, size: int, length: int) -> float:
+    """bfloat16 FLOPs a second of a fisher pass (forward and backward) on `device`: the shape's first block with
+    its embeddings and output layer, over `size` x `length` random tokens, the second of two runs timed."""
+    model = build(shape, device, onload=False, layers=1)
+    ids = random_batches(model.config.vocab_size, 1, size, length, device)[0]["input_ids"]
+    for _ in range(2):
+        synchronized(device)
+        with Timer() as timer:
+            model(input_ids=ids, labels=ids).loss.backward()
+            synchronized(device)
+    return 6 * structure(shape, layers=1).matmul_parameters * size * length / timer.seconds
+
+
+def copy_rate(source: str, device: str, size: int = 2**30) -> float:
+    """Bytes a second copied from `source` to `device` (pinned where the source is the CPU and the device a
+    GPU), the second of two copies timed."""
+    tensor = torch.empty(size, dtype=torch.uint8, device=source)
+    tensor = tensor.pin_memory() if source == "cpu" and device == "cuda" else tensor
+    for _ in range(2):
+        synchronized(device)
+        with Timer() as timer:
+            tensor.to(device, copy=True)
+            synchronized(device)
+    return size / timer.seconds
+
+
+def rates(device: str, size: int, length: int) -> Device:
+    """This device's `Device` rates, measured (the prepared device check): a fisher pass's on the 8B shape's
+    block, the refits' from `refit_seconds`, the copies' (the peer link: the H100's assumed figure)."""
+    shape = "llama-3.1-8b"
+    seconds = refit_seconds(shape, device, 2)[2]
+    memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 0
+    return Device(
+        name=where(device),
+        pass_flops=pass_rate(shape, device, size, length),
+        refit_flops=structure(shape).refit_flops / seconds,
+        memory=memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        host_bytes=copy_rate("cpu", device),
+        peer_bytes=H100.peer_bytes,
+        memory_bytes=2 * copy_rate(device, device),  # a copy reads and writes each byte
+        source=f"measured on {where(device)}; peer link assumed",
+    )
+
+
+def predicted(counts: list[Counted], device: Device, size: int, length: int) -> str:
+    """The cost model's table: each counted shape on 1, 4 and 8 of `device`'s GPUs, its terms in minutes."""
+    rows = []
+    for counted in counts:
+        shape = structure(counted.shape)
+        for processes in PROCESSES:
+            found = predict(shape, counted, device, processes, size, length)
+            held = "onloaded" if found.onloaded else "whole"
+            terms = [found.passes, found.refits, found.summing, found.onloading, found.writing, found.total]
+            passes = sum(counted.passes.values())
+            head = [counted.shape, processes, held, f"{passes:.1f} (search {counted.passes.get('search', 0):.1f})"]
+            rows.append([*head, counted.refits, *(f"{t / 60:.1f}" for t in terms)])
+    headers = ["shape", "GPUs", "held", "fisher passes", "refits", "passes", "refits, every GPU", "summing"]
+    headers += ["onloading", "guard's text", "predicted minutes"]
+    return f"{device.name}: {device.source}; {size} x {length} tokens a batch:\n\n" + markdown_table(headers, rows)
 
 
 def measure(shape: str, device: str, count: int, size: int, length: int, onload: bool, layers: int | None) -> dict:
@@ -211,7 +242,7 @@ def table(runs: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", default=",".join(CONFIGS))
+    parser.add_argument("--shapes", default=MEASURED)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batches", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -222,8 +253,31 @@ def main() -> None:
     parser.add_argument("--table", default=None, help="the table from a file of --measure's lines")
     parser.add_argument("--profile", type=int, default=0, help="with --measure: the N calls with the most time")
     parser.add_argument("--refits", type=int, default=0, help="time N refits at each shape instead")
+    parser.add_argument("--count", default=None, help="one shape's counted work on its proxy, as a JSON line")
+    parser.add_argument("--proxy-length", type=int, default=32, help="with --count: the proxy's tokens a row")
+    parser.add_argument("--whole-width", action="store_true", help="with --count: the shape itself, no proxy")
+    parser.add_argument("--rates", action="store_true", help="this device's rates, as a JSON line")
+    parser.add_argument("--predict", default=None, help="the cost model's table from a file of --count's lines")
+    parser.add_argument("--device-rates", default=None, help="with --predict: a file of --rates's line")
     args = parser.parse_args()
     shape = (args.batches, args.batch_size, args.length)
+    if args.count:
+        print(
+            json.dumps(
+                dataclasses.asdict(
+                    count(args.count, args.batches, args.batch_size, args.proxy_length, not args.whole_width)
+                )
+            )
+        )
+        return
+    if args.rates:
+        print(json.dumps(dataclasses.asdict(rates(args.device, args.batch_size, args.length))))
+        return
+    if args.predict:
+        counts = [Counted(**json.loads(line)) for line in Path(args.predict).read_text().splitlines() if line]
+        device = Device(**json.loads(Path(args.device_rates).read_text())) if args.device_rates else H100
+        print(predicted(counts, device, args.batch_size, args.length))
+        return
     if args.table:
         lines = Path(args.table).read_text().splitlines()
         print(table([json.loads(line) for line in lines if line.strip()]))

@@ -12,6 +12,7 @@ import torch
 
 import prune_heads as ph
 from prune_heads.recovery.generated import written_batches
+from prune_heads.runtime import parallel
 from prune_heads.runtime.parallel import is_main
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
@@ -20,6 +21,7 @@ import tiny_models as tm  # noqa: E402
 
 def main(name: str, out: str, examples: int = 40) -> None:
     torch.set_num_threads(1)
+    parallel.CHUNK = 100  # summed across processes in many chunks, as a big model's statistics are
     batches = tm.batches(name, n=examples // 4) if examples >= 4 else [tm.make_inputs(name, batch=examples, seq=9)]
     if name == "llama":  # a language model calibrates on its own next tokens
         batches = [dict(b, labels=b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)) for b in batches]

@@ -1,6 +1,7 @@
 """The benchmark scripts are not run whole in CI (they take minutes to hours): each is imported, so an internal
 it uses that was renamed fails here, and their main paths run on tiny random-weight models."""
 
+import dataclasses
 import importlib
 import sys
 from pathlib import Path
@@ -33,7 +34,7 @@ def test_there_are_benchmark_scripts():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_benchmark_script_imports(script, bench):
-    assert callable(getattr(bench(script), "main", None)) or script in ("common", "baselines")
+    assert callable(getattr(bench(script), "main", None)) or script in ("common", "baselines", "cost_model")
 
 
 def test_the_llm_rows_prune_a_tiny_decoder_each_to_its_budget(bench):
@@ -49,7 +50,7 @@ def test_the_llm_rows_prune_a_tiny_decoder_each_to_its_budget(bench):
 
 def test_the_cost_and_memory_runs_measure_a_tiny_shape(bench, monkeypatch):
     cost, memory = bench("cost"), bench("memory")
-    monkeypatch.setitem(cost.CONFIGS, "tiny", ("llama", TINY))
+    monkeypatch.setitem(bench("cost_model").CONFIGS, "tiny", ("llama", TINY))
     monkeypatch.setitem(memory.SHAPES, "tiny", TINY)
     found = cost.measure("tiny", "cpu", 4, 2, 16, onload=False, layers=None)
     assert found["removed"] == 2 and not found["stopped"] and found["passes"]["scoring"] > 0
@@ -58,6 +59,25 @@ def test_the_cost_and_memory_runs_measure_a_tiny_shape(bench, monkeypatch):
     assert shape == "tiny" and features == "32 of which 16 kept" and seconds > 0 and work > 0
     measured = memory.measure("default", "tiny", "float32", "cpu", 4, 2, 16, "library")
     assert measured["peak"] > 0 and measured["work"]["total"] > 0 and measured["parameters"] > 0
+
+
+def test_the_cost_model_counts_a_shapes_proxy_and_predicts_its_terms(bench, monkeypatch):
+    model, cost = bench("cost_model"), bench("cost")
+    monkeypatch.setitem(model.CONFIGS, "tiny", ("llama", TINY))
+    narrow = model.proxy("tiny")
+    assert (narrow.hidden_size, narrow.num_attention_heads, narrow.num_key_value_heads) == (16, 4, 2)
+    counted = model.count("tiny", 4, 2, 16)
+    whole = model.count("tiny", 4, 2, 16, narrow=False)
+    assert counted.removed == whole.removed == 2 and counted.refits > 0 and counted.copies > 0
+    assert counted.passes["scoring"] == 1.0 and counted.written_rows > 0
+    shape = model.structure("tiny")
+    one, four = (model.predict(shape, counted, model.H100, n, 2, 16) for n in (1, 4))
+    assert four.passes == pytest.approx(one.passes / 4) and four.refits == one.refits > 0
+    assert one.summing == 0 < four.summing and not one.onloaded and one.onloading == 0
+    small = dataclasses.replace(model.H100, memory=shape.weight_bytes)  # the weights fit, their work does not
+    onloaded = model.predict(shape, counted, small, 1, 2, 16)
+    assert onloaded.onloaded and onloaded.onloading > 0 and onloaded.writing > one.writing
+    assert "| tiny | 8 | whole |" in cost.predicted([counted], model.H100, 2, 16)
 
 
 def test_the_frontier_cell_records_the_default_path(bench):

@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 import prune_heads as ph
 from prune_heads.cli import main
+from prune_heads.runtime import parallel
 from prune_heads.runtime.parallel import rank_and_size, sum_across
 
 
@@ -16,6 +17,12 @@ def test_a_single_process_is_left_alone():
     tensors = [torch.ones(3), torch.arange(4.0).reshape(2, 2)]
     assert rank_and_size() == (0, 1)
     assert sum_across(tensors) is tensors
+
+
+def test_tensors_are_summed_across_processes_in_runs_of_at_most_a_chunk(monkeypatch):
+    monkeypatch.setattr(parallel, "CHUNK", 10)
+    tensors = [torch.zeros(n) for n in (4, 5, 12, 3, 7, 1)]
+    assert [[t.numel() for t in run] for run in parallel._chunks(tensors)] == [[4, 5], [12], [3, 7], [1]]
 
 
 # 72 examples in batches of 16: five batches, shared 3 / 2 between the two processes

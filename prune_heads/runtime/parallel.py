@@ -21,6 +21,8 @@ from accelerate.utils import reduce
 
 from ..errors import ConfigError
 
+CHUNK = 2**25  # float64 values summed across processes at once (256 MiB): a 70B's statistics are 40 GiB
+
 
 def distributed() -> PartialState | None:
     """accelerate's process state when this process is one of several (accelerate launch, torchrun), else None.
@@ -44,11 +46,26 @@ def is_main() -> bool:
 
 
 def sum_across(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors summed over all processes (float64, on the CPU); unchanged in a single process."""
+    """The tensors summed over all processes (float64, on the CPU); unchanged in a single process. Summed
+    `CHUNK` values at a time, so a big model's statistics are not copied whole at once."""
     state = distributed()
     if state is None or not tensors:
         return tensors
-    flat = torch.cat([t.detach().double().reshape(-1).cpu() for t in tensors]).to(state.device)
+    return [total for group in _chunks(tensors) for total in _summed(group, state.device)]
+
+
+def _chunks(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` in order, in runs of at most `CHUNK` values (a larger tensor alone)."""
+    runs: list[list[torch.Tensor]] = [[]]
+    for t in tensors:
+        if runs[-1] and sum(x.numel() for x in runs[-1]) + t.numel() > CHUNK:
+            runs.append([])
+        runs[-1].append(t)
+    return runs
+
+
+def _summed(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    flat = torch.cat([t.detach().double().reshape(-1).cpu() for t in tensors]).to(device)
     total = reduce(flat, reduction="sum").cpu()
     return [part.reshape(t.shape) for part, t in zip(total.split([t.numel() for t in tensors]), tensors)]
 
