@@ -17,6 +17,11 @@ One shape, its figures as a JSON line (what the table is made from, one run at a
      add --profile 30 to --measure: the 30 calls with the most time, on stderr, also when a time limit stops the
      run with SIGINT (`timeout -s INT`); with CUDA_LAUNCH_BLOCKING=1 a GPU's time is charged to the call that
      asked for it, not to the next one that waits.
+The cost model (benchmarks/cost_model.py): each shape's counted work on its narrow proxy, then the predicted
+minutes on 1, 4 and 8 GPUs from a device's rates (the H100's measured figures unless --device-rates is given):
+     .venv/bin/python benchmarks/cost.py --count llama-3.1-8b >> benchmarks/cost-counts.jsonl
+     .venv/bin/python benchmarks/cost.py --predict benchmarks/cost-counts.jsonl [--device-rates rates.json]
+     .venv/bin/python benchmarks/cost.py --rates --device cuda > rates.json   (on a lent GPU)
 """
 
 from __future__ import annotations
