@@ -35,6 +35,7 @@ import prune_heads as ph
 from prune_heads.cli import main
 from prune_heads.export.gguf import gguf_heads
 from prune_heads.export.gguf.writer import _copy_fields, _reader
+from prune_heads.model.sharing import share_kv_heads
 from prune_heads.model.surgery import add_output_bias
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -192,6 +193,38 @@ def test_hugging_face_llama_to_gguf_equals_transformers_in_llama_cpp(
     assert greedy == expected_greedy
     text = "Hello world! 12345 numbers,  über café\n\n\ttabs <|endoftext|> don't"
     assert lc.tokenize(written.path, text) == bpe_tokenizer(text)["input_ids"]
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize(
+    "sharing, plan, architecture",
+    [
+        ({i: {1: 0, 3: 2} for i in range(3)}, {}, "llama"),  # every layer 4 over 2: the stock architecture
+        ({0: {1: 0, 3: 2}, 2: {0: 3, 1: 3, 2: 3}}, {1: [0, 1]}, "deci"),  # 4 over 2, 2 over 2, 4 over 1
+    ],
+    ids=["even", "uneven"],
+)
+def test_shared_kv_heads_with_mapped_keys_are_written_and_equal_transformers_in_llama_cpp(
+    tmp_path, bpe_tokenizer, sharing, plan, architecture
+):
+    """The re-pointed heads' query rows hold their key maps; llama.cpp's own row order for rotary (q and k
+    permuted per head) and its contiguous query groups read them as transformers does."""
+    model = tiny_llama(len(bpe_tokenizer), 4)
+    generator = torch.Generator().manual_seed(0)
+    names = [l.name for l in ph.find_attention(model)]
+    maps = {
+        names[i]: {j: torch.complex(*torch.randn(2, 8, generator=generator)).to(torch.complex128) for j in merges}
+        for i, merges in sharing.items()
+    }
+    share_kv_heads(model, sharing, maps)
+    ph.prune(model, plan)
+    written = ph.save_gguf(model, tmp_path / "m.gguf", tokenizer=bpe_tokenizer, tensor_type="f32")
+    assert written.architecture == architecture
+    ids = bpe_tokenizer(PROMPT)["input_ids"]
+    logits, greedy = lc.run(written.path, ids, f32_cache=True)
+    expected, expected_greedy = transformers_run(model, ids)
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+    assert greedy == expected_greedy
 
 
 @pytest.mark.llama_cpp

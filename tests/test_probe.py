@@ -171,11 +171,11 @@ def test_a_half_precision_model_is_proven_on_its_structure_not_its_rounding(dtyp
 
 
 def test_a_module_used_at_several_depths_is_proven_on_each_of_its_calls():
-    from prune_heads.model.probe import CALLS, _capture
+    from prune_heads.model.probe import CALLS, capture_calls
 
     albert = tm.build("albert")  # one layer object called at every depth, with other inputs each time
     layers = ph.find_attention(albert)
-    calls, failure = _capture(albert, layers, None)
+    calls, failure = capture_calls(albert, layers, None)
     depth = albert.config.num_hidden_layers
     assert failure is None and len(calls[layers[0].name]) == min(CALLS, depth) > 1
     first, second = (c[0][0] if c[0] else next(iter(c[1].values())) for c in calls[layers[0].name][:2])

@@ -178,6 +178,9 @@ _LLAMA_TYPES = (
     "CohereAttention",
     "GlmAttention",
 )
+# those whose rotary embedding turns the pairs (i, i + head_dim / 2) (transformers' rotate_half): Cohere and GLM
+# interleave theirs
+ROTATE_HALF = frozenset(_LLAMA_TYPES) - {"CohereAttention", "GlmAttention"}
 _BART_TYPES = (
     "BartAttention",
     "WhisperAttention",

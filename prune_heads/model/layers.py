@@ -29,8 +29,10 @@ class UnsupportedModelError(PruneHeadsError, ValueError):
 class AttentionLayer:
     """A snapshot of one attention layer: where it is, which heads it still has, who handles it.
 
-    `heads` and `kv_heads` are ORIGINAL indices (as numbered before any pruning). For grouped-query layers,
-    query head h belongs to KV head h // (original heads per KV head).
+    `heads` and `kv_heads` are ORIGINAL indices (as numbered before any pruning), `heads` in the order the
+    layer holds them. For grouped-query layers, query head h belongs to KV head h // (original heads per KV
+    head), unless that KV head was merged into another: `merges` pairs each merged KV head with the one its
+    query heads attend to since (`prune_heads.model.sharing`).
     """
 
     name: str
@@ -45,11 +47,29 @@ class AttentionLayer:
     original_num_kv_heads: int
     spec: AttentionSpec
     module: nn.Module
+    merges: tuple[tuple[int, int], ...] = ()
 
     @property
     def group_size(self) -> int:
         """Query heads per KV head in the original layer (1 for plain multi-head attention)."""
         return self.original_num_heads // self.original_num_kv_heads
+
+    def kv_of(self, head: int) -> int:
+        """The original KV head that query head `head` (an original index) attends to."""
+        return kv_head_of(head, self.group_size, dict(self.merges))
+
+
+def kv_head_of(head: int, group_size: int, merges: dict[int, int]) -> int:
+    """The original KV head query head `head` attends to: its own group's, or the one that group was merged into."""
+    own = head // group_size
+    return merges.get(own, own)
+
+
+def shared_order(heads: tuple[int, ...], group_size: int, merges: dict[int, int]) -> tuple[int, ...]:
+    """The query heads in the order a layer holds them once `merges` apply: by the KV head each attends to, so
+    every KV head's query heads are contiguous (as llama.cpp and transformers' repeat_kv read them), and by
+    original index within it."""
+    return tuple(sorted(heads, key=lambda h: (kv_head_of(h, group_size, merges), h)))
 
 
 def resolve(module: nn.Module, path: str):
@@ -254,7 +274,7 @@ def kv_groups_left(layer: AttentionLayer, removed: list[int]) -> int:
     """KV groups `layer` keeps once its query heads `removed` (original indices) go: a group goes with its last
     query head."""
     gone = set(removed)
-    return len({h // layer.group_size for h in layer.heads if h not in gone})
+    return len({layer.kv_of(h) for h in layer.heads if h not in gone})
 
 
 def head_parameters(layer: AttentionLayer) -> tuple[int, int]:
@@ -308,19 +328,22 @@ def describe(module: nn.Module, spec: AttentionSpec, name: str, index: int) -> A
     num_heads = Projection(resolve(module, spec.o)).features("in") // head_dim
     _, num_kv_heads = qkv_parts(module, spec, num_heads, head_dim)
     record = getattr(module, "_ph_record", None)
+    merges: dict[int, int] = {}
     if record is None:
         original, original_kv = num_heads, num_kv_heads
         heads = tuple(range(num_heads))
     else:
         original, original_kv = record["num_heads"], record["num_kv_heads"]
         heads = tuple(h for h in range(original) if h not in set(record["removed"]))
+        merges = {int(j): int(g) for j, g in record.get("shared", {}).items()}
     if original_kv == 0 or original % max(original_kv, 1) or (not spec.grouped and num_kv_heads != num_heads):
         raise UnsupportedModelError(
             f"{name} ({type(module).__name__}): its projections do not match the '{spec.name}' layout "
             f"({num_heads} query heads, {num_kv_heads} KV heads)"
         )
     group = original // original_kv
-    kv_heads = tuple(sorted({h // group for h in heads}))
+    heads = shared_order(heads, group, merges)
+    kv_heads = tuple(sorted({kv_head_of(h, group, merges) for h in heads}))
     kind = (
         "cross" if getattr(module, "is_cross_attention", False) or any(p in name for p in _CROSS_NAME_PARTS) else "self"
     )
@@ -337,6 +360,7 @@ def describe(module: nn.Module, spec: AttentionSpec, name: str, index: int) -> A
         original_num_kv_heads=original_kv,
         spec=spec,
         module=module,
+        merges=tuple(sorted(merges.items())),
     )
 
 

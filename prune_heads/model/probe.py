@@ -35,7 +35,7 @@ TOLERANCE = 1e-4  # relative to the largest output value: float32 reordering, ne
 CALLS = 3  # calls of one layer proven: a module reached from several places is proven on more than its first
 
 
-def _capture(model: nn.Module, layers: list[AttentionLayer], inputs: dict | None) -> tuple[dict, str | None]:
+def capture_calls(model: nn.Module, layers: list[AttentionLayer], inputs: dict | None) -> tuple[dict, str | None]:
     """The (args, kwargs) of each layer module's first CALLS calls in one forward pass (a module used at
     several depths is called with other inputs each time); and why the pass failed, if it did."""
     calls: dict[str, list[tuple]] = {}
@@ -61,11 +61,11 @@ def _capture(model: nn.Module, layers: list[AttentionLayer], inputs: dict | None
             with torch.no_grad():
                 model(**inputs)
         except Exception as failure:  # the model's own code (or a model dummy_inputs cannot feed): anything
-            error = _reason(failure)
+            error = reason(failure)
     return calls, error
 
 
-def _reason(failure: BaseException) -> str:
+def reason(failure: BaseException) -> str:
     lines = str(failure).strip().splitlines()
     return f"{type(failure).__name__}: {lines[0]}" if lines else type(failure).__name__
 
@@ -84,7 +84,7 @@ def _small(inputs: dict, rows: int = 2, tokens: int = 32) -> dict:
     }
 
 
-def _first_tensor(output: Any) -> torch.Tensor | None:
+def first_tensor(output: Any) -> torch.Tensor | None:
     return next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor)), None)
 
 
@@ -117,35 +117,19 @@ def _to_float32(x: Any) -> Any:
     return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
-def _differs(layer: AttentionLayer, heads: list[int], call: tuple) -> str | None:
-    """Why removing `heads` from a copy of the layer does not give the gated layer's output (None: it does)."""
-    shared = _shared_norm(layer)
-    if shared is not None:
-        return shared
+def float32_copy(layer: AttentionLayer, call: tuple) -> tuple[nn.Module, tuple, dict]:
+    """A copy of the layer's module and of one captured call (args, kwargs), both in float32 where the layer is
+    in half precision (see `_half`)."""
     half = _half(layer.module)
     args, kwargs = tree_map(_to_float32, call) if half else call
-    kept = torch.tensor([0.0 if h in heads else 1.0 for h in layer.heads])
-    reference = copy.deepcopy(layer.module).float() if half else copy.deepcopy(layer.module)
-    o_proj = resolve(reference, layer.spec.o)
-    try:
-        with (
-            torch.no_grad(),
-            hooks([(o_proj, "forward_pre", gate_hook([kept.to(o_proj.weight.device)], 0, layer.head_dim))]),
-        ):
-            expected = _first_tensor(reference(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
-    except Exception as failure:  # the module's own forward, with gates
-        return f"it fails with gates on its inputs ({_reason(failure)})"
-    pruned = copy.deepcopy(layer.module).float() if half else copy.deepcopy(layer.module)
-    try:
-        after = remove_heads(describe(pruned, layer.spec, layer.name, layer.index), heads)
-        with torch.no_grad():
-            got = _first_tensor(pruned(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
-    except Exception as failure:  # the module's own forward after slicing
-        return f"it fails after the removal ({_reason(failure)})"
-    if after.num_heads != layer.num_heads - len(heads):
-        return f"it reports {after.num_heads} heads after removing {len(heads)} of {layer.num_heads}"
+    module = copy.deepcopy(layer.module)
+    return (module.float() if half else module), copy.deepcopy(args), copy.deepcopy(kwargs)
+
+
+def mismatch(expected: torch.Tensor | None, got: torch.Tensor | None) -> str | None:
+    """Why a changed layer's output is not the reference's (None: equal within TOLERANCE of its largest value)."""
     if expected is None or got is None or got.shape != expected.shape:
-        return "its output changes shape after the removal"
+        return "its output changes shape"
     expected, got = expected.float(), got.float()
     both_nan = expected.isnan() & got.isnan()  # fully masked rows (padding cut short) give NaN either way
     scale = expected.nan_to_num().abs().max().item() or 1.0
@@ -153,6 +137,34 @@ def _differs(layer: AttentionLayer, heads: list[int], call: tuple) -> str | None
     if not error <= TOLERANCE * scale:
         return f"its output differs from the gated layer's by {error:.3g} (of {scale:.3g})"
     return None
+
+
+def _differs(layer: AttentionLayer, heads: list[int], call: tuple) -> str | None:
+    """Why removing `heads` from a copy of the layer does not give the gated layer's output (None: it does)."""
+    shared = _shared_norm(layer)
+    if shared is not None:
+        return shared
+    kept = torch.tensor([0.0 if h in heads else 1.0 for h in layer.heads])
+    reference, args, kwargs = float32_copy(layer, call)
+    o_proj = resolve(reference, layer.spec.o)
+    try:
+        with (
+            torch.no_grad(),
+            hooks([(o_proj, "forward_pre", gate_hook([kept.to(o_proj.weight.device)], 0, layer.head_dim))]),
+        ):
+            expected = first_tensor(reference(*args, **kwargs))
+    except Exception as failure:  # the module's own forward, with gates
+        return f"it fails with gates on its inputs ({reason(failure)})"
+    pruned, args, kwargs = float32_copy(layer, call)
+    try:
+        after = remove_heads(describe(pruned, layer.spec, layer.name, layer.index), heads)
+        with torch.no_grad():
+            got = first_tensor(pruned(*args, **kwargs))
+    except Exception as failure:  # the module's own forward after slicing
+        return f"it fails after the removal ({reason(failure)})"
+    if after.num_heads != layer.num_heads - len(heads):
+        return f"it reports {after.num_heads} heads after removing {len(heads)} of {layer.num_heads}"
+    return mismatch(expected, got)
 
 
 def probe_plan(
@@ -194,7 +206,7 @@ def restored_on_error(model: nn.Module) -> Iterator[None]:
 
 def _prove(model: nn.Module, planned: list[AttentionLayer], plan: dict[str, list[int]], inputs: dict | None) -> None:
     """Raise PlanError for the first planned layer whose removal is not exact on a copy."""
-    calls, failure = _capture(model, planned, inputs)
+    calls, failure = capture_calls(model, planned, inputs)
     for layer in planned:
         by_table = spec_for_type(type(layer.module).__name__) is layer.spec
         why: str | None = None

@@ -18,7 +18,16 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache
 
 from ..errors import PruneHeadsError
-from .layers import AttentionLayer, Projection, describe, find_attention, qkv_parts, resolve
+from .layers import (
+    AttentionLayer,
+    Projection,
+    describe,
+    find_attention,
+    kv_head_of,
+    qkv_parts,
+    resolve,
+    shared_order,
+)
 
 Plan = Mapping[int, Iterable[int]] | Mapping[str, Iterable[int]] | Mapping[int | str, Iterable[int]]
 RECORD_KEY = "prune_heads"
@@ -113,19 +122,9 @@ def normalize_plan(layers: list[AttentionLayer], plan: Plan) -> dict[str, list[i
     Raises PlanError for an unknown layer, a head outside the layer, a head already removed, or a
     grouped-query plan that leaves kept KV groups with different numbers of query heads.
     """
-    by_name = {layer.name: layer for layer in layers}
     normalized: dict[str, list[int]] = {}
     for key, heads in plan.items():
-        if isinstance(key, str) and key.isdigit() and key not in by_name:
-            key = int(key)
-        if isinstance(key, int):
-            if not 0 <= key < len(layers):
-                raise PlanError(f"layer {key} does not exist: the model has attention layers 0..{len(layers) - 1}")
-            layer = layers[key]
-        elif key in by_name:
-            layer = by_name[key]
-        else:
-            raise PlanError(f"no attention layer named {key!r}; prune_heads.find_attention(model) lists them")
+        layer = layer_for(layers, key)
         heads = sorted(set(normalized.get(layer.name, [])) | {int(h) for h in heads})
         if heads and any(p.device.type == "meta" for p in layer.module.parameters()):
             raise PlanError(
@@ -137,16 +136,34 @@ def normalize_plan(layers: list[AttentionLayer], plan: Plan) -> dict[str, list[i
                 raise PlanError(f"{layer.name} has heads 0..{layer.original_num_heads - 1}; head {h} does not exist")
             if h not in layer.heads:
                 raise PlanError(f"head {h} of {layer.name} was already removed; heads left: {list(layer.heads)}")
-        _check_groups(layer, [h for h in layer.heads if h not in heads])
+        check_groups(layer, [h for h in layer.heads if h not in heads], dict(layer.merges))
         if heads:
             normalized[layer.name] = heads
     return normalized
 
 
-def _check_groups(layer: AttentionLayer, kept: list[int]) -> None:
+def layer_for(layers: list[AttentionLayer], key: int | str) -> AttentionLayer:
+    """The layer a plan's key names (its index in `layers`, as an int or digits, or its module name); PlanError
+    naming what exists otherwise."""
+    by_name = {layer.name: layer for layer in layers}
+    if isinstance(key, str) and key.isdigit() and key not in by_name:
+        key = int(key)
+    if isinstance(key, int):
+        if not 0 <= key < len(layers):
+            raise PlanError(f"layer {key} does not exist: the model has attention layers 0..{len(layers) - 1}")
+        return layers[key]
+    if key in by_name:
+        return by_name[key]
+    raise PlanError(f"no attention layer named {key!r}; prune_heads.find_attention(model) lists them")
+
+
+def check_groups(layer: AttentionLayer, kept: list[int], merges: dict[int, int]) -> None:
+    """PlanError unless every KV head left serves as many of the `kept` query heads as the others (once
+    `merges` apply), as a grouped-query layer needs."""
     counts: dict[int, int] = {}
     for h in kept:
-        counts[h // layer.group_size] = counts.get(h // layer.group_size, 0) + 1
+        kv = kv_head_of(h, layer.group_size, merges)
+        counts[kv] = counts.get(kv, 0) + 1
     if len(set(counts.values())) > 1:
         raise PlanError(
             f"{layer.name} uses grouped-query attention ({layer.group_size} query heads per KV head): every kept "
@@ -188,18 +205,31 @@ def _keep_heads_at(module: nn.Module, path: str, positions: list[int], dim: int 
         parent.embedding_dim = len(positions)
 
 
-@torch.no_grad()
 def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
     """Remove the given ORIGINAL heads of one layer in place and return its new snapshot.
 
     KV heads whose query heads are all gone are removed with them. The weights keep their dtype, device
     and requires_grad. Callers validate the plan first (see normalize_plan).
     """
+    return relayout(layer, heads, {})
+
+
+@torch.no_grad()
+def relayout(layer: AttentionLayer, removed: Iterable[int], merges: Mapping[int, int]) -> AttentionLayer:
+    """Remove the ORIGINAL query heads `removed` of one layer in place, let the query heads of each KV head
+    merged into another (`merges`, on top of the layer's own) attend to that one, and return the new snapshot.
+
+    The query heads are laid out by the KV head they attend to (`shared_order`), their output-projection
+    columns with them; a KV head left without query heads, or merged, loses its key and value rows. What the
+    re-pointed heads' queries need to read their new keys is folded in before (`prune_heads.model.sharing`).
+    Callers validate first (see normalize_plan and `check_groups`).
+    """
     spec, dim = layer.spec, layer.head_dim
     module: Any = layer.module  # its own attributes are updated and recorded
-    remove = set(heads)
-    kept = [h for h in layer.heads if h not in remove]
-    kept_kv = sorted({h // layer.group_size for h in kept})
+    merged = {**dict(layer.merges), **merges}
+    gone = set(removed)
+    kept = list(shared_order(tuple(h for h in layer.heads if h not in gone), layer.group_size, merged))
+    kept_kv = sorted({kv_head_of(h, layer.group_size, merged) for h in kept})
     q_pos = [layer.heads.index(h) for h in kept]
     kv_pos = [layer.kv_heads.index(g) for g in kept_kv]
     o_proj = Projection(resolve(module, spec.o))
@@ -232,6 +262,7 @@ def remove_heads(layer: AttentionLayer, heads: Iterable[int]) -> AttentionLayer:
         "num_heads": layer.original_num_heads,
         "num_kv_heads": layer.original_num_kv_heads,
         "removed": sorted(set(range(layer.original_num_heads)) - set(kept)),
+        **({"shared": {str(j): g for j, g in sorted(merged.items())}} if merged else {}),
     }
     module._ph_present = kept
     return describe(module, spec, layer.name, layer.index)
@@ -245,8 +276,8 @@ def _slice_projections(layer: AttentionLayer, q_pos: list[int], kv_pos: list[int
     for name, slot in parts.items():
         index = slot.features(q_pos if name == "q" else kv_pos, layer.head_dim)
         slices.setdefault(id(slot.projection.module), (slot.projection, []))[1].append(index)
-    for projection, indices in slices.values():
-        projection.keep(torch.cat(indices).sort().values, "out")
+    for projection, indices in slices.values():  # a fused projection keeps its own order; one alone, the heads'
+        projection.keep(torch.cat(indices).sort().values if len(indices) > 1 else indices[0], "out")
 
 
 def _without_heads(layer: AttentionLayer, o_proj: Projection) -> None:
@@ -268,7 +299,7 @@ def _without_heads(layer: AttentionLayer, o_proj: Projection) -> None:
         module._ph_headless_hook = True
 
 
-def prepare(model: nn.Module, layers: list[AttentionLayer], plan: dict[str, list[int]]) -> None:
+def prepare(model: nn.Module, layers: list[AttentionLayer], plan: Mapping[str, Any]) -> None:
     """Run the one-time preparation of every family in the plan (idempotent; outputs do not change)."""
     by_name = {layer.name: layer for layer in layers}
     for spec in {by_name[name].spec for name in plan}:
@@ -330,15 +361,16 @@ def add_output_bias(model: nn.Module, biases: Mapping[str, torch.Tensor]) -> Non
     write_record(model, layers)
 
 
-def _record_plan(layers: list[AttentionLayer], record: Any) -> dict[str, list[int]]:
-    """Check a record against a freshly built model and return its plan; RecordError names what is wrong."""
+def _record_plan(layers: list[AttentionLayer], record: Any) -> dict[str, tuple[list[int], dict[int, int]]]:
+    """Check a record against a freshly built model and return per layer its removed heads and merged KV heads;
+    RecordError names what is wrong."""
     fix = "restore the config.json that save_pruned wrote"
     if not isinstance(record, dict) or record.get("format") != 1 or not isinstance(record.get("layers"), dict):
         raise RecordError(
             f"config.{RECORD_KEY} is not a prune_heads record of format 1 (a dict with 'format': 1 and 'layers'); {fix}"
         )
     by_name = {layer.name: layer for layer in layers}
-    plan: dict[str, list[int]] = {}
+    plan: dict[str, tuple[list[int], dict[int, int]]] = {}
     for name, entry in record["layers"].items():
         where = f"config.{RECORD_KEY} layer {name!r}"
         layer = by_name.get(name)
@@ -360,15 +392,16 @@ def _record_plan(layers: list[AttentionLayer], record: Any) -> dict[str, list[in
             raise RecordError(f"{where}: removed head(s) {bad} are not heads 0..{layer.num_heads - 1}; {fix}")
         if len(set(removed)) != len(removed):
             raise RecordError(f"{where}: removed lists a head twice ({removed}); {fix}")
+        merges = _recorded_merges(layer, entry.get("shared", {}), f"{where}: {fix}")
         try:
-            _check_groups(layer, [h for h in layer.heads if h not in removed])
+            check_groups(layer, [h for h in layer.heads if h not in removed], merges)
         except PlanError:
             raise RecordError(
                 f"{where}: removing {removed} leaves KV groups of different sizes, which no pruned "
                 f"grouped-query layer has; {fix}"
             ) from None
-        if removed:
-            plan[name] = sorted(removed)
+        if removed or merges:
+            plan[name] = (sorted(removed), merges)
     digest = record.get("digest")
     if digest is not None and digest != record_digest(record["layers"]):
         raise RecordError(
@@ -376,6 +409,19 @@ def _record_plan(layers: list[AttentionLayer], record: Any) -> dict[str, list[in
             f"so the head labels cannot be trusted; {fix}"
         )
     return plan
+
+
+def _recorded_merges(layer: AttentionLayer, shared: Any, fix: str) -> dict[int, int]:
+    """A record's merged KV heads of one layer ({merged: the KV head it serves through}), checked."""
+    kv = range(layer.num_kv_heads)
+    if not isinstance(shared, dict) or not all(
+        isinstance(j, str) and j.isdigit() and int(j) in kv and type(g) is int and g in kv for j, g in shared.items()
+    ):
+        raise RecordError(f"'shared' must map KV heads 0..{layer.num_kv_heads - 1} to KV heads; {fix}")
+    merges = {int(j): g for j, g in shared.items()}
+    if any(j == g or g in merges for j, g in merges.items()):
+        raise RecordError(f"'shared' {shared} merges a KV head into itself or into a merged one; {fix}")
+    return merges
 
 
 def reapply_record(model: nn.Module, record: dict | None) -> None:
@@ -389,8 +435,10 @@ def reapply_record(model: nn.Module, record: dict | None) -> None:
         return
     layers = find_attention(model)
     plan = _record_plan(layers, record)
-    apply_plan(model, layers, plan)
+    prepare(model, layers, plan)
     by_name = {layer.name: layer for layer in layers}
+    for name, (removed, merges) in plan.items():
+        relayout(by_name[name], removed, merges)
     for name, entry in record["layers"].items():
         if entry.get("bias"):
             layer = by_name[name]
