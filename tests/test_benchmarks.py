@@ -9,8 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tiny_models as tm
+import torch
 
 import prune_heads as ph
+from prune_heads.recovery.gated import GatedModel
+from prune_heads.recovery.sharing import sharing_statistics
 
 FOLDER = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(p.stem for p in FOLDER.glob("*.py"))
@@ -111,3 +114,19 @@ def test_the_dtype_check_measures_perplexity_per_text(bench):
     batches = [dict(b, labels=b["input_ids"]) for b in tm.batches("llama", n=2)]
     found = dtype.perplexities(model, {"a": ph.TaskData("causal-lm", batches, 8)})
     assert set(found) == {"a"} and found["a"].value() > 1
+
+
+def test_the_sharing_run_cuts_each_layer_of_a_tiny_decoder_both_ways(bench):
+    sharing = bench("sharing")
+    model = tm.build("llama")  # 4 query heads over 2 KV heads
+    batches = [{**b, "labels": b["input_ids"]} for b in tm.batches("llama", n=4, labels=False)]
+    layers = ph.find_attention(model)
+    calibration, heldout, maps = sharing_statistics(model, layers, batches[:2], batches[2:3])
+    with GatedModel(model, layers) as gated:
+        unpruned = sharing.mean_nll(gated, layers, {}, maps, batches[3:])
+        for share in (False, True):
+            cut = sharing.best_cut(layers[0], calibration[layers[0].name], heldout[layers[0].name], share)
+            assert (len(cut.removed), len(cut.merges)) == ((0, 1) if share else (2, 0))
+            after = sharing.mean_nll(gated, layers, {layers[0].name: cut}, maps, batches[3:])
+            assert torch.isfinite(torch.tensor(after)) and after != unpruned
+        assert sharing.mean_nll(gated, layers, {}, maps, batches[3:]) == unpruned  # the gated model put back

@@ -1,6 +1,7 @@
 """Shared KV heads (prune_heads.model.sharing): the shared layer computes what the hooks compute on the unchanged
 model, a KV head whose keys are a rotary-commuting scale of another's is shared without changing the model,
-save -> load and generate() keep it, and what cannot share is refused before anything changes."""
+save -> load and generate() keep it, and what cannot share is refused before anything changes. Their refits
+(prune_heads.recovery.sharing): solved from one recording of every turn, with the shared layer's own error."""
 
 import json
 
@@ -12,6 +13,8 @@ import prune_heads as ph
 from prune_heads.model.layers import find_attention
 from prune_heads.model.sharing import fit_key_maps, key_products, maps_keys, share_kv_heads, shared_kv
 from prune_heads.model.surgery import RECORD_KEY, PlanError, RecordError, record_digest
+from prune_heads.recovery.reconstruction import refit
+from prune_heads.recovery.sharing import merge_maps, sharing_statistics
 
 CONFIGS = {
     "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
@@ -209,3 +212,60 @@ def test_a_record_whose_sharing_was_edited_is_refused(tmp_path):
     path.write_text(json.dumps(config))
     with pytest.raises(RecordError, match="merges a KV head into itself"):
         ph.load_pruned(tmp_path / "shared")
+
+
+def _o_proj_rows(model, layer, batches, sharing=None, maps=None):
+    """The layer's output-projection inputs and outputs over the batches' tokens (padding left out), with
+    `sharing` run as hooks."""
+    seen = []
+    o_proj = layer.module.o_proj
+    handle = o_proj.register_forward_hook(lambda m, a, out: seen.append((a[0].detach(), out.detach())))
+    try:
+        with torch.no_grad(), shared_kv([layer], {layer.name: sharing or {}}, {layer.name: maps or {}}):
+            for b in batches:
+                model(**b)
+    finally:
+        handle.remove()
+    masks = [b["attention_mask"].bool() for b in batches]
+    return tuple(torch.cat([pair[i][m] for pair, m in zip(seen, masks)]).double() for i in range(2))
+
+
+def test_a_shared_refit_is_solved_from_the_recorded_turns_and_its_error_is_the_shared_layers():
+    """The refit of a sharing, from the one Gram matrix of the layer's inputs and turns, is the fit of the
+    shared layer's own output-projection inputs: its reported error is the shared layer's output error with
+    the fitted columns and bias in place."""
+    model = eight_over_four("llama")
+    layers = find_attention(model)
+    batches = [batch(seed, rows=4, tokens=16) for seed in range(4)]
+    calibration, _, maps = sharing_statistics(model, layers, batches, batches[:1])
+    layer, merges = layers[1], {1: 0, 3: 2}
+    fitted = refit(layer, (), calibration[layer.name], None, merges=merges)
+    x, _ = _o_proj_rows(model, layer, batches, merges, merge_maps(maps[layer.name], layer, merges))
+    _, y = _o_proj_rows(model, layer, batches)  # the unpruned layer's output: the fit's target
+    predicted = x @ fitted.weight.double().T + fitted.bias
+    error = float(((predicted - y) ** 2).sum() / (y**2).sum())
+    assert fitted.fallback is None and 0 < fitted.error < 1
+    assert error == pytest.approx(fitted.error, rel=1e-6)
+
+
+def test_where_a_kv_head_is_a_rotary_scale_of_another_sharing_refits_exactly_and_removal_cannot():
+    model = eight_over_four("llama")
+    layer = find_attention(model)[1]
+    dim, half = layer.head_dim, layer.head_dim // 2
+    scale = torch.complex(*torch.randn(2, half, generator=torch.Generator().manual_seed(5))).to(torch.complex128)
+    k, v = layer.module.k_proj.weight, layer.module.v_proj.weight
+    with torch.no_grad():
+        layer.module.q_proj.weight.mul_(4)  # peaked attention: a head's output is far from its mean
+        k.mul_(4)
+        for j in (1, 3):  # KV head 1 a scale of 0, 3 of 2
+            rows = k[(j - 1) * dim : j * dim].double()
+            first, second = rows[:half], rows[half:]
+            real, imag = scale.real[:, None], scale.imag[:, None]
+            k[j * dim : (j + 1) * dim] = torch.cat([real * first - imag * second, imag * first + real * second]).float()
+            v[j * dim : (j + 1) * dim] = v[(j - 1) * dim : j * dim]
+    batches = [batch(seed, rows=4, tokens=16) for seed in range(4)]
+    calibration, heldout, _ = sharing_statistics(model, find_attention(model), batches[:3], batches[3:])
+    layer = find_attention(model)[1]
+    shared = refit(layer, (), calibration[layer.name], heldout[layer.name], merges={1: 0, 3: 2})
+    removed = refit(layer, (2, 3, 6, 7), calibration[layer.name], heldout[layer.name])  # with their query heads
+    assert shared.error < removed.error / 100

@@ -4,7 +4,8 @@
 attention layers and describing their heads), `hooks` and `gates` (a gate per head on any backend),
 `surgery` (slicing the projections and recording what was removed), `probe` (`prune`, which proves each
 planned layer on a copy before it changes anything), `sharing` (KV heads merged into others, every query head
-kept) and `blocks` (forward passes that start at a block, for measuring a change at or after it). Nothing here knows about data, scores or budgets.
+kept) and `blocks` (forward passes that start at a block, for measuring a change at or after it). Nothing
+here knows about data, scores or budgets.
 """
 
 from .families import FAMILIES, AttentionSpec, register_family

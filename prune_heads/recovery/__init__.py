@@ -2,9 +2,10 @@
 
 `gated` (the unpruned model with gates and added biases, where candidates are tried without a copy),
 `holdout` (the held-out split and the one-standard-error rule), `tuning` (head scales and output biases
-tuned to the unpruned outputs), `reconstruction` (least-squares fits of what the removed heads wrote) and
+tuned to the unpruned outputs), `reconstruction` (least-squares fits of what the removed heads wrote),
 `search` (a plan chosen by measured removals, in rounds), `prefixes` (the plans along one nested order of
-units, and the deepest a bound allows), `candidates` and `generated` (the model's own written text).
+units, and the deepest a bound allows), `candidates`, `generated` (the model's own written text) and `sharing`
+(what shared KV heads would give, recorded so that any sharing of a layer is refitted in closed form).
 """
 
 from .reconstruction import reconstruct

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +70,35 @@ def _unpruned(layer: AttentionLayer, device: torch.device) -> torch.Tensor:
     return torch.cat([weight, bias[:, None]], 1)
 
 
+def _extended(full: torch.Tensor, inner: int) -> torch.Tensor:
+    """[W, b] widened to `inner` input features with zero weights on those past the layer's own: the target
+    of a fit over statistics that record alternatives beside the layer's inputs."""
+    own = full.shape[1] - 1
+    if inner == own:
+        return full
+    wide = full.new_zeros(full.shape[0], inner + 1)
+    wide[:, :own], wide[:, inner] = full[:, :own], full[:, own]
+    return wide
+
+
+def shared_features(layer: AttentionLayer, removed: Iterable[int], merges: dict[int, int]) -> torch.Tensor:
+    """The features a refit of the layer fits once `removed` heads go and `merges` apply, as indices into
+    statistics that record, after its own inputs, what every query head gives when each KV head reads the one
+    `s` places on (s = 1, 2, ...: `prune_heads.recovery.sharing.alternatives`): a re-pointed head's from the
+    alternative that reads its new KV head, every other kept head's own."""
+    gone = set(removed)
+    count, width = len(layer.kv_heads), layer.num_heads * layer.head_dim
+    kept = []
+    for position, head in enumerate(layer.heads):
+        if head in gone:
+            continue
+        own = layer.kv_heads.index(layer.kv_of(head))
+        target = merges.get(layer.kv_of(head))
+        shift = (layer.kv_heads.index(target) - own) % count if target is not None else 0
+        kept.append(shift * width + position * layer.head_dim + torch.arange(layer.head_dim))
+    return torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long)
+
+
 def _energy(full: torch.Tensor, gram: torch.Tensor) -> float:
     """Sum over the Gram matrix's tokens of the unpruned output's |[W, b] x~|^2 (at least a tiny positive)."""
     return max(float((full @ gram * full).sum()), 1e-30)
@@ -84,7 +113,12 @@ def _squared_error(theta: torch.Tensor, full: torch.Tensor, columns: torch.Tenso
 
 @torch.no_grad()
 def refit(
-    layer: AttentionLayer, removed: Iterable[int], calibration: Moments, heldout: Moments | None, bias: bool = True
+    layer: AttentionLayer,
+    removed: Iterable[int],
+    calibration: Moments,
+    heldout: Moments | None,
+    bias: bool = True,
+    merges: Mapping[int, int] | None = None,
 ) -> Refit:
     """The ridge least-squares fit of the kept columns of the layer's output projection and its bias to the
     unpruned layer's output on the calibration tokens (from their Gram matrix; the target is the layer's own
@@ -95,8 +129,10 @@ def refit(
     bias) and only the kept columns are fitted, pulled towards themselves. A fit that cannot be trusted (fewer
     tokens than unknowns per output, features without energy, values that are not finite or overflow the
     weights' dtype) falls back to bias compensation (to the kept columns as they are without a bias) and says
-    why."""
-    fit = _Fit.of(layer, removed, calibration, heldout, bias)
+    why. With `merges` (KV heads merged into others) the statistics are those of the layer's inputs beside
+    what each query head gives attending to every other KV head (`prune_heads.recovery.sharing`), and the
+    re-pointed heads' columns are fitted on what they give once merged, pulled towards their columns as they are."""
+    fit = _Fit.of(layer, removed, calibration, heldout, bias, dict(merges or {}))
     if not len(fit.kept):  # a layer that lost every head: the least-squares bias is the mean output, the prior
         return fit.result(fit.prior, math.inf, fit.error(fit.prior))
     gram, tokens = fit.gram, calibration.tokens
@@ -136,20 +172,33 @@ class _Fit:
 
     @classmethod
     def of(
-        cls, layer: AttentionLayer, removed: Iterable[int], calibration: Moments, heldout: Moments | None, bias: bool
+        cls,
+        layer: AttentionLayer,
+        removed: Iterable[int],
+        calibration: Moments,
+        heldout: Moments | None,
+        bias: bool,
+        merges: dict[int, int],
     ) -> _Fit:
         gram = calibration.matrix()
-        full = _unpruned(layer, gram.device)  # [out, in + 1]
-        inner = full.shape[1] - 1
+        inner = gram.shape[0] - 1  # the features recorded: the layer's, then any alternatives' (merges)
+        full = _extended(_unpruned(layer, gram.device), inner)  # [out, inner + 1]
         kept, gone = kept_and_removed(layer, removed)
+        if merges:
+            kept = shared_features(layer, removed, merges)
+        # the prior: each unchanged feature's own column, and a re-pointed one's zero with its mean output moved
+        # into the bias, as if it were removed (bias compensation: the limit a re-pointed head is pulled to)
+        own, moved = kept % (layer.num_heads * layer.head_dim), kept >= layer.num_heads * layer.head_dim
+        compensated = torch.cat([gone, own[moved]])
         old_bias = full[:, inner]
         if bias:  # the kept features and the constant 1
             mean = gram[:inner, inner] / max(calibration.tokens, 1)
             columns = torch.cat([kept, torch.tensor([inner])])
-            prior = torch.cat([full[:, kept], (old_bias + full[:, gone] @ mean[gone])[:, None]], 1)
+            weights = full[:, own].masked_fill(moved[None, :], 0.0)
+            prior = torch.cat([weights, (old_bias + full[:, compensated] @ mean[compensated])[:, None]], 1)
         else:  # the bias on both sides of the fit: it cancels
             full = torch.cat([full[:, :inner], full.new_zeros(full.shape[0], 1)], 1)
-            columns, prior = kept, full[:, kept]
+            columns, prior = kept, full[:, own].masked_fill(moved[None, :], 0.0)
         held = heldout is not None and heldout.tokens > 0
         judge = heldout.matrix() if heldout is not None and held else gram
         dtype = output_projection(layer).module.weight.dtype

@@ -1,0 +1,133 @@
+"""Sharing KV heads against removing them, with the project's refits and measured on the whole model: SmolLM2-135M
+(9 query heads over 3 KV heads in each of 30 layers), calibrated on movie text.
+
+Each layer alone is cut to one KV head two ways: removal (two KV groups go with their 6 query heads) and sharing
+(the two KV heads merged into the third, keys mapped, every query head kept), each with its output projection
+refitted by the project's ridge chosen on held-out windows, the kept KV head the one whose refit has the lowest
+held-out error. Each way's single-layer cut is measured on the whole model (held-out movie windows, mean token
+NLL against the unpruned model's); then the cheapest layers by that measure make plans of 15, 23 and 30 layers
+(30, 46 and 60 of the 90 KV heads gone) for removal alone, sharing alone and the better of the two per layer,
+judged by perplexity on movie and tweet test text. No search and no tuning: what the default path's search
+would see per unit, and how the units add up when chosen greedily.
+
+Run: .venv/bin/python benchmarks/sharing.py [--layers N] [--keys mapped|as-is]   (about 20 minutes on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+from common import markdown_table, torch_threads
+from llm import smollm2, windows
+
+from prune_heads.model.layers import find_attention
+from prune_heads.model.sharing import shared_kv
+from prune_heads.recovery.gated import GatedModel
+from prune_heads.recovery.holdout import sequence_nll
+from prune_heads.recovery.reconstruction import Refit, refit
+from prune_heads.recovery.sharing import merge_maps, sharing_statistics
+
+DEPTHS = (15, 23, 30)  # layers cut to one KV head: 30, 46 and 60 of 90 KV heads gone
+
+
+@dataclass
+class Cut:
+    """One layer cut to one KV head one way: the removed heads or the merges, the refit and its measured NLL."""
+
+    removed: tuple[int, ...]
+    merges: dict[int, int]
+    refit: Refit
+    nll: float = math.nan
+
+
+def best_cut(layer, calibration, heldout, share: bool) -> Cut:
+    """The layer cut to one KV head, the kept one the lowest held-out refit error's."""
+    cuts = []
+    for kept in layer.kv_heads:
+        others = [g for g in layer.kv_heads if g != kept]
+        if share:
+            merges = dict.fromkeys(others, kept)
+            fitted = refit(layer, (), calibration, heldout, merges=merges)
+            cuts.append(Cut((), merges, fitted))
+        else:
+            removed = tuple(h for h in layer.heads if layer.kv_of(h) in others)
+            cuts.append(Cut(removed, {}, refit(layer, removed, calibration, heldout)))
+    return min(cuts, key=lambda c: c.refit.error)
+
+
+def mean_nll(gated: GatedModel, layers, cuts: dict[str, Cut], maps, batches) -> float:
+    """The gated model's mean token NLL on `batches` with every cut in place (sharing run as hooks)."""
+    plan = {name: list(c.removed) for name, c in cuts.items() if c.removed}
+    gated.use(plan, refits={name: c.refit for name, c in cuts.items()})
+    sharing = {name: c.merges for name, c in cuts.items() if c.merges}
+    by_name = {l.name: l for l in layers}
+    key_maps = {name: merge_maps(maps[name], by_name[name], m) for name, m in sharing.items()}
+    with shared_kv(layers, sharing, key_maps):
+        found = sequence_nll(gated, batches, torch.device("cpu"))
+    gated.use({})
+    assert found is not None
+    return found.mean
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=30, help="measure the first N layers only (a quick look)")
+    parser.add_argument("--keys", choices=("mapped", "as-is"), default="mapped", help="the re-pointed heads' keys")
+    args = parser.parse_args()
+    model, tokenizer = smollm2()
+    calib = windows(tokenizer, "movie-snippets", "train[:1000]").batches
+    fit, held, judge = calib[:4], calib[4:6], calib[6:8]  # 32 windows fitted, 16 choose ridges, 16 judge cuts
+    tests = {
+        "movie": windows(tokenizer, "movie-snippets", "test[:300]").batches,
+        "tweets": windows(tokenizer, "tweet-snippets", "test[:300]").batches,
+    }
+    layers = find_attention(model)[: args.layers]
+    calibration, heldout, maps = sharing_statistics(model, layers, fit, held, mapped=args.keys == "mapped")
+    print("statistics recorded", file=sys.stderr, flush=True)
+    with GatedModel(model, find_attention(model)) as gated:
+        unpruned = mean_nll(gated, layers, {}, maps, judge)
+        ways: dict[str, dict[str, Cut]] = {"removal": {}, "sharing": {}}
+        for layer in layers:
+            for way, share in (("removal", False), ("sharing", True)):
+                cut = best_cut(layer, calibration[layer.name], heldout[layer.name], share)
+                cut.nll = mean_nll(gated, layers, {layer.name: cut}, maps, judge) - unpruned
+                ways[way][layer.name] = cut
+            print(layer.name, *(f"{w} {ways[w][layer.name].nll:+.4f}" for w in ways), file=sys.stderr, flush=True)
+        ways["better of the two"] = {
+            n: min((ways[w][n] for w in ("removal", "sharing")), key=lambda c: c.nll) for n in ways["removal"]
+        }
+        print_tables(gated, layers, ways, maps, tests)
+
+
+def print_tables(gated, layers, ways, maps, tests) -> None:
+    """The per-layer comparison, then each way's greedy plans judged on the test texts."""
+    removal, sharing = ways["removal"], ways["sharing"]
+    lower_error = sum(sharing[n].refit.error < removal[n].refit.error for n in removal)
+    lower_nll = sum(sharing[n].nll < removal[n].nll for n in removal)
+    print(
+        f"SmolLM2-135M, {len(removal)} layers each cut alone to one KV head ({torch_threads()} threads): sharing's "
+        f"held-out refit error lower in {lower_error}, its whole-model held-out NLL rise lower in {lower_nll}."
+    )
+    base = {name: math.exp(mean_nll(gated, layers, {}, maps, batches)) for name, batches in tests.items()}
+    rows = []
+    for way, cuts in ways.items():
+        order = sorted(cuts, key=lambda n: cuts[n].nll)
+        for depth in (d for d in DEPTHS if d <= len(order)):
+            chosen = {n: cuts[n] for n in order[:depth]}
+            shared = sum(1 for c in chosen.values() if c.merges)
+            cells = [
+                f"{100 * (math.exp(mean_nll(gated, layers, chosen, maps, b)) / base[t] - 1):+.1f}%"
+                for t, b in tests.items()
+            ]
+            rows.append([way, f"{2 * depth} ({depth} layers, {shared} shared)", *cells])
+            print(*rows[-1], file=sys.stderr, flush=True)
+    print(f"perplexity unpruned: movie {base['movie']:.2f}, tweets {base['tweets']:.2f}\n")
+    print(markdown_table(["way", "KV heads gone", "movie perplexity", "tweets perplexity"], rows))
+
+
+if __name__ == "__main__":
+    main()
