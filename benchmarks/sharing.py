@@ -7,10 +7,12 @@ refitted by the project's ridge chosen on held-out windows, the kept KV head the
 held-out error. Each way's single-layer cut is measured on the whole model (held-out movie windows, mean token
 NLL against the unpruned model's); then the cheapest layers by that measure make plans of 15, 23 and 30 layers
 (30, 46 and 60 of the 90 KV heads gone) for removal alone, sharing alone and the better of the two per layer,
-judged by perplexity on movie and tweet test text. No search and no tuning: what the default path's search
+judged by perplexity on movie and tweet test text. No search, and no tuning unless asked: what the default path's search
 would see per unit, and how the units add up when chosen greedily.
 
 Run: .venv/bin/python benchmarks/sharing.py [--layers N] [--keys mapped|as-is]   (about 20 minutes on 2 cores)
+     .venv/bin/python benchmarks/sharing.py --tune 30   (the plans of 30 KV heads gone, each tuned as the
+     default path tunes: gates, output biases and rank-16 projection updates, 4 epochs, held-out stop)
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ import torch
 from common import markdown_table, torch_threads
 from llm import smollm2, windows
 
+from prune_heads.config import RecoveryConfig
 from prune_heads.model.layers import find_attention
 from prune_heads.model.sharing import shared_kv
 from prune_heads.recovery.gated import GatedModel
 from prune_heads.recovery.holdout import sequence_nll
 from prune_heads.recovery.reconstruction import Refit, refit
 from prune_heads.recovery.sharing import merge_maps, sharing_statistics
+from prune_heads.recovery.tuning import Schedule, tune
+from prune_heads.scoring.objective import Objective
+from prune_heads.task_data import without_labels
 
 DEPTHS = (15, 23, 30)  # layers cut to one KV head: 30, 46 and 60 of 90 KV heads gone
 
@@ -61,22 +67,42 @@ def best_cut(layer, calibration, heldout, share: bool) -> Cut:
 
 def mean_nll(gated: GatedModel, layers, cuts: dict[str, Cut], maps, batches) -> float:
     """The gated model's mean token NLL on `batches` with every cut in place (sharing run as hooks)."""
+    return nlls(gated, layers, cuts, maps, {"": batches})[""]
+
+
+def nlls(gated: GatedModel, layers, cuts: dict[str, Cut], maps, tests: dict, tuning=None) -> dict[str, float]:
+    """The mean token NLL on each test's batches with every cut in place (sharing run as hooks); with `tuning`
+    ((batches, unpruned outputs, held-out batches)), after the default path's tuning of the gates, output
+    biases and projection updates to the unpruned outputs, its stop judged on the held-out batches."""
     plan = {name: list(c.removed) for name, c in cuts.items() if c.removed}
     gated.use(plan, refits={name: c.refit for name, c in cuts.items()})
     sharing = {name: c.merges for name, c in cuts.items() if c.merges}
     by_name = {l.name: l for l in layers}
     key_maps = {name: merge_maps(maps[name], by_name[name], m) for name, m in sharing.items()}
     with shared_kv(layers, sharing, key_maps):
-        found = sequence_nll(gated, batches, torch.device("cpu"))
+        if tuning is not None:
+            tuned(gated, *tuning)
+        found = {name: sequence_nll(gated, batches, torch.device("cpu")) for name, batches in tests.items()}
     gated.use({})
-    assert found is not None
-    return found.mean
+    return {name: nll.mean for name, nll in found.items() if nll is not None}
+
+
+def tuned(gated: GatedModel, batches: list[dict], targets: list, held: list[dict]) -> None:
+    """Tune the gated state as the default path does (its rates, rank, epochs and held-out stop)."""
+    r = RecoveryConfig()
+    tunables = gated.tunables(r.gate_tuning, r.bias_tuning, r.projection_rank, 0)
+    rates = {"gate": r.gate_lr, "bias": r.bias_lr, "projection": r.projection_lr}
+    groups = [{"params": params, "lr": rates[name]} for name, params in tunables.items()]
+    check = lambda: sequence_nll(gated, held, torch.device("cpu")).mean  # noqa: E731
+    tune(gated, groups, batches, targets, Objective(gated.model), Schedule(r.epochs, 0, r.average), check)
+    gated.freeze()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=30, help="measure the first N layers only (a quick look)")
     parser.add_argument("--keys", choices=("mapped", "as-is"), default="mapped", help="the re-pointed heads' keys")
+    parser.add_argument("--tune", type=int, metavar="HEADS", help="the plans of this many KV heads gone, tuned")
     args = parser.parse_args()
     model, tokenizer = smollm2()
     calib = windows(tokenizer, "movie-snippets", "train[:1000]").batches
@@ -100,11 +126,18 @@ def main() -> None:
         ways["better of the two"] = {
             n: min((ways[w][n] for w in ("removal", "sharing")), key=lambda c: c.nll) for n in ways["removal"]
         }
-        print_tables(gated, layers, ways, maps, tests)
+        tuning = None
+        if args.tune:
+            unlabelled = [without_labels(b) for b in fit]
+            objective = Objective(model)
+            targets = [objective.reference(gated(b), b) for b in unlabelled]
+            tuning = (unlabelled, targets, held)
+        print_tables(gated, layers, ways, maps, tests, args.tune, tuning)
 
 
-def print_tables(gated, layers, ways, maps, tests) -> None:
-    """The per-layer comparison, then each way's greedy plans judged on the test texts."""
+def print_tables(gated, layers, ways, maps, tests, depth=None, tuning=None) -> None:
+    """The per-layer comparison, then each way's greedy plans judged on the test texts (with `depth` KV heads
+    gone, tuned: `tuning`)."""
     removal, sharing = ways["removal"], ways["sharing"]
     lower_error = sum(sharing[n].refit.error < removal[n].refit.error for n in removal)
     lower_nll = sum(sharing[n].nll < removal[n].nll for n in removal)

@@ -3,6 +3,7 @@ it uses that was renamed fails here, and their main paths run on tiny random-wei
 
 import dataclasses
 import importlib
+import math
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 import prune_heads as ph
 from prune_heads.recovery.gated import GatedModel
 from prune_heads.recovery.sharing import sharing_statistics
+from prune_heads.scoring.objective import Objective
 
 FOLDER = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(p.stem for p in FOLDER.glob("*.py"))
@@ -130,3 +132,9 @@ def test_the_sharing_run_cuts_each_layer_of_a_tiny_decoder_both_ways(bench):
             after = sharing.mean_nll(gated, layers, {layers[0].name: cut}, maps, batches[3:])
             assert torch.isfinite(torch.tensor(after)) and after != unpruned
         assert sharing.mean_nll(gated, layers, {}, maps, batches[3:]) == unpruned  # the gated model put back
+        unlabelled = [{k: v for k, v in b.items() if k != "labels"} for b in batches[:2]]
+        targets = [Objective(model).reference(gated(b), b) for b in unlabelled]
+        tuning = (unlabelled, targets, batches[2:3])
+        tuned = sharing.nlls(gated, layers, {layers[0].name: cut}, maps, {"test": batches[3:]}, tuning)["test"]
+        assert math.isfinite(tuned) and tuned != after
+        assert sharing.mean_nll(gated, layers, {}, maps, batches[3:]) == unpruned
