@@ -392,7 +392,7 @@ def _record_plan(layers: list[AttentionLayer], record: Any) -> dict[str, tuple[l
             raise RecordError(f"{where}: removed head(s) {bad} are not heads 0..{layer.num_heads - 1}; {fix}")
         if len(set(removed)) != len(removed):
             raise RecordError(f"{where}: removed lists a head twice ({removed}); {fix}")
-        merges = _recorded_merges(layer, entry.get("shared", {}), f"{where}: {fix}")
+        merges = _recorded_merges(layer, entry.get("shared", {}), where, fix)
         try:
             check_groups(layer, [h for h in layer.heads if h not in removed], merges)
         except PlanError:
@@ -411,16 +411,18 @@ def _record_plan(layers: list[AttentionLayer], record: Any) -> dict[str, tuple[l
     return plan
 
 
-def _recorded_merges(layer: AttentionLayer, shared: Any, fix: str) -> dict[int, int]:
-    """A record's merged KV heads of one layer ({merged: the KV head it serves through}), checked."""
+def _recorded_merges(layer: AttentionLayer, shared: Any, where: str, fix: str) -> dict[int, int]:
+    """A record's merged KV heads of one layer ({merged: the KV head its query heads attend to}), checked."""
     kv = range(layer.num_kv_heads)
     if not isinstance(shared, dict) or not all(
         isinstance(j, str) and j.isdigit() and int(j) in kv and type(g) is int and g in kv for j, g in shared.items()
     ):
-        raise RecordError(f"'shared' must map KV heads 0..{layer.num_kv_heads - 1} to KV heads; {fix}")
+        raise RecordError(f"{where}: 'shared' must map KV heads 0..{layer.num_kv_heads - 1} to KV heads; {fix}")
     merges = {int(j): g for j, g in shared.items()}
     if any(j == g or g in merges for j, g in merges.items()):
-        raise RecordError(f"'shared' {shared} merges a KV head into itself or into a merged one; {fix}")
+        raise RecordError(f"{where}: 'shared' {shared} merges a KV head into itself or into a merged one; {fix}")
+    if merges and (layer.spec.fused_qkv or layer.spec.q_blocks > 1 or not layer.spec.grouped):
+        raise RecordError(f"{where}: 'shared' on a layer whose family cannot share KV heads; {fix}")
     return merges
 
 

@@ -84,7 +84,7 @@ def _extended(full: torch.Tensor, inner: int) -> torch.Tensor:
 def shared_features(layer: AttentionLayer, removed: Iterable[int], merges: dict[int, int]) -> torch.Tensor:
     """The features a refit of the layer fits once `removed` heads go and `merges` apply, as indices into
     statistics that record, after its own inputs, what every query head gives when each KV head reads the one
-    `s` places on (s = 1, 2, ...: `prune_heads.recovery.sharing.alternatives`): a re-pointed head's from the
+    `s` places on (s = 1, 2, ...: `prune_heads.recovery.sharing.turns`): a re-pointed head's from the
     alternative that reads its new KV head, every other kept head's own."""
     gone = set(removed)
     count, width = len(layer.kv_heads), layer.num_heads * layer.head_dim
