@@ -102,7 +102,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=30, help="measure the first N layers only (a quick look)")
     parser.add_argument("--keys", choices=("mapped", "as-is"), default="mapped", help="the re-pointed heads' keys")
-    parser.add_argument("--tune", type=int, metavar="HEADS", help="the plans of this many KV heads gone, tuned")
+    parser.add_argument(
+        "--tune", type=int, choices=[2 * d for d in DEPTHS], help="the plans of this many KV heads gone, tuned"
+    )
     args = parser.parse_args()
     model, tokenizer = smollm2()
     calib = windows(tokenizer, "movie-snippets", "train[:1000]").batches
@@ -149,14 +151,12 @@ def print_tables(gated, layers, ways, maps, tests, depth=None, tuning=None) -> N
     rows = []
     for way, cuts in ways.items():
         order = sorted(cuts, key=lambda n: cuts[n].nll)
-        for depth in (d for d in DEPTHS if d <= len(order)):
-            chosen = {n: cuts[n] for n in order[:depth]}
+        for layers_cut in (d for d in DEPTHS if d <= len(order) and (depth is None or 2 * d == depth)):
+            chosen = {n: cuts[n] for n in order[:layers_cut]}
             shared = sum(1 for c in chosen.values() if c.merges)
-            cells = [
-                f"{100 * (math.exp(mean_nll(gated, layers, chosen, maps, b)) / base[t] - 1):+.1f}%"
-                for t, b in tests.items()
-            ]
-            rows.append([way, f"{2 * depth} ({depth} layers, {shared} shared)", *cells])
+            found = nlls(gated, layers, chosen, maps, tests, tuning)
+            cells = [f"{100 * (math.exp(found[t]) / base[t] - 1):+.1f}%" for t in tests]
+            rows.append([way, f"{2 * layers_cut} ({layers_cut} layers, {shared} shared)", *cells])
             print(*rows[-1], file=sys.stderr, flush=True)
     print(f"perplexity unpruned: movie {base['movie']:.2f}, tweets {base['tweets']:.2f}\n")
     print(markdown_table(["way", "KV heads gone", "movie perplexity", "tweets perplexity"], rows))

@@ -118,7 +118,7 @@ def test_the_dtype_check_measures_perplexity_per_text(bench):
     assert set(found) == {"a"} and found["a"].value() > 1
 
 
-def test_the_sharing_run_cuts_each_layer_of_a_tiny_decoder_both_ways(bench):
+def test_the_sharing_run_cuts_each_layer_of_a_tiny_decoder_both_ways(bench, monkeypatch, capsys):
     sharing = bench("sharing")
     model = tm.build("llama")  # 4 query heads over 2 KV heads
     batches = [{**b, "labels": b["input_ids"]} for b in tm.batches("llama", n=4, labels=False)]
@@ -138,3 +138,13 @@ def test_the_sharing_run_cuts_each_layer_of_a_tiny_decoder_both_ways(bench):
         tuned = sharing.nlls(gated, layers, {layers[0].name: cut}, maps, {"test": batches[3:]}, tuning)["test"]
         assert math.isfinite(tuned) and tuned != after
         assert sharing.mean_nll(gated, layers, {}, maps, batches[3:]) == unpruned
+        monkeypatch.setattr(sharing, "DEPTHS", (1,))
+        ways = {}
+        for way, share in (("removal", False), ("sharing", True)):
+            cuts = {l.name: sharing.best_cut(l, calibration[l.name], heldout[l.name], share) for l in layers}
+            ways[way] = {n: dataclasses.replace(c, nll=0.1 * i) for i, (n, c) in enumerate(cuts.items())}
+        ways["better of the two"] = ways["sharing"]
+        tests = {"movie": batches[3:], "tweets": batches[2:3]}
+        sharing.print_tables(gated, layers, ways, maps, tests, 2, tuning)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "%" in line]
+    assert len(rows) == 3 and "2 (1 layers, 1 shared)" in rows[1]
