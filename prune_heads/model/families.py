@@ -455,7 +455,12 @@ FAMILIES: list[AttentionSpec] = [
         o="dense",
         head_dim="head_dim",
         grouped=True,
-        updates=(("", "num_heads", "heads"), ("", "num_kv_heads", "kv_heads")),
+        # num_key_value_groups: transformers 5.25's Falcon repeats its KV heads by it
+        updates=(
+            ("", "num_heads", "heads"),
+            ("", "num_kv_heads", "kv_heads"),
+            ("", "num_key_value_groups", "kv_groups"),
+        ),
         no_heads="",
     ),
     AttentionSpec(
