@@ -11,10 +11,10 @@ import transformers as T
 
 import prune_heads as ph
 from prune_heads.model.layers import find_attention
-from prune_heads.model.sharing import fit_key_maps, key_products, maps_keys, share_kv_heads, shared_kv
+from prune_heads.model.sharing import fit_key_maps, maps_keys, share_kv_heads, shared_kv
 from prune_heads.model.surgery import RECORD_KEY, PlanError, RecordError, record_digest
 from prune_heads.recovery.reconstruction import refit
-from prune_heads.recovery.sharing import merge_maps, sharing_statistics
+from prune_heads.recovery.sharing import key_products, merge_maps, sharing_statistics
 
 CONFIGS = {
     "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
@@ -121,23 +121,29 @@ def test_query_heads_are_laid_out_by_the_kv_head_they_attend_to_in_a_stock_confi
     torch.testing.assert_close(logits(stock, inputs), logits(model, inputs), rtol=0, atol=0)
 
 
+@torch.no_grad()
+def plant_scaled_kv_heads(layer, scales: dict[int, torch.Tensor]) -> None:
+    """Make each KV head j of `scales` a copy of KV head j - 1: its key rows that head's times `scales[j]` per
+    rotary pair (i, i + head_dim / 2), its value rows that head's."""
+    k, v, dim = layer.module.k_proj.weight, layer.module.v_proj.weight, layer.head_dim
+    for j, scale in scales.items():
+        rows = k[(j - 1) * dim : j * dim].double()
+        first, second = rows[: dim // 2], rows[dim // 2 :]
+        real, imag = scale.real[:, None], scale.imag[:, None]
+        k[j * dim : (j + 1) * dim] = torch.cat([real * first - imag * second, imag * first + real * second]).float()
+        v[j * dim : (j + 1) * dim] = v[(j - 1) * dim : j * dim]
+
+
 def test_kv_heads_whose_keys_are_a_rotary_scale_of_others_are_shared_without_changing_the_model():
     """KV head 1's key rows are a complex scale per rotary pair of KV head 0's (3's of 2's) and its value rows
     are KV head 0's (2's): the fitted maps are those scales, and sharing 1 into 0 and 3 into 2 with them leaves
     every output as it was."""
     model = eight_over_four("llama")
     layer = find_attention(model)[1]
-    dim, half = layer.head_dim, layer.head_dim // 2
+    half = layer.head_dim // 2
     generator = torch.Generator().manual_seed(3)
     scales = {j: torch.complex(*torch.randn(2, half, generator=generator)).to(torch.complex128) for j in (1, 3)}
-    k, v = layer.module.k_proj.weight, layer.module.v_proj.weight
-    with torch.no_grad():
-        for j, scale in scales.items():
-            rows = k[(j - 1) * dim : j * dim].double()
-            first, second = rows[:half], rows[half:]
-            real, imag = scale.real[:, None], scale.imag[:, None]
-            k[j * dim : (j + 1) * dim] = torch.cat([real * first - imag * second, imag * first + real * second]).float()
-            v[j * dim : (j + 1) * dim] = v[(j - 1) * dim : j * dim]
+    plant_scaled_kv_heads(layer, scales)
     batches = [batch(seed) for seed in range(3)]
     products = key_products(model, find_attention(model), batches)
     maps = fit_key_maps(products[layer.name], {1: 0, 3: 2}, layer.kv_heads)
@@ -251,18 +257,12 @@ def test_a_shared_refit_is_solved_from_the_recorded_turns_and_its_error_is_the_s
 def test_where_a_kv_head_is_a_rotary_scale_of_another_sharing_refits_exactly_and_removal_cannot():
     model = eight_over_four("llama")
     layer = find_attention(model)[1]
-    dim, half = layer.head_dim, layer.head_dim // 2
+    half = layer.head_dim // 2
     scale = torch.complex(*torch.randn(2, half, generator=torch.Generator().manual_seed(5))).to(torch.complex128)
-    k, v = layer.module.k_proj.weight, layer.module.v_proj.weight
     with torch.no_grad():
         layer.module.q_proj.weight.mul_(4)  # peaked attention: a head's output is far from its mean
-        k.mul_(4)
-        for j in (1, 3):  # KV head 1 a scale of 0, 3 of 2
-            rows = k[(j - 1) * dim : j * dim].double()
-            first, second = rows[:half], rows[half:]
-            real, imag = scale.real[:, None], scale.imag[:, None]
-            k[j * dim : (j + 1) * dim] = torch.cat([real * first - imag * second, imag * first + real * second]).float()
-            v[j * dim : (j + 1) * dim] = v[(j - 1) * dim : j * dim]
+        layer.module.k_proj.weight.mul_(4)
+    plant_scaled_kv_heads(layer, {1: scale, 3: scale})  # KV head 1 a scale of 0, 3 of 2
     batches = [batch(seed, rows=4, tokens=16) for seed in range(4)]
     calibration, heldout, _ = sharing_statistics(model, find_attention(model), batches[:3], batches[3:])
     layer = find_attention(model)[1]

@@ -16,7 +16,7 @@ re-laid-out layer computes exactly that before it changes the model.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -94,7 +94,8 @@ def rotated(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.cat([real * first - imag * second, imag * first + real * second], dim=-1)
 
 
-def _slots(layer: AttentionLayer) -> dict[str, HeadSlot]:
+def head_slots(layer: AttentionLayer) -> dict[str, HeadSlot]:
+    """Where the layer's q, k and v heads live (`qkv_parts`)."""
     return qkv_parts(layer.module, layer.spec, layer.num_heads, layer.head_dim)[0]
 
 
@@ -124,7 +125,7 @@ def shared_kv(layers: list[AttentionLayer], sharing: dict[str, Merges], key_maps
     for layer in layers:
         merges = sharing.get(layer.name)
         if merges:
-            slots = _slots(layer)
+            slots = head_slots(layer)
             registrations.append(_replacing(slots["k"], layer, merges, key_maps.get(layer.name, {})))
             registrations.append(_replacing(slots["v"], layer, merges, None))
     with hooks(registrations):
@@ -135,7 +136,7 @@ def shared_kv(layers: list[AttentionLayer], sharing: dict[str, Merges], key_maps
 def fold_key_maps(layer: AttentionLayer, merges: Merges, maps: KeyMaps) -> None:
     """Fold each merged KV head's key map into the query rows (and biases) of the heads re-pointed from it: its
     conjugate per rotary pair, so their logits against the kept head's keys are those against the mapped ones."""
-    slot = _slots(layer)["q"]
+    slot = head_slots(layer)["q"]
     module = slot.projection.module
     for position, head in enumerate(layer.heads):
         scale = maps.get(layer.kv_of(head)) if layer.kv_of(head) in merges else None
@@ -148,37 +149,10 @@ def fold_key_maps(layer: AttentionLayer, merges: Merges, maps: KeyMaps) -> None:
             module.bias[rows] = rotated(module.bias[rows].double(), scale.conj()).to(module.bias.dtype)
 
 
-def key_products(model: nn.Module, layers: list[AttentionLayer], batches: Iterable[dict]) -> dict[str, torch.Tensor]:
-    """Per layer whose keys can be mapped (`maps_keys`), the sums over the batches' tokens (padding left out)
-    of z_j conj(z_g) for every pair of its KV heads j, g and rotary pair: [kv, kv, head_dim // 2] complex128,
-    where z is a key's pair read as a complex number before the rotary embedding."""
-    mappable = [layer for layer in layers if maps_keys(layer)]
-    sums = {
-        layer.name: torch.zeros(len(layer.kv_heads), len(layer.kv_heads), layer.head_dim // 2, dtype=torch.complex128)
-        for layer in mappable
-    }
-    mask: list[torch.Tensor | None] = [None]
-
-    def adding(layer: AttentionLayer) -> Hook:
-        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-            keys = out.detach().double().reshape(*out.shape[:-1], len(layer.kv_heads), layer.head_dim)
-            keys = keys[mask[0].bool()] if mask[0] is not None else keys.reshape(-1, *keys.shape[-2:])
-            half = layer.head_dim // 2
-            z = torch.complex(keys[..., :half], keys[..., half:]).cpu()  # [tokens, kv, pairs]
-            sums[layer.name] += torch.einsum("tjp,tgp->jgp", z, z.conj())
-
-        return (_slots(layer)["k"].projection.module, "forward", hook)
-
-    with torch.no_grad(), hooks(adding(layer) for layer in mappable):
-        for batch in batches:
-            mask[0] = batch.get("attention_mask")
-            model(**batch)
-    return sums
-
-
 def fit_key_maps(products: torch.Tensor, merges: Merges, kv_heads: tuple[int, ...]) -> KeyMaps:
     """Each merged KV head's complex scale per rotary pair, a = sum z_j conj(z_g) / sum |z_g|^2: the least-squares
-    map of the kept head's keys z_g onto the merged head's z_j (`products` from `key_products`)."""
+    map of the kept head's keys z_g onto the merged head's z_j (`products` from
+    `prune_heads.recovery.sharing.key_products`)."""
     maps = {}
     for j, g in merges.items():
         a, b = kv_heads.index(j), kv_heads.index(g)

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..model.hooks import Hook, hooks
 from ..model.layers import AttentionLayer, resolve
-from ..model.sharing import KeyMaps, Merges, fit_key_maps, key_products, shared_kv, why_not_shared
+from ..model.sharing import KeyMaps, Merges, fit_key_maps, head_slots, maps_keys, shared_kv, why_not_shared
 from ..scoring.recording import Moments, token_rows
 
 
@@ -34,6 +34,33 @@ def turn_maps(products: dict[str, torch.Tensor], layer: AttentionLayer) -> list[
     if layer.name not in products:
         return [{} for _ in turns(layer)]
     return [fit_key_maps(products[layer.name], turn, layer.kv_heads) for turn in turns(layer)]
+
+
+def key_products(model: nn.Module, layers: list[AttentionLayer], batches: Iterable[dict]) -> dict[str, torch.Tensor]:
+    """Per layer whose keys can be mapped (`maps_keys`), the sums over the batches' tokens (padding left out)
+    of z_j conj(z_g) for every pair of its KV heads j, g and rotary pair: [kv, kv, head_dim // 2] complex128,
+    where z is a key's pair read as a complex number before the rotary embedding."""
+    mappable = [layer for layer in layers if maps_keys(layer)]
+    sums = {
+        layer.name: torch.zeros(len(layer.kv_heads), len(layer.kv_heads), layer.head_dim // 2, dtype=torch.complex128)
+        for layer in mappable
+    }
+    mask: list[torch.Tensor | None] = [None]
+
+    def adding(layer: AttentionLayer) -> Hook:
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            keys = token_rows(out.detach().double(), mask[0]).reshape(-1, len(layer.kv_heads), layer.head_dim)
+            half = layer.head_dim // 2
+            z = torch.complex(keys[..., :half], keys[..., half:]).cpu()  # [tokens, kv, pairs]
+            sums[layer.name] += torch.einsum("tjp,tgp->jgp", z, z.conj())
+
+        return (head_slots(layer)["k"].projection.module, "forward", hook)
+
+    with torch.no_grad(), hooks(adding(layer) for layer in mappable):
+        for batch in batches:
+            mask[0] = batch.get("attention_mask")
+            model(**batch)
+    return sums
 
 
 class Alternatives:
@@ -98,10 +125,11 @@ def sharing_statistics(
 ) -> tuple[dict[str, Moments], dict[str, Moments], dict[str, list[KeyMaps]]]:
     """The calibration's and the held-out batches' alternatives (`record_alternatives`) with the key maps they
     were recorded with: fitted on the calibration's keys, or none (`mapped` False: keys read as they are)."""
-    products = key_products(model, sharable(layers), calibration) if mapped else {}
-    maps = {layer.name: turn_maps(products, layer) for layer in sharable(layers)}
-    fitted = record_alternatives(model, layers, calibration, maps)
-    return fitted, record_alternatives(model, layers, heldout, maps), maps
+    shared = sharable(layers)
+    products = key_products(model, shared, calibration) if mapped else {}
+    maps = {layer.name: turn_maps(products, layer) for layer in shared}
+    fitted = record_alternatives(model, shared, calibration, maps)
+    return fitted, record_alternatives(model, shared, heldout, maps), maps
 
 
 def merge_maps(maps: list[KeyMaps], layer: AttentionLayer, merges: Merges) -> KeyMaps:
