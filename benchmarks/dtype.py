@@ -1,8 +1,8 @@
 """The default path in another weight type, judged in float32: perplexity on the calibration's domain and on
 another, against the unpruned float32 model, with 95% paired intervals (no lm-eval: the quick check of a dtype;
-`frontier.py --dtype` runs the whole cell); `--domain-only` without the general-ability guard.
+`frontier.py --dtype` runs the whole cell); `--general weigh` with every decision weighing the model's own text.
 
-    .venv/bin/python benchmarks/dtype.py --model gemma3 --depth 1/3 --dtype bfloat16 [--domain-only]
+    .venv/bin/python benchmarks/dtype.py --model gemma3 --depth 1/3 --dtype bfloat16 [--general weigh]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from llm import windows
 
 import prune_heads as ph
 from prune_heads.evaluation.task import evaluation
+from prune_heads.recovery.general import GENERAL_MODES
 
 
 def perplexities(model, texts: dict) -> dict:
@@ -29,7 +30,7 @@ def main() -> None:
     parser.add_argument("--model", choices=list(frontier.MODELS), default="smollm2")
     parser.add_argument("--depth", choices=list(frontier.DEPTHS), default="1/3")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    parser.add_argument("--domain-only", action="store_true", help="every decision on the calibration alone")
+    parser.add_argument("--general", choices=GENERAL_MODES, default="report", help="recovery.general")
     args = parser.parse_args()
     base, tokenizer = frontier.MODELS[args.model]()
     calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
@@ -40,7 +41,7 @@ def main() -> None:
     model = torch.nn.Module.to(copy.deepcopy(base), getattr(torch, args.dtype))  # transformers refuses a GGUF's
     with Timer() as timer:
         heads = round(sum(l.num_heads for l in layers) * frontier.DEPTHS[args.depth])
-        found = frontier.default(model, calibration, heads, recovery={"domain_only": args.domain_only}, **groups)
+        found = frontier.default(model, calibration, heads, recovery={"general": args.general}, **groups)
     after = perplexities(torch.nn.Module.to(model, torch.float32), texts)
     passes = found["fisher_passes"]
     print(f"{args.model} at {args.depth} in {args.dtype}: {timer.seconds:.0f} s, {passes:.2f} fisher passes")

@@ -115,9 +115,13 @@ def default(
 
 METHODS = {  # (model, data, heads to remove, the selection a KV group needs) -> what to record
     "default": lambda model, data, n, groups: default(model, data, n, **groups),
-    # every decision on the calibration's held-out text alone (`--domain-only`): the default before the guard
+    # every decision on the calibration's held-out text alone, nothing else measured (`--general off`)
     "default, domain only": lambda model, data, n, groups: default(
-        model, data, n, recovery={"domain_only": True}, **groups
+        model, data, n, recovery={"general": "off"}, **groups
+    ),
+    # every decision also weighs the model's own written text (`--general weigh`)
+    "default, guard weighed": lambda model, data, n, groups: default(
+        model, data, n, recovery={"general": "weigh"}, **groups
     ),
     "whole attention blocks": lambda model, data, n, groups: default(model, data, n, granularity="layer"),
     "query heads only, even per group": lambda model, data, n, groups: default(model, data, n, gqa="even"),
@@ -135,9 +139,9 @@ METHODS = {  # (model, data, heads to remove, the selection a KV group needs) ->
     # the depth from a quality bound (`--max-loss 3`): the depth asked is not used, the cell says what it chose
     "default, max-loss 3%": lambda model, data, n, groups: default(model, data, None, max_loss=3.0, **groups),
     # the frontier (`--depths 1/6,1/3,1/2`, tweets as the second text) beside the default at the cell's depth, on
-    # the calibration alone: with the guard on, the second text would be judged on too
+    # the calibration alone: the tweets only measured
     "default, frontier": lambda model, data, n, groups: default(
-        model, data, n, recovery={"domain_only": True}, depths="1/6,1/3,1/2", second=SECOND["tweets"], **groups
+        model, data, n, recovery={"general": "off"}, depths="1/6,1/3,1/2", second=SECOND["tweets"], **groups
     ),
     # the frontier cell's plan at this depth written again with the default recovery (`--plan` with the depth's
     # file and the same data): no scoring pass, no search

@@ -10,6 +10,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .export.gguf import FILE_TYPES, GGUF_TYPES
+from .recovery.general import GENERAL_MODES
 from .recovery.generated import SHARE
 from .recovery.search import ROUNDS
 from .recovery.tuning import AVERAGE, MIN_TUNING_FLOPS
@@ -135,11 +136,11 @@ class RecoveryConfig:
         f"their examples, so recovery also fits its own distribution (0, the default: none; {SHARE} is the share "
         "the benchmarks measured).",
     )
-    domain_only: bool = option(
-        False,
-        "Judge every decision on the calibration's held-out text alone, for a model that serves that domain only. "
-        "Default: each decision also weighs a second held-out set, equally (the model's own written text, or "
-        "--eval-data), so pruning on one domain does not spend what the model does elsewhere.",
+    general: str = option(
+        "report",
+        "A second held-out set, the model's own written text (or --eval-data): 'report' measures the pruned "
+        "model's change on it beside the calibration's; 'weigh' also makes every decision weigh it, equally; "
+        "'off' neither, for a model that serves the calibration's domain alone.",
     )
     rearrange: bool = option(
         True,
@@ -207,6 +208,8 @@ class RecoveryConfig:
                 f"recovery.generated_share is {self.generated_share}, but recovery is off and only recovery "
                 "uses the written text; turn recovery on (drop --no-recovery, or a recipe's recovery: off) or give 0"
             )
+        if self.general not in GENERAL_MODES:
+            raise ConfigError(f"recovery.general is {self.general!r}; give one of {', '.join(GENERAL_MODES)}")
         if self.epochs < 0:
             raise ConfigError(f"recovery.epochs is {self.epochs}; give 0 or more")
         if self.projection_rank < 1:
@@ -261,6 +264,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "scoring.method": tuple(sorted(METHODS)),
     "scoring.objective": ("auto", "label-free"),
     "selection.scope": ("global", "layer"),
+    "recovery.general": GENERAL_MODES,
     "selection.gqa": GQA_MODES,
     "selection.granularity": GRANULARITIES,
     "selection.round": ROUNDING,

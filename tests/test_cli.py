@@ -625,8 +625,9 @@ def test_a_frontier_reports_every_depth_and_writes_the_budgets(tmp_path):
         result = _invoke([*args, *more, "-o", str(tmp_path / "bad")])
         assert result.exit_code == 2 and message in result.output and len(result.output.splitlines()) == 1, more
         assert not (tmp_path / "bad").exists()
-    result = _invoke([*args, "--eval-data", str(tmp_path / "other.txt"), "--domain-only", "-o", str(tmp_path / "bad")])
-    assert result.exit_code == 2 and "Error: --domain-only judges on the calibration's text alone" in result.output
+    off = ["--eval-data", str(tmp_path / "other.txt"), "--general", "off"]
+    result = _invoke([*args, *off, "-o", str(tmp_path / "bad")])
+    assert result.exit_code == 2 and "Error: --general off judges on the calibration's text alone" in result.output
     depth = json.loads((tmp_path / "out" / "frontier" / "plan-1-3.json").read_text())
     assert sum(map(len, depth.values())) == 4 and (tmp_path / "out" / "frontier" / "plan-1-6.json").exists()
     plan_args = [a for a in args if a not in ("--sparsity", "0.1667")]

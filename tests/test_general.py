@@ -5,7 +5,7 @@ import tiny_models as tm
 import torch
 
 import prune_heads as ph
-from prune_heads.recovery.general import GIVEN, SEED, SHARE, WRITTEN, general_text
+from prune_heads.recovery.general import GENERAL_MODES, GIVEN, SEED, SHARE, WRITTEN, general_text
 from prune_heads.recovery.generated import written_batches
 from prune_heads.recovery.holdout import balanced, set_weights
 from prune_heads.recovery.search import first_examples
@@ -67,31 +67,53 @@ def test_an_encoder_has_no_guard_unless_given_labelled_text():
 
 @pytest.fixture(scope="module")
 def guarded():
-    """A tiny Llama pruned the default way, the guard on and off, on the same batches."""
+    """A tiny Llama pruned the default way with the guard's text reported, weighed and left out, on the same
+    batches."""
     found = {}
-    for domain_only in (False, True):
+    for mode in GENERAL_MODES:
         model = tm.build("llama")
-        recovery = ph.RecoveryConfig(domain_only=domain_only, epochs=1)
-        config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4), recovery=recovery)
-        found[domain_only] = ph.prune_model(model, _lm_batches(10), config, progress=False)
+        config = ph.PruneConfig(
+            selection=ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(general=mode, epochs=1)
+        )
+        found[mode] = ph.prune_model(model, _lm_batches(10), config, progress=False)
     return found
 
 
-def test_the_default_path_reports_the_change_on_the_models_own_text_and_domain_only_does_not(guarded):
-    on, off = guarded[False], guarded[True]
-    assert on.heldout["general"] == {"source": WRITTEN, "examples": 4}  # half of the 8 held out
-    assert math.isfinite(on.heldout["general_perplexity_change"]) and math.isfinite(on.heldout["perplexity_change"])
+def _decisions(result: ph.PruneResult) -> list[dict]:
+    """Each step of the flow as decided, its seconds left out."""
+    return [{k: v for k, v in step.items() if k != "seconds"} for step in result.recovery if step["step"] != "notes"]
+
+
+def test_the_default_reports_the_change_on_the_models_own_text_and_decides_as_the_calibration_alone(guarded):
+    report, off = guarded["report"], guarded["off"]
+    assert ph.RecoveryConfig().general == "report"
+    assert report.heldout["general"] == {"source": WRITTEN, "examples": 4}  # half of the 8 held out
+    assert math.isfinite(report.heldout["general_perplexity_change"])
     assert "general" not in off.heldout and "general_perplexity_change" not in off.heldout
-    assert Stage.GENERATION in on.work and Stage.GENERATION not in off.work
-    assert on.work.heldout_pass == pytest.approx(1.5 * off.work.heldout_pass)  # every measurement sees both
-    assert on.work[Stage.SEARCH] > off.work[Stage.SEARCH]
+    assert report.plan == off.plan and _decisions(report) == _decisions(off)
+    assert report.heldout["perplexity_change"] == off.heldout["perplexity_change"]
+    assert Stage.GENERATION in report.work and Stage.GENERATION not in off.work
+    assert report.work[Stage.SEARCH] == off.work[Stage.SEARCH]  # nothing written beside the search
+
+
+def test_weighed_every_measurement_sees_both_sets(guarded):
+    weigh, off = guarded["weigh"], guarded["off"]
+    assert weigh.heldout["general"] == {"source": WRITTEN, "examples": 4}
+    assert weigh.work.heldout_pass == pytest.approx(1.5 * off.work.heldout_pass)
+    assert weigh.work[Stage.SEARCH] > off.work[Stage.SEARCH]
 
 
 def test_the_guard_is_deterministic(guarded):
     model = tm.build("llama")
-    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(epochs=1))
+    recovery = ph.RecoveryConfig(general="weigh", epochs=1)
+    config = ph.PruneConfig(selection=ph.SelectionConfig(num_heads=4), recovery=recovery)
     again = ph.prune_model(model, _lm_batches(10), config, progress=False)
-    assert again.plan == guarded[False].plan and again.heldout == guarded[False].heldout
+    assert again.plan == guarded["weigh"].plan and again.heldout == guarded["weigh"].heldout
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ph.ConfigError, match="recovery.general is 'always'; give one of report, weigh, off"):
+        ph.RecoveryConfig(general="always")
 
 
 def test_an_encoder_prunes_with_the_guard_off_and_says_so():

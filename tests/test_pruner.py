@@ -11,6 +11,7 @@ import torch
 import prune_heads as ph
 from prune_heads.pruner import run as records
 from prune_heads.recovery.gated import GatedModel
+from prune_heads.recovery.general import SHARE
 from prune_heads.recovery.holdout import sequence_nll, split_holdout
 from prune_heads.recovery.tuning import Schedule, tune
 from prune_heads.runtime.ledger import Stage
@@ -34,7 +35,7 @@ def test_the_flow_s_records_are_frozen_and_its_work_adds_up():
     assert work[Stage.SCORING] == work.calibration_pass  # fisher's scoring pass: one forward and backward pass
     counted = {Stage.SCORING, Stage.RECORDING, Stage.SEARCH, Stage.SELECTION, Stage.RECONSTRUCTION, Stage.TUNING}
     assert counted | {Stage.GENERATION, Stage.PERPLEXITY} == set(work.stages)  # the guard's own text has labels
-    domain_only = ph.PruneConfig(ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(domain_only=True))
+    domain_only = ph.PruneConfig(ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(general="off"))
     alone = ph.prune_model(tm.build("llama"), tm.batches("llama"), domain_only, progress=False).work
     assert counted == set(alone.stages)  # no labels: no perplexity measured
     tuning = next(e for e in result.recovery if "tuning" in e["step"])
@@ -78,7 +79,8 @@ def test_a_language_model_reports_its_heldout_perplexity_change():
     _, heldout = split_holdout(data, 0.2)
     nll = [sequence_nll(lambda b, m=m: m(**b), heldout, torch.device("cpu")).mean for m in (original, model)]
     assert result.heldout["perplexity_change"] == pytest.approx(math.exp(nll[1] - nll[0]) - 1, rel=1e-5, abs=1e-7)
-    assert result.work[Stage.PERPLEXITY] == 2 * result.work.heldout_pass
+    # before and after, on the held-out set and on the guard's text reported beside it (half as many examples)
+    assert result.work[Stage.PERPLEXITY] == pytest.approx(2 * (1 + SHARE) * result.work.heldout_pass)
     bert = ph.prune_model(tm.build("bert"), tm.batches("bert"), ph.PruneConfig(), progress=False)
     assert "perplexity_change" not in bert.heldout and Stage.PERPLEXITY not in bert.work
 
@@ -184,8 +186,14 @@ def test_a_frontier_measures_each_depth_of_one_order_and_keeps_the_budgets():
     assert abs(shallow.perplexity_change) <= 1e-5 and abs(middle.perplexity_change) <= 1e-5
     assert deep.perplexity_change > 1e-5 and deep.interval[0] <= deep.perplexity_change <= deep.interval[1]
     assert abs(middle.eval_change) <= 1e-5 and deep.eval_change > 1e-5
-    rises = dict((heads, rise) for heads, rise in result.heldout["max_loss"]["rises"])  # the bound's: on both texts
-    assert rises[6] == pytest.approx(max(deep.perplexity_change, deep.eval_change), rel=1e-9)
+    rises = dict(result.heldout["max_loss"]["rises"])  # the bound's: on the calibration's text, eval_data reported
+    assert rises[6] == pytest.approx(deep.perplexity_change, rel=1e-9)
+    weighed = dataclasses.replace(config, recovery=ph.RecoveryConfig(general="weigh"))
+    model, _ = _silent_llama()
+    again = ph.prune_model(model, _labelled("llama"), weighed, progress=False, eval_data=_labelled("llama", 4))
+    deep = again.frontier[-1]  # weighed, the bound holds on both texts
+    assert again.plan == silent
+    assert dict(again.heldout["max_loss"]["rises"])[6] == pytest.approx(max(deep.perplexity_change, deep.eval_change))
     assert [d.kv_cache for d in result.frontier] == [
         {"f16": 2 * 8192 * 8 * 2 * (6 - k)} for k in range(4)
     ]  # key and value, f16

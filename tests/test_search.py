@@ -255,7 +255,7 @@ def _searched(monkeypatch, chain=True, changing=False, passes=False, **recovery)
             return out
 
         last.forward = forward
-    recovery = {"domain_only": True, **recovery}  # the search's own work, without the guard's text beside it
+    recovery = {"general": "off", **recovery}  # the search's own work, without the guard's text beside it
     config = ph.PruneConfig(ph.SelectionConfig(num_heads=8), recovery=ph.RecoveryConfig(epochs=1, **recovery))
     result = ph.prune_model(model, tm.batches("llama"), config, progress=False)
     monkeypatch.undo()
@@ -270,8 +270,8 @@ def test_the_search_measures_from_each_unit_s_block_for_the_same_plan_and_less_w
     assert tried == whole_tried and weights.keys() == whole_weights.keys()
     assert all(torch.equal(weights[k], whole_weights[k]) for k in weights)
     assert work < 0.8 * whole_work and not notes and not whole_notes
-    tried, weights, _, _ = _searched(monkeypatch, domain_only=False)  # the guard's text beside: the same again
-    whole_tried, whole_weights, _, _ = _searched(monkeypatch, chain=False, domain_only=False)
+    tried, weights, _, _ = _searched(monkeypatch, general="weigh")  # the guard's text beside: the same again
+    whole_tried, whole_weights, _, _ = _searched(monkeypatch, chain=False, general="weigh")
     assert tried == whole_tried and all(torch.equal(weights[k], whole_weights[k]) for k in weights)
 
 

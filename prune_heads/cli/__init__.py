@@ -242,7 +242,7 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
 @config_option(RecoveryConfig, "gate_tuning")
 @config_option(RecoveryConfig, "bias_tuning")
 @config_option(RecoveryConfig, "projection_tuning")
-@config_option(RecoveryConfig, "domain_only", is_flag=True)
+@config_option(RecoveryConfig, "general", type=click.Choice(CHOICES["recovery.general"]))
 @config_option(RecoveryConfig, "generated_share", type=click.FloatRange(min=0))
 @config_option(RecoveryConfig, "search_rounds", type=click.IntRange(min=0))
 @config_option(RecoveryConfig, "search_screen")
@@ -294,9 +294,10 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
             "give exactly one of --sparsity, --num-heads, --keep-flops, --kv-cache, --max-loss or --plan"
         )
     plan = read_plan(plan_file) if plan_file else None
-    if opts["general_source"] and opts["domain_only"] and not selection.get("depths"):
+    if opts["general_source"] and opts["general"] == "off" and not selection.get("depths"):
         raise click.UsageError(
-            "--domain-only judges on the calibration's text alone: give --eval-data only with --depths"
+            "--general off judges on the calibration's text alone: give --eval-data only with --depths, or "
+            "--general report"
         )
     if plan is not None and selection.get("depths"):
         raise click.UsageError("--depths measures the searched order, and --plan applies a plan without one")

@@ -74,13 +74,14 @@ def prune_model(
     on, `recovery.holdout` of the batches is held out, and every candidate plan with its recovery
     (`prune_heads.recovery.candidates`) and the tuning after it are kept only when they lower the divergence
     from the unpruned model there, so the result is never worse on held-out data than the plain selection
-    (docs/recovery.md). Every such decision also weighs, equally, a second held-out set (the general-ability
-    guard, docs/general-ability.md): `eval_data` (with labels) where given, else for a language model text it
-    writes itself; `recovery.domain_only` leaves it out. No copy of the model is made: candidates and tuning
-    run on the model itself through gates, then folded in. With `selection.depths`, each depth is measured
-    along the searched order (`PruneResult.frontier`), also on that second set. With `plan`
-    (`{layer: [heads]}`, such as a frontier depth's), that plan goes with the same recovery: no scoring, no
-    search, no other candidate. Iterative pruning (`scoring.steps > 1`) is `ph.prune_iteratively`'s.
+    (docs/recovery.md). A second held-out set (the general-ability guard, docs/general-ability.md), `eval_data`
+    (with labels) where given, else for a language model text it writes itself, is reported on
+    (`recovery.general` 'report'), also weighed equally by every such decision ('weigh'), or left out ('off').
+    No copy of the model is made: candidates and tuning run on the model itself through gates, then folded in.
+    With `selection.depths`, each depth is measured along the searched order (`PruneResult.frontier`), also on
+    that second set. With `plan` (`{layer: [heads]}`, such as a frontier depth's), that plan goes with the same
+    recovery: no scoring, no search, no other candidate. Iterative pruning (`scoring.steps > 1`) is
+    `ph.prune_iteratively`'s.
     """
     run = _start(model, data, config or PruneConfig(), progress, eval_data, plan)
     scored = _score(run)
@@ -220,12 +221,12 @@ def _general(
     progress: bool,
 ) -> tuple[General | None, tuple[str, ...]]:
     """The general-ability guard's text where decisions are made on held-out data and the config does not say
-    the model serves its calibration's domain alone (`recovery.domain_only`), with a note where there is none."""
+    the model serves its calibration's domain alone (`recovery.general` 'off'), with a note where there is none."""
     r = config.recovery
-    if not (r.enabled and heldout) or r.domain_only:
+    if not (r.enabled and heldout) or r.general == "off":
         return None, ()
-    seed = config.scoring.seed
-    general, note = general_text(model, calib, heldout, eval_data, r.search_examples, seed, progress)
+    searched = r.search_examples if r.general == "weigh" else 0  # a report needs no text beside the search
+    general, note = general_text(model, calib, heldout, eval_data, searched, config.scoring.seed, progress)
     if note is not None:
         logger.info(note)
     return general, () if note is None else (note,)
@@ -258,7 +259,8 @@ def _bench(run: Run, gated: GatedModel, scored: Scored) -> Bench:
     each reconstruction's ridge) and its held-out NLL."""
     pricer = Pricer.of(gated.model, run.calib[0])
     general = run.general.heldout if run.general is not None else []
-    tally = Tally(pricer.forward_backward(run.calib), pricer.forward(run.heldout + general))
+    weighed = general if run.weighs_general else []
+    tally = Tally(pricer.forward_backward(run.calib), pricer.forward(run.heldout + weighed))
     if scored.scores is not None:
         tally.add(Stage.SCORING, scoring_passes(run.config.scoring.method, run.layers) * pricer.forward(run.calib))
     if scored.recorded:
@@ -271,10 +273,10 @@ def _bench(run: Run, gated: GatedModel, scored: Scored) -> Bench:
     if written:  # sampled with the KV cache: a forward pass over the written tokens
         tally.add(Stage.GENERATION, pricer.forward(written))
     r = run.config.recovery
-    heldout = [to_device(without_labels(b), input_device(run.model)) for b in run.heldout + general]
+    heldout = [to_device(without_labels(b), input_device(run.model)) for b in run.heldout + weighed]
     reference = unpruned_heldout(gated, heldout, run.objective, r.reconstruction) if heldout else None
     bias = r.bias_tuning or r.bias_compensation
-    domain = sum(batch_size(b) for b in run.heldout) if general else None
+    domain = sum(batch_size(b) for b in run.heldout) if weighed else None
     trial = Trial(gated, run.objective, scored.recorder, reference, heldout, bias, run.progress, domain)
     unpruned = heldout_nll(run, tally, pricer, gated)
     return Bench(trial, pricer, tally, unpruned, heldout_nll(run, tally, pricer, gated, batches=general))
@@ -355,7 +357,7 @@ def _search(run: Run, bench: Bench, scores: HeadScores) -> Searched:
 def _beside(run: Run) -> list[dict] | None:
     """The guard's batches the search measures beside its calibration batches, on the model's device (None
     without a guard)."""
-    if run.general is None or not run.general.search:
+    if run.general is None or not run.general.search or not run.weighs_general:
         return None
     return [to_device(without_labels(b), input_device(run.model)) for b in run.general.search]
 

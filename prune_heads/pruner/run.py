@@ -84,6 +84,11 @@ class Run:
     moved: int = 0
     offloaded: int = 0
 
+    @property
+    def weighs_general(self) -> bool:
+        """Whether the decisions weigh the guard's text beside the calibration's (`recovery.general` 'weigh')."""
+        return self.general is not None and self.config.recovery.general == "weigh"
+
 
 @dataclass(frozen=True)
 class Bench:
@@ -175,7 +180,7 @@ def general_rise(run: Run, bench: Bench, forward: Any, stage: Stage = Stage.PERP
 
 
 def worst_rise(run: Run, bench: Bench, forward: Any, stage: Stage) -> float:
-    """The larger of the held-out perplexity's rises: the calibration's and, where the guard measures one, its
-    text's."""
+    """The larger of the held-out perplexity's rises: the calibration's and, where the decisions weigh the
+    guard's text, its text's."""
     found = rise(run, bench, forward, stage)
-    return found if bench.general is None else max(found, general_rise(run, bench, forward, stage))
+    return max(found, general_rise(run, bench, forward, stage)) if run.weighs_general else found

@@ -1,9 +1,10 @@
-"""The general-ability guard: a second held-out set that every decision of the flow weighs beside the
-calibration's own held-out text, so a model pruned on text of one domain does not spend what it does elsewhere
-unseen. For a language model it is text the unpruned model writes itself (seeded, as a run without data writes
-its calibration: a sample of what the model does in general); the user's `eval_data` in its place where given.
-It is only judged on, never fitted: the refits and tuning fit the calibration alone (`recovery.generated_share`
-is what fits on written text)."""
+"""The general-ability guard: a second held-out set beside the calibration's own held-out text, so a model
+pruned on text of one domain does not spend what it does elsewhere unseen. By default the flow reports the
+pruned model's change on it ('report'); with 'weigh' every decision weighs it too. For a language model it
+is text the unpruned model writes itself (seeded, as a run without data writes its calibration: a sample of
+what the model does in general); the user's `eval_data` in its place where given. It is only judged on, never
+fitted: the refits and tuning fit the calibration alone (`recovery.generated_share` is what fits on written
+text)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from ..task_data import DataError, TaskData, batch_size, with_targets
 from .generated import start_token, token_batches, writes_text, written_batches
 from .search import first_examples
 
+# 'report' by default: weighed, the written text led Gemma 3's decisions away from both test texts
+# (benchmarks/research-log.md, the general-ability guard)
+GENERAL_MODES = ("report", "weigh", "off")
 SHARE = 0.5  # written examples per calibration example in each set measured: a measurement costs 1.5x
 SEED = 7919  # added to the run's seed, so the guard's text is never the one a run without data calibrates on
 WRITTEN = "the model's own text"
@@ -76,7 +80,7 @@ def _written(
     searched = len(first_examples(calib, search_examples))
     length = _width(calib)
     rows = math.ceil(SHARE * batch_size(calib[0]))
-    search = written_batches(model, rows * searched, rows, length, seed + SEED, progress)
+    search = written_batches(model, rows * searched, rows, length, seed + SEED, progress) if searched else []
     examples = math.ceil(SHARE * sum(batch_size(b) for b in heldout))
     held = written_batches(model, examples, batch_size(calib[0]), length, seed + 2 * SEED, progress)
     return General(search, held, WRITTEN)
