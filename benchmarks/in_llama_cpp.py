@@ -144,7 +144,7 @@ def ceiling(time: float, reference: float, kept: float, removed: float) -> float
     return time / (floor + (1 - removed) * (time - floor))
 
 
-class _Log:
+class LlamaLog:
     """llama.cpp's log lines, kept while the context is created (its own KV cache count is printed there)."""
 
     def __init__(self) -> None:
@@ -163,7 +163,7 @@ def _llama(path: Path, cache_type: str, **options) -> Llama:
     return Llama(model_path=str(path), n_threads=THREADS, flash_attn=True, type_k=kind, type_v=kind, **options)
 
 
-def speed(path: Path, context: int, log: _Log, ids: list[int], cache_type: str = "f16") -> dict:
+def speed(path: Path, context: int, log: LlamaLog, ids: list[int], cache_type: str = "f16") -> dict:
     """Prompt and decode tokens/s at `context` tokens (`ph`'s llama.cpp speed run) with the KV cache in
     `cache_type`, and the KV cache's bytes as llama.cpp allocated them."""
     log.lines.clear()
@@ -182,7 +182,7 @@ def _runs(cache: dict, cache_types: list[str], gguf_type: str | None, table: boo
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=GGUF)
     lines = (FIXTURES / "movie-snippets" / "train.jsonl").read_text().splitlines()
     ids = tokenizer(" ".join(json.loads(line)["sentence"] for line in lines))["input_ids"][: max(CONTEXTS)]
-    log = _Log()
+    log = LlamaLog()
     for _ in range(REPEATS):
         for context in CONTEXTS:
             for name, cache_type in ((n, t) for t in cache_types for n in cache):
