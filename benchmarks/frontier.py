@@ -255,6 +255,12 @@ def run(args) -> None:
             del model
 
 
+def quarter(points: float) -> str:
+    """Points to the quarter (400 documents move accuracy by 0.25), one decimal where that is exact."""
+    text = f"{round(4 * points) / 4 + 0.0:+.2f}"  # + 0.0: no "-0.00"
+    return text[:-1] if text.endswith("0") else text
+
+
 def table(out: Path) -> None:
     for unpruned_file in sorted(out.glob("*_unpruned.json")):
         name = unpruned_file.name.split("_")[0]
@@ -276,7 +282,7 @@ def table(out: Path) -> None:
                 f"{c[k]['percent']:+.1f}% ({c[k]['low']:+.1f} to {c[k]['high']:+.1f})"
                 for k in ("in-domain", "other domain")
             )
-            points = (f"{c[t]['points']:+.1f} ({c[t]['low']:+.1f} to {c[t]['high']:+.1f})" for t in TASKS)
+            points = (f"{quarter(c[t]['points'])} ({quarter(c[t]['low'])} to {quarter(c[t]['high'])})" for t in TASKS)
             work = f"{c['seconds']:.0f} s on {c.get('device', 'cpu')}"
             work += f"; {c['fisher_passes']:.2f} fisher passes" if "fisher_passes" in c else ""
             rows.append([c["method"], c.get("chosen", c["depth"]), *perplexities, *points, work])
