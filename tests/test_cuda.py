@@ -132,3 +132,27 @@ def test_the_statistics_algebra_runs_on_the_gpu_and_gives_the_cpus_results():
     (cpu_fit, cpu_cost), (gpu_fit, gpu_cost) = found.values()
     torch.testing.assert_close(gpu_fit.weight, cpu_fit.weight, rtol=1e-4, atol=1e-6)
     assert gpu_cost == pytest.approx(cpu_cost, rel=1e-4)
+
+
+def test_kv_heads_are_shared_on_the_gpu_as_on_the_cpu():
+    """Key maps, the shared refit and the proven shared layout, each computed where the model is, give on the
+    GPU the CPU's fit and the CPU's model."""
+    from prune_heads.model.sharing import share_kv_heads
+    from prune_heads.recovery.reconstruction import refit
+    from prune_heads.recovery.sharing import merge_maps, sharing_statistics
+
+    merges = {1: 0}
+    found = []
+    for device in ("cpu", CUDA):
+        model = tm.build("llama").to(device)
+        batches = [{k: v.to(device) for k, v in b.items() if k != "labels"} for b in tm.batches("llama")]
+        layer = ph.find_attention(model)[0]
+        calibration, heldout, maps = sharing_statistics(model, [layer], batches[:-1], batches[-1:])
+        fitted = refit(layer, (), calibration[layer.name], heldout[layer.name], merges=merges)
+        share_kv_heads(model, {0: merges}, {layer.name: merge_maps(maps[layer.name], layer, merges)})
+        assert all(p.device.type == torch.device(device).type for p in model.parameters())
+        with torch.no_grad():
+            found.append((fitted, model(**batches[0]).logits.cpu()))
+    (cpu_fit, cpu_logits), (gpu_fit, gpu_logits) = found
+    torch.testing.assert_close(gpu_fit.weight, cpu_fit.weight, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(gpu_logits, cpu_logits, rtol=1e-4, atol=1e-5)
