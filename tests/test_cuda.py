@@ -27,6 +27,11 @@ def on_gpu(batch: list[dict]) -> list[dict]:
     return [{k: v.to(CUDA) for k, v in b.items()} for b in batch]
 
 
+def unlabelled_batches(device) -> list[dict[str, torch.Tensor]]:
+    """The tiny Llama's batches on `device`, without labels (the recordings read inputs only)."""
+    return [{k: v.to(device) for k, v in b.items() if k != "labels"} for b in tm.batches("llama")]
+
+
 @pytest.mark.parametrize("name", ["bert", "llama", "gpt2", "t5"])
 @pytest.mark.parametrize("method", ["gradient", "fisher"])
 def test_scores_on_the_gpu_equal_the_cpu(name, method):
@@ -122,7 +127,7 @@ def test_the_statistics_algebra_runs_on_the_gpu_and_gives_the_cpus_results():
     found = {}
     for device in ("cpu", CUDA):
         model = tm.build("llama").to(device)
-        batches = [{k: v.to(device) for k, v in b.items() if k != "labels"} for b in tm.batches("llama")]
+        batches = unlabelled_batches(device)
         moments = record(model, batches, Objective(model), gram=True).moments
         layers = ph.find_attention(model)
         assert moments[0].matrix().device.type == torch.device(device).type  # solved where the tokens were
@@ -145,7 +150,7 @@ def test_kv_heads_are_shared_on_the_gpu_as_on_the_cpu():
     found = []
     for device in ("cpu", CUDA):
         model = tm.build("llama").to(device)
-        batches = [{k: v.to(device) for k, v in b.items() if k != "labels"} for b in tm.batches("llama")]
+        batches = unlabelled_batches(device)
         layer = ph.find_attention(model)[0]
         calibration, heldout, maps = sharing_statistics(model, [layer], batches[:-1], batches[-1:])
         fitted = refit(layer, (), calibration[layer.name], heldout[layer.name], merges=merges)
