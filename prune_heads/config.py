@@ -150,6 +150,11 @@ class RecoveryConfig:
     reconstruction: bool = option(
         True, "Try refitting each pruned layer's output projection and bias to its unpruned output (least squares)."
     )
+    kv_sharing: bool = option(
+        True,
+        "Under a KV-cache budget, also try keeping the query heads of the KV groups the plan empties, re-pointed to "
+        "a KV head it keeps (shared KV heads: the same cache), kept where it measures better on held-out data.",
+    )
     search_rounds: int | None = option(
         None,
         "Rounds of the searched plan (each measures every KV group's or head's removal, refitted, on a few "

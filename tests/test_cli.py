@@ -486,15 +486,16 @@ def test_the_prune_line_says_what_the_held_out_data_measured():
     )
 
 
-def _tiny_llama_folder(tmp_path: Path) -> Path:
-    """A tiny Llama (3 layers x 2 KV groups of 2 query heads, head size 8) with a word-level tokenizer."""
+def _tiny_llama_folder(tmp_path: Path, model=None) -> Path:
+    """A tiny Llama (3 layers x 2 KV groups of 2 query heads, head size 8; `model` where given) with a
+    word-level tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {word: i for i, word in enumerate(["<pad>", "<s>", "</s>", "<unk>", *WORDS])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>")
-    tiny_models.build("llama").save_pretrained(tmp_path / "llama")
+    (model or tiny_models.build("llama")).save_pretrained(tmp_path / "llama")
     tokenizer.save_pretrained(tmp_path / "llama")
     return tmp_path / "llama"
 
@@ -521,6 +522,25 @@ def test_a_kv_cache_budget_prunes_the_fewest_groups_and_says_the_size(tmp_path):
         "size": 2**20,
     }
     assert ph.kv_cache_size(ph.load_pruned(tmp_path / "out"), 8192) == 2**20
+
+
+@pytest.mark.slow
+def test_a_kv_cache_budget_shares_kv_heads_where_that_measures_better_and_says_so(tmp_path):
+    """`--kv-cache` at half the planted tiny Llama's cache (each layer's KV head 1 a scale of its 0): the groups
+    are emptied by sharing, every query head kept, and the line and the report say so; `--no-kv-sharing` removes
+    them."""
+    folder = _tiny_llama_folder(tmp_path, tiny_models.planted_llama())
+    (tmp_path / "data.txt").write_text("\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))))
+    args = ["prune", str(folder), "--data", str(tmp_path / "data.txt"), "--text-column", "text", "--task"]
+    args += ["causal-lm", "--max-length", "12", "--batch-size", "4", "--kv-cache", "768KiB@8192", "--epochs", "1"]
+    result = _invoke([*args, "-o", str(tmp_path / "shared")])
+    assert result.exit_code == 0, result.output
+    assert "removed 0 heads" in result.output
+    assert "its KV cache 768.00 KiB at 8,192 tokens (f16), 3 KV heads shared in 3 layers" in result.output
+    assert "| shared KV heads | model.layers.0.self_attn: " in (tmp_path / "shared" / "report.md").read_text()
+    assert ph.kv_cache_size(ph.load_pruned(tmp_path / "shared"), 8192) == 768 * 1024
+    removed = _invoke([*args, "--no-kv-sharing", "-o", str(tmp_path / "removed")])
+    assert "removed 6 heads" in removed.output and "shared" not in removed.output
 
 
 def test_a_loss_bound_prunes_the_deepest_prefix_within_it_and_says_so(tmp_path):

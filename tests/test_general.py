@@ -98,7 +98,7 @@ def test_the_default_reports_the_change_on_the_models_own_text_and_decides_as_th
 
 def test_weighed_every_measurement_sees_both_sets(guarded):
     weigh, off = guarded["weigh"], guarded["off"]
-    assert weigh.heldout["general"] == {"source": WRITTEN, "examples": 4}
+    assert weigh.heldout["general"] == {"source": WRITTEN, "examples": 4, "weighed": True}
     assert weigh.work.heldout_pass == pytest.approx(1.5 * off.work.heldout_pass)
     assert weigh.work[Stage.SEARCH] > off.work[Stage.SEARCH]
 

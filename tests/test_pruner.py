@@ -663,3 +663,34 @@ def test_a_half_precision_model_prunes_to_finite_weights_the_same_on_a_rerun(dty
     assert a.plan == b.plan and sum(len(h) for h in a.plan.values()) == 4
     assert all(p.dtype == dtype and torch.isfinite(p).all() for p in first.parameters())
     assert all(torch.equal(p, q) for p, q in zip(first.state_dict().values(), second.state_dict().values()))
+
+
+@pytest.mark.slow
+def test_under_a_kv_cache_budget_kv_heads_are_shared_where_that_measures_better(tmp_path):
+    """A KV-cache budget of half the cache on the planted Llama: the flow tries keeping the emptied groups' query
+    heads on the KV head each layer keeps, measures that better than any removal, and the model it writes is
+    the state it measured (its held-out value), shares in every layer, keeps every query head, holds the
+    budget's cache and saves, loads and generates. Without `kv_sharing` the same budget removes whole groups."""
+    model, data = tm.planted_llama(), tm.batches("llama")
+    original = copy.deepcopy(model)
+    config = ph.PruneConfig(ph.SelectionConfig(kv_cache="6KiB@64"))
+    result = ph.prune_model(model, data, config, progress=False)
+    selection = next(e for e in result.recovery if e["step"] == "selection")
+    assert selection["kept"] == "search, shared + reconstruction"
+    removals = [v for k, v in selection["tried"].items() if "shared" not in k]
+    assert min(removals) > 100 * selection["tried"][selection["kept"]]
+    assert result.plan == {} and len(result.sharing) == 3 == len(selection["shared_kv_heads"])
+    assert [(l.num_heads, l.num_kv_heads) for l in ph.find_attention(model)] == [(4, 1)] * 3
+    assert ph.kv_cache_size(model, 64) == 6 * 1024
+    _, heldout = split_holdout([{k: v for k, v in b.items() if k != "labels"} for b in data], 0.2)
+    measured = kl(model, original, heldout) / sum(b["input_ids"].shape[0] for b in heldout)
+    assert measured == pytest.approx(result.heldout["final"], rel=1e-4, abs=1e-7)
+    ph.save_pruned(model, tmp_path / "shared")
+    loaded, inputs = ph.load_pruned(tmp_path / "shared"), tm.make_inputs("llama")
+    with torch.no_grad():  # at the tokens attended (padding's rows differ between attention kernels)
+        kept = inputs["attention_mask"].bool()
+        torch.testing.assert_close(loaded(**inputs).logits[kept], model(**inputs).logits[kept])
+    assert loaded.generate(inputs["input_ids"][1:], max_new_tokens=3, do_sample=False).shape[-1] == 10
+    removal = ph.PruneConfig(ph.SelectionConfig(kv_cache="6KiB@64"), recovery=ph.RecoveryConfig(kv_sharing=False))
+    removed = ph.prune_model(tm.planted_llama(), data, removal, progress=False)
+    assert removed.heads_removed == 6 and removed.sharing == {}

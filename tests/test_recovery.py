@@ -227,7 +227,7 @@ def test_each_ridge_s_fit_solves_its_damped_normal_equations_and_an_indefinite_s
     reference = tm.build("llama")
     stats = _moments(reference, calibration("llama", 6))
     held = _moments(reference, [tm.make_inputs("llama", batch=4, seq=9, seed=100)])
-    fit = R._Fit.of(ph.find_attention(reference)[0], [0, 1], stats.moments[0], held.moments[0], True, {})
+    fit = R._Fit.of(ph.find_attention(reference)[0], [0, 1], stats.moments[0], held.moments[0], True, None)
     kept = fit.gram[fit.columns][:, fit.columns]
     scale = float(fit.gram.diagonal()[fit.kept].mean())
     found = list(R._ridge_fits(fit, fit.gram, scale, R.RIDGES))

@@ -6,6 +6,7 @@ save -> load and generate() keep it, and what cannot share is refused before any
 import json
 
 import pytest
+import tiny_models as tm
 import torch
 import transformers as T
 
@@ -14,7 +15,14 @@ from prune_heads.model.layers import find_attention
 from prune_heads.model.sharing import fit_key_maps, maps_keys, share_kv_heads, shared_kv
 from prune_heads.model.surgery import RECORD_KEY, PlanError, RecordError, record_digest
 from prune_heads.recovery.reconstruction import refit
-from prune_heads.recovery.sharing import key_products, merge_maps, sharing_statistics
+from prune_heads.recovery.sharing import (
+    SharedStatistics,
+    key_products,
+    kv_merges,
+    merge_maps,
+    repointed,
+    sharing_statistics,
+)
 
 CONFIGS = {
     "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
@@ -121,19 +129,6 @@ def test_query_heads_are_laid_out_by_the_kv_head_they_attend_to_in_a_stock_confi
     torch.testing.assert_close(logits(stock, inputs), logits(model, inputs), rtol=0, atol=0)
 
 
-@torch.no_grad()
-def plant_scaled_kv_heads(layer, scales: dict[int, torch.Tensor]) -> None:
-    """Make each KV head j of `scales` a copy of KV head j - 1: its key rows that head's times `scales[j]` per
-    rotary pair (i, i + head_dim / 2), its value rows that head's."""
-    k, v, dim = layer.module.k_proj.weight, layer.module.v_proj.weight, layer.head_dim
-    for j, scale in scales.items():
-        rows = k[(j - 1) * dim : j * dim].double()
-        first, second = rows[: dim // 2], rows[dim // 2 :]
-        real, imag = scale.real[:, None], scale.imag[:, None]
-        k[j * dim : (j + 1) * dim] = torch.cat([real * first - imag * second, imag * first + real * second]).float()
-        v[j * dim : (j + 1) * dim] = v[(j - 1) * dim : j * dim]
-
-
 def test_kv_heads_whose_keys_are_a_rotary_scale_of_others_are_shared_without_changing_the_model():
     """KV head 1's key rows are a complex scale per rotary pair of KV head 0's (3's of 2's) and its value rows
     are KV head 0's (2's): the fitted maps are those scales, and sharing 1 into 0 and 3 into 2 with them leaves
@@ -143,7 +138,7 @@ def test_kv_heads_whose_keys_are_a_rotary_scale_of_others_are_shared_without_cha
     half = layer.head_dim // 2
     generator = torch.Generator().manual_seed(3)
     scales = {j: torch.complex(*torch.randn(2, half, generator=generator)).to(torch.complex128) for j in (1, 3)}
-    plant_scaled_kv_heads(layer, scales)
+    tm.plant_scaled_kv_heads(layer, scales)
     batches = [batch(seed) for seed in range(3)]
     products = key_products(model, find_attention(model), batches)
     maps = fit_key_maps(products[layer.name], {1: 0, 3: 2}, layer.kv_heads)
@@ -262,10 +257,45 @@ def test_where_a_kv_head_is_a_rotary_scale_of_another_sharing_refits_exactly_and
     with torch.no_grad():
         layer.module.q_proj.weight.mul_(4)  # peaked attention: a head's output is far from its mean
         layer.module.k_proj.weight.mul_(4)
-    plant_scaled_kv_heads(layer, {1: scale, 3: scale})  # KV head 1 a scale of 0, 3 of 2
+    tm.plant_scaled_kv_heads(layer, {1: scale, 3: scale})  # KV head 1 a scale of 0, 3 of 2
     batches = [batch(seed, rows=4, tokens=16) for seed in range(4)]
     calibration, heldout, _ = sharing_statistics(model, find_attention(model), batches[:3], batches[3:])
     layer = find_attention(model)[1]
     shared = refit(layer, (), calibration[layer.name], heldout[layer.name], merges={1: 0, 3: 2})
     removed = refit(layer, (2, 3, 6, 7), calibration[layer.name], heldout[layer.name])  # with their query heads
     assert shared.error < removed.error / 100
+
+
+def test_a_plans_cut_is_shared_by_merging_each_emptied_group_into_a_kept_one_keys_most_alike_first():
+    """Removing KV groups 0 and 2 of a layer of 4 keeps 1 and 3: without key statistics 0 merges into 1 and 2
+    into 3; where KV head 2's keys are a rotary scale of 1's, 2 merges into 1 and 0 into 3. A cut of part of a
+    group, of every group or to a count no layout has is not shared."""
+    model = eight_over_four("llama")
+    layer = find_attention(model)[1]
+    scale = torch.complex(*torch.randn(2, layer.head_dim // 2, generator=torch.Generator().manual_seed(6)))
+    tm.plant_scaled_kv_heads(layer, {2: scale.to(torch.complex128)})
+    products = key_products(model, [layer], [batch(seed) for seed in range(3)])[layer.name]
+    assert kv_merges(layer, (0, 1, 4, 5)) == {0: 1, 2: 3}
+    assert kv_merges(layer, (0, 1, 4, 5), products) == {2: 1, 0: 3}
+    assert kv_merges(layer, (0, 1, 2, 3, 4, 5), products) == {0: 3, 1: 3, 2: 3}
+    for removed in ((0,), (0, 1), range(8)):
+        assert kv_merges(layer, removed, products) is None
+
+
+def test_one_sharings_statistics_refit_it_as_every_turns_do_at_a_fraction_of_the_size():
+    """The default path records a plan's sharing for its re-pointed heads alone (`SharedStatistics.of`); its refit
+    is the one the statistics of every turn give."""
+    model = eight_over_four("llama")
+    layers = find_attention(model)
+    batches = [batch(seed, rows=4, tokens=16) for seed in range(4)]
+    layer = layers[1]
+    shared = SharedStatistics.of(model, lambda b: model(**b), {layer.name: [2, 3, 6, 7]}, batches[:3], batches[3:])
+    merges = shared.merges[layer.name]
+    assert set(shared.merges) == {layer.name} and sorted(merges) == [1, 3]
+    every, every_held, _ = sharing_statistics(model, layers, batches[:3], batches[3:])
+    calibration, heldout = shared.calibration[layer.name], shared.heldout[layer.name]
+    narrow = refit(layer, (), calibration, heldout, merges=merges, recorded=[repointed(layer, merges)])
+    wide = refit(layer, (), every[layer.name], every_held[layer.name], merges=merges)
+    assert narrow.ridge == wide.ridge and narrow.error == pytest.approx(wide.error, rel=1e-6)
+    torch.testing.assert_close(narrow.weight, wide.weight, rtol=1e-4, atol=1e-6)
+    assert calibration.width < every[layer.name].width / 2

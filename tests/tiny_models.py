@@ -354,3 +354,34 @@ def assert_close(found, saved, path="report"):
         assert found == pytest.approx(saved, rel=1e-4, abs=1e-7), f"{path}: {found} != {saved}"
     else:
         assert found == saved, f"{path}: {found!r} != {saved!r}"
+
+
+@torch.no_grad()
+def plant_scaled_kv_heads(layer, scales: dict[int, torch.Tensor]) -> None:
+    """Make each KV head j of `scales` a copy of KV head j - 1: its key rows that head's times `scales[j]` per
+    rotary pair (i, i + head_dim / 2), its value rows that head's."""
+    k, v, dim = layer.module.k_proj.weight, layer.module.v_proj.weight, layer.head_dim
+    for j, scale in scales.items():
+        rows = k[(j - 1) * dim : j * dim].double()
+        first, second = rows[: dim // 2], rows[dim // 2 :]
+        real, imag = scale.real[:, None], scale.imag[:, None]
+        k[j * dim : (j + 1) * dim] = torch.cat([real * first - imag * second, imag * first + real * second]).float()
+        v[j * dim : (j + 1) * dim] = v[(j - 1) * dim : j * dim]
+
+
+def planted_llama():
+    """The tiny Llama with KV head 1 of every layer a rotary-pair scale of KV head 0 (keys) and a copy of it
+    (values): sharing either into the other changes nothing, removing either loses its query heads."""
+    from prune_heads import find_attention  # here: see make_scores
+
+    model = build("llama")
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # peaked attention and logits: decisions far above float noise
+        model.lm_head.weight.mul_(30)
+    for layer in find_attention(model):
+        with torch.no_grad():
+            layer.module.q_proj.weight.mul_(4)
+            layer.module.k_proj.weight.mul_(4)
+        scale = torch.complex(*torch.randn(2, layer.head_dim // 2, generator=generator)).to(torch.complex128)
+        plant_scaled_kv_heads(layer, {1: scale})
+    return model

@@ -238,6 +238,7 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
 )
 @config_option(RecoveryConfig, "rearrange")
 @config_option(RecoveryConfig, "reconstruction")
+@config_option(RecoveryConfig, "kv_sharing")
 @config_option(RecoveryConfig, "bias_compensation")
 @config_option(RecoveryConfig, "gate_tuning")
 @config_option(RecoveryConfig, "bias_tuning")

@@ -312,6 +312,12 @@ def frontier_lines(report, output: str) -> str:
 
 
 def kv_cache_line(report) -> str:
-    """The pruned model's KV cache, where a KV-cache budget set the depth."""
+    """The pruned model's KV cache, where a KV-cache budget set the depth, and the KV heads it shares."""
     kv = report.meta.get("kv_cache")
-    return "" if kv is None else f"; its KV cache {size_text(kv['size'])} at {kv['context']:,} tokens ({kv['type']})"
+    if kv is None:
+        return ""
+    selection: dict = next((e for e in report.recovery if e["step"] == "selection"), {})
+    shared = selection.get("shared_kv_heads", {})
+    merged = sum(len(merges) for merges in shared.values())
+    sharing = f", {merged} KV heads shared in {len(shared)} layers (their query heads kept)" if shared else ""
+    return f"; its KV cache {size_text(kv['size'])} at {kv['context']:,} tokens ({kv['type']}){sharing}"

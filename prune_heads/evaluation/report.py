@@ -213,8 +213,11 @@ class Report:
         if not self.recovery:
             return []
         held = self.meta.get("heldout") or {}
-        general = held.get("general")
-        beside = f" and {general['examples']} of {general['source']}, weighed equally" if general else ""
+        general = held.get("general") or {}
+        beside = ""
+        if general:
+            how = "weighed equally" if general.get("weighed") else "measured beside, not weighed"
+            beside = f" and {general['examples']} of {general['source']}, {how}"
         lines = [
             "",
             f"Recovery, decided on {held.get('examples', 0)} held-out calibration examples{beside} "
@@ -228,6 +231,9 @@ class Report:
             if entry["step"] == "selection":
                 for name, value in entry["tried"].items():
                     lines.append(f"| plan | {name} | {_number(value)} | {'yes' if name == entry['kept'] else ''} |")
+                for layer, merges in entry.get("shared_kv_heads", {}).items():
+                    pairs = ", ".join(f"{j} -> {g}" for j, g in merges.items())
+                    lines.append(f"| shared KV heads | {layer}: {pairs} (every query head kept) | | |")
             elif entry["step"] == "notes":
                 lines += [f"| note | {note} | | |" for note in entry["notes"]]
             else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -198,16 +199,36 @@ def share_kv_heads(
     layer that cannot share, a merge no grouped-query layout has, or a key map where keys cannot be mapped.
     The sharing is recorded in `model.config`, so `save_pruned` / `load_pruned` round-trip it.
     """
+    merges, maps = prove_sharing(model, sharing, key_maps, inputs)
+    apply_sharing(model, merges, maps)
+    return model
+
+
+def prove_sharing(
+    model: nn.Module,
+    sharing: Mapping[Any, Mapping[int, int]],
+    key_maps: Mapping[str, KeyMaps] | None = None,
+    inputs: dict | None = None,
+) -> tuple[dict[str, Merges], dict[str, KeyMaps]]:
+    """`sharing` and its key maps by layer name, each layer proven on copies as `share_kv_heads` proves it (PlanError
+    where one is not exact); the model is not changed."""
     layers = find_attention(model)
     merges = normalize_sharing(layers, sharing)
     maps = {name: dict((key_maps or {}).get(name, {})) for name in merges}
     by_name = {layer.name: layer for layer in layers}
     _prove(model, [by_name[name] for name in merges], merges, maps, inputs)
+    return merges, maps
+
+
+def apply_sharing(model: nn.Module, merges: dict[str, Merges], maps: dict[str, KeyMaps]) -> None:
+    """Share the KV heads `prove_sharing` proved: the key maps folded into the re-pointed heads' query rows, each
+    layer re-laid out and the sharing recorded."""
+    layers = find_attention(model)
+    by_name = {layer.name: layer for layer in layers}
     for name, layer_merges in merges.items():
         fold_key_maps(by_name[name], layer_merges, maps[name])
         relayout(by_name[name], (), layer_merges)
     write_record(model, layers)
-    return model
 
 
 def _prove(

@@ -26,7 +26,9 @@ from ..export.persistence import output_biases_load
 from ..model.layers import require_attention, unmeasured_long_range
 from ..model.onload import layer_major_chain, moved_bytes, offloaded_bytes, onload_offloaded, prove_layer_major
 from ..model.probe import probe_layers
+from ..model.sharing import why_not_shared
 from ..recovery.candidates import (
+    Candidate,
     Trial,
     candidate_plans,
     candidates,
@@ -41,6 +43,7 @@ from ..recovery.generated import token_batches, with_generated, writes_text
 from ..recovery.holdout import one_standard_error, split_holdout
 from ..recovery.prefixes import prefix_plan, ranked_order
 from ..recovery.search import ROUNDS, Searched, SearchSchedule, searched_plan
+from ..recovery.sharing import SharedStatistics, sharable
 from ..recovery.tuning import Schedule, tune
 from ..runtime.devices import input_device, to_device
 from ..runtime.ledger import BEFORE_TUNING, Stage, Tally
@@ -302,6 +305,10 @@ def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
     if searched.plan is not None:
         plans[searched.name] = searched.plan
     tried = candidates(plans, r.reconstruction, r.bias_compensation, trial.calibration is not None)
+    name = searched.name if searched.plan is not None else next(iter(plans))
+    shared, why = _shared(run, bench, name, plans[name])
+    tried += shared
+    notes += why
     decision = choose(trial, tried, fallback(plans, r.reconstruction, r.bias_compensation))
     measured = f"{searched.name} + reconstruction"  # the state whose rise a loss bound measured
     if decision.label != measured and not within_bound(run, bench):
@@ -315,6 +322,45 @@ def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
     summary.update(heldout_summary(decision, run.heldout))
     asked = run.budget.asked if "max_loss" not in summary else summary["max_loss"]["heads"]
     return Chosen(decision, budget, asked, found, notes, summary, time.perf_counter() - tick)
+
+
+def _shared(run: Run, bench: Bench, name: str, plan: dict[str, list[int]]) -> tuple[list[Candidate], list[str]]:
+    """Under a KV-cache budget with `kv_sharing`, the candidates that keep the query heads of the KV groups `plan`
+    empties, re-pointed to KV heads it keeps (the same cache): in every layer whose cut allows it, and in those
+    whose refit fits better so than with the heads removed; with a note where none can."""
+    trial, why = bench.trial, _why_not_shared(run, bench.trial)
+    if why is not None:
+        return [], [] if why == "" else [f"KV heads not shared: {why}"]
+    trial.gated.use({})  # the unpruned model's statistics
+    trial.shared = SharedStatistics.of(run.model, trial.gated, plan, run.calib, trial.batches)
+    bench.tally.add(Stage.RECORDING, 2 * bench.pricer.forward(run.calib) + bench.tally.heldout_pass)
+    if not trial.shared.merges:
+        return [], ["KV heads not shared: the plan empties no KV group where its query heads divide over those kept"]
+    every, better = trial.shared.merges, trial.better_shared(plan)
+    found = [Candidate(f"{name}, shared", _without(plan, every), "reconstruction", dict(every))]
+    if better and better != every:
+        found.append(Candidate(f"{name}, mixed", _without(plan, better), "reconstruction", better))
+    return found, []
+
+
+def _why_not_shared(run: Run, trial: Trial) -> str | None:
+    """Why no sharing is tried: "" where none was asked (no KV-cache budget, no recovery, or `kv_sharing` off),
+    else the reason the run's notes give; None where it is tried."""
+    r, selection = run.config.recovery, run.config.selection
+    if not (r.enabled and r.kv_sharing and selection.kv_cache is not None):
+        return ""
+    if not (r.reconstruction and trial.calibration is not None and trial.batches):
+        return "sharing is tried with each layer refitted on held-out data (recovery with reconstruction)"
+    if selection.uniform:
+        return "a uniform plan keeps the same heads in every layer"
+    if not sharable(run.layers):
+        return next(w for w in map(why_not_shared, run.layers) if w is not None)
+    return None
+
+
+def _without(plan: dict[str, list[int]], sharing: dict[str, Any]) -> dict[str, list[int]]:
+    """`plan` without the layers `sharing` cuts instead."""
+    return {name: heads for name, heads in plan.items() if name not in sharing}
 
 
 def _warned(note: str | None) -> list[str]:
@@ -393,7 +439,10 @@ def _result(run: Run, bench: Bench, scored: Scored, chosen: Chosen, tuned: Tuned
     if bench.unpruned is not None and summary:
         summary["perplexity_change"] = rise(run, bench, lambda batch: run.model(**batch))
     if run.general is not None and summary:
-        summary["general"] = {"source": run.general.source, "examples": sum(map(batch_size, run.general.heldout))}
+        examples = sum(map(batch_size, run.general.heldout))
+        summary["general"] = {"source": run.general.source, "examples": examples}
+        if run.weighs_general:  # else measured and reported only
+            summary["general"]["weighed"] = True
         if bench.general is not None:
             summary["general_perplexity_change"] = general_rise(run, bench, lambda batch: run.model(**batch))
     notes = [*run.notes, *chosen.notes]
@@ -413,6 +462,7 @@ def _result(run: Run, bench: Bench, scored: Scored, chosen: Chosen, tuned: Tuned
             tuned.limit if tuned is not None else None, moved_bytes(run.model) - run.moved, run.offloaded
         ),
         frontier=chosen.frontier,
+        sharing=chosen.decision.sharing,
     )
 
 

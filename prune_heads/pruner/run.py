@@ -38,7 +38,9 @@ class PruneResult:
     was kept, seconds), the held-out summary, the heads the budget asked for (`asked`; `heads_removed` differs
     only with `selection.round`), the counted work of each stage with the tuning's budget (`work`: what limits
     the flow, never a clock), the seconds per stage (informative only), each depth `selection.depths` asked
-    for measured (`frontier`) and, from `prune_iteratively`'s path, the loss after each step (`history`)."""
+    for measured (`frontier`), the KV heads it shares in layers the plan leaves whole (`sharing`: {layer:
+    {merged KV head: the one its query heads read}}, under a KV-cache budget) and, from `prune_iteratively`'s
+    path, the loss after each step (`history`)."""
 
     plan: dict[str, list[int]]
     scores: HeadScores | None = None
@@ -50,6 +52,7 @@ class PruneResult:
     timings: dict[str, float] = field(default_factory=dict)
     work: Ledger | None = None
     frontier: list[Depth] = field(default_factory=list)
+    sharing: dict[str, dict[int, int]] = field(default_factory=dict)
 
     @property
     def heads_removed(self) -> int:

@@ -28,7 +28,8 @@ from ..scoring.selection import HeadBudget, select_heads
 from ..task_data import batch_size
 from .gated import GatedModel
 from .holdout import balanced, one_standard_error
-from .reconstruction import Refit, RemovalCost, refit, refit_flops
+from .reconstruction import Refit, RemovalCost, refit, refit_flops, shared_refit_flops
+from .sharing import Merges, SharedStatistics, repointed
 
 Plan = dict[str, list[int]]
 logger = logging.getLogger("prune_heads")
@@ -67,11 +68,13 @@ def candidate_plans(
 @dataclass(frozen=True)
 class Candidate:
     """A plan (`name` says which) and the recovery step tried with it: "", "reconstruction" or
-    "bias compensation"."""
+    "bias compensation"; with `sharing`, the KV heads it merges in layers the plan leaves whole
+    (`prune_heads.recovery.sharing`)."""
 
     name: str
     plan: Plan
     step: str = ""
+    sharing: dict[str, Merges] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -105,11 +108,13 @@ def fallback(plans: dict[str, Plan], reconstruction: bool, bias_compensation: bo
 
 @dataclass
 class State:
-    """A state of the gated model: the plan, and the added biases or the reconstruction with it."""
+    """A state of the gated model: the plan, the added biases or the reconstruction with it, and the KV heads it
+    shares."""
 
     plan: Plan
     biases: dict[str, torch.Tensor] | None = None
     refits: dict[str, Refit] | None = None
+    sharing: dict[str, Merges] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,7 +124,8 @@ class Trial:
     without held-out data), those held-out batches (the calibration's, then the general-ability guard's:
     `domain` says how many examples are the calibration's; `prune_heads.recovery.general`), whether a refit
     fits an output bias (`bias`) and whether the search and the choice show progress bars (`progress`). Refits
-    made here count their work in `refit_work`; a refit that fell back says so in `notes`."""
+    made here count their work in `refit_work`; a refit that fell back says so in `notes`. A plan's sharing is
+    tried with `shared`, its statistics, once recorded."""
 
     gated: GatedModel
     objective: Objective
@@ -131,6 +137,7 @@ class Trial:
     domain: int | None = None
     refit_work: float = 0.0
     notes: list[str] = field(default_factory=list)
+    shared: SharedStatistics | None = None
 
     @property
     def targets(self) -> list:
@@ -145,11 +152,31 @@ class Trial:
         held = self.reference.moments[i] if self.reference is not None else None
         return refit(self.gated.layers[i], heads, self.calibration.moments[i], held, self.bias)
 
+    def shared_refit(self, name: str) -> Refit:
+        """Layer `name`'s reconstruction with the KV heads its recorded sharing merges (`shared`)."""
+        assert self.shared is not None
+        self.gated.restore()
+        layer, merges = self.gated.layers[self.gated.index[name]], self.shared.merges[name]
+        held = self.shared.heldout.get(name)
+        recorded = [repointed(layer, merges)]
+        return refit(layer, (), self.shared.calibration[name], held, self.bias, merges, recorded)
+
+    def better_shared(self, plan: Plan) -> dict[str, Merges]:
+        """The layers of the recorded sharing whose refit fits better shared than with `plan`'s heads removed
+        (the held-out relative error), the refits' work counted."""
+        assert self.shared is not None
+        merges = self.shared.merges
+        self.refit_work += refit_flops(self.gated.layers, {n: plan[n] for n in merges})
+        self.refit_work += shared_refit_flops(self.gated.layers, merges)
+        return {n: m for n, m in merges.items() if self.shared_refit(n).error < self.refit(n, plan[n]).error}
+
     def state(self, candidate: Candidate) -> State:
-        """The candidate's state: its plan with its reconstruction or bias compensation."""
-        plan = candidate.plan
+        """The candidate's state: its plan with its reconstruction or bias compensation, and its sharing."""
+        plan, sharing = candidate.plan, candidate.sharing
         if candidate.step == "reconstruction":
-            return State(plan, refits=self._refits(plan))
+            shared = {name: self.shared_refit(name) for name in sharing}
+            self.refit_work += shared_refit_flops(self.gated.layers, sharing)
+            return State(plan, refits={**self._refits(plan), **shared}, sharing=sharing)
         if candidate.step == "bias compensation":
             assert self.calibration is not None
             return State(plan, biases=self.gated.compensation(plan, self.calibration.means()))
@@ -165,9 +192,14 @@ class Trial:
         self.refit_work += refit_flops(self.gated.layers, plan)
         return found
 
+    def use(self, state: State) -> None:
+        """Put the gated model in `state`."""
+        maps = self.shared.maps if self.shared is not None else {}
+        self.gated.use(state.plan, state.biases, state.refits, state.sharing, maps)
+
     def measure(self, state: State) -> torch.Tensor | None:
         """The per-example held-out divergences of the gated model put in `state` (None without held-out data)."""
-        self.gated.use(state.plan, state.biases, state.refits)
+        self.use(state)
         return self.divergences() if self.batches else None
 
     def divergences(self) -> torch.Tensor:
@@ -177,9 +209,12 @@ class Trial:
         return values if self.domain is None else balanced(values, self.domain)
 
     def release(self) -> None:
-        """Drop the held-out Gram matrices once every reconstruction is made (the outputs stay)."""
+        """Drop the held-out Gram matrices and the sharing's statistics once every reconstruction is made (the
+        outputs stay)."""
         if self.reference is not None:
             self.reference.release_moments()
+        if self.shared is not None:  # the key maps stay: the state kept may share
+            self.shared = dataclasses.replace(self.shared, calibration={}, heldout={})
 
 
 @dataclass
@@ -194,6 +229,7 @@ class Decision:
     values: torch.Tensor | None
     tried: dict[str, float | None]
     reconstruction: dict[str, Any] | None
+    sharing: dict[str, Merges] = field(default_factory=dict)
 
     @property
     def value(self) -> float | None:
@@ -205,6 +241,8 @@ class Decision:
         found: dict[str, Any] = {"step": "selection", "kept": self.label, "seconds": seconds, "tried": self.tried}
         if self.reconstruction is not None:
             found["reconstruction"] = self.reconstruction
+        if self.sharing:
+            found["shared_kv_heads"] = {name: dict(merges) for name, merges in self.sharing.items()}
         return found
 
 
@@ -216,16 +254,17 @@ def choose(trial: Trial, tried: list[Candidate], otherwise: str) -> Decision:
     measured: dict[str, tuple[torch.Tensor | None, Candidate, State]] = {}
     for candidate in progress_bar(tried, "candidates", len(tried), trial.progress):
         state = trial.state(candidate)
-        measured[candidate.label] = (trial.measure(state), candidate, State(state.plan, biases=state.biases))
+        light = State(state.plan, biases=state.biases, sharing=state.sharing)  # refits made again once kept
+        measured[candidate.label] = (trial.measure(state), candidate, light)
     values = {label: v for label, (v, _, _) in measured.items() if v is not None}
     label = one_standard_error(values) if trial.batches else otherwise
     kept, candidate, state = measured[label]
     if candidate.step == "reconstruction":
         state = trial.state(candidate)
-    trial.gated.use(state.plan, state.biases, state.refits)
+    trial.use(state)
     means = {k: None if v is None else float(v.mean()) for k, (v, _, _) in measured.items()}
     summary = _summary(state.refits) if state.refits else None
-    return Decision(label, state.plan, kept, means, summary)
+    return Decision(label, state.plan, kept, means, summary, state.sharing)
 
 
 def _summary(refits: dict[str, Refit]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from ..model.hooks import hooks
 from ..model.layers import AttentionLayer, find_attention, output_projection, resolve
 from ..model.onload import passes
 from ..model.probe import probe_plan, remove_proven
+from ..model.sharing import KeyMaps, Merges, apply_sharing, prove_sharing, shared_kv
 from ..model.surgery import add_output_bias, head_features, normalize_plan
 from ..runtime.devices import on_device_of
 from ..runtime.parallel import Shards
@@ -64,18 +65,25 @@ class GatedModel:
         self._originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (kept columns, their originals)
         self._proven: tuple[dict, dict[str, list[int]]] | None = None  # the plan `prove` last proved, normalized
         self._inputs: dict[int, torch.Tensor] = {}  # layer -> its ungated input, from the pre-hook to the update
+        self._stack, self._shared = ExitStack(), ExitStack()  # the gates' hooks; the sharing's, while inside
+        self._inside = False
         self.use({})
-        self._stack = ExitStack()
 
     def use(
         self,
         plan: dict[str, list[int]],
         biases: dict[str, torch.Tensor] | None = None,
         refits: dict[str, Refit] | None = None,
+        sharing: dict[str, Merges] | None = None,
+        key_maps: dict[str, KeyMaps] | None = None,
     ) -> None:
         """Gates of 0 for the plan's heads and 1 for the others, and the given added biases (else none); with
-        `refits`, those layers' fitted kept columns and biases (in place of any added bias). No updates."""
+        `refits`, those layers' fitted kept columns and biases (in place of any added bias); with `sharing`, those
+        KV heads shared (keys mapped by `key_maps`, run as hooks: `shared_kv`). No updates."""
         self.restore()
+        self.sharing = {name: dict(merges) for name, merges in (sharing or {}).items() if merges}
+        self.key_maps = {name: dict((key_maps or {}).get(name, {})) for name in self.sharing}
+        self._share()
         self.updates: list[tuple[torch.Tensor, torch.Tensor]] = []
         biases = dict(biases or {})
         with torch.no_grad():
@@ -157,7 +165,15 @@ class GatedModel:
             self._swap(output_projection(self.layers[i]).matrix(), kept, held)
         self._originals.clear()
 
+    def _share(self) -> None:
+        """The state's sharing as hooks while the gated model runs (none outside its `with`)."""
+        self._shared.close()
+        if self._inside and self.sharing:
+            self._shared.enter_context(shared_kv(self.layers, self.sharing, self.key_maps))
+
     def __enter__(self) -> GatedModel:
+        self._inside = True
+        self._share()
         self.gates = self._stack.enter_context(head_gates(self.model, requires_grad=False))
         projections = [resolve(l.module, l.spec.o) for l in self.layers]
         keep = [(o, "forward_pre", self._keep_input(i)) for i, o in enumerate(projections)]
@@ -166,6 +182,8 @@ class GatedModel:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._inside = False
+        self._shared.close()
         self._stack.close()
 
     def _keep_input(self, i: int):
@@ -221,13 +239,15 @@ class GatedModel:
         return biases
 
     def prove(self, plan: dict[str, list[int]], inputs: dict | None = None) -> None:
-        """Prove the plan exact on copies of its layers (`probe_plan`, on `inputs`; call it outside the
-        hooks). A refused plan leaves the model as it was; a proven one is committed to: the output
-        projections' originals are dropped, and `fold` removes its heads without proving it again."""
+        """Prove the plan and the state's sharing exact on copies of their layers (`probe_plan`,
+        `prove_sharing`, on `inputs`; call it outside the hooks). A refused plan leaves the model as it was; a
+        proven one is committed to: the output projections' originals are dropped, and `fold` removes its heads
+        and shares the KV heads without proving them again."""
         layers = find_attention(self.model)
         try:
             normalized = normalize_plan(layers, plan)
             probe_plan(self.model, layers, normalized, inputs)
+            prove_sharing(self.model, self.sharing, self.key_maps, inputs)
         except BaseException:
             self.restore()
             raise
@@ -236,8 +256,8 @@ class GatedModel:
 
     def fold(self, plan: dict[str, list[int]], inputs: dict | None = None) -> None:
         """Make the gated state permanent: updates and scales into the output projections, added biases into
-        their biases (created and recorded where missing), then the plan's heads removed. A plan not yet
-        proven is proven first (`prove`), so a refused plan leaves the model as it was."""
+        their biases (created and recorded where missing), then the plan's heads removed and the state's KV heads
+        shared. A plan not yet proven is proven first (`prove`), so a refused plan leaves the model as it was."""
         if self._proven is None or self._proven[0] != plan:
             self.prove(plan, inputs)
         assert self._proven is not None
@@ -251,3 +271,5 @@ class GatedModel:
                     fold_gates(layer, scale)
         add_output_bias(self.model, {l.name: b.detach() for l, b in zip(self.layers, self.biases) if b.any()})
         remove_proven(self.model, find_attention(self.model), plan)  # folding scales and biases keeps it exact
+        if self.sharing:  # in layers the plan leaves whole: their original heads, as proven
+            apply_sharing(self.model, self.sharing, self.key_maps)

@@ -30,6 +30,7 @@ from ..scoring.objective import Objective
 from ..scoring.recording import Moments, record
 from ..task_data import without_labels
 from .holdout import split_holdout
+from .sharing import Alternative, every_turn, shared_columns
 
 logger = logging.getLogger("prune_heads")
 RIDGES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, math.inf)  # x the mean diagonal; inf: bias compensation itself
@@ -81,24 +82,6 @@ def _extended(full: torch.Tensor, inner: int) -> torch.Tensor:
     return wide
 
 
-def shared_features(layer: AttentionLayer, removed: Iterable[int], merges: dict[int, int]) -> torch.Tensor:
-    """The features a refit of the layer fits once `removed` heads go and `merges` apply, as indices into
-    statistics that record, after its own inputs, what every query head gives when each KV head reads the one
-    `s` places on (s = 1, 2, ...: `prune_heads.recovery.sharing.turns`): a re-pointed head's from the
-    alternative that reads its new KV head, every other kept head's own."""
-    gone = set(removed)
-    count, width = len(layer.kv_heads), layer.num_heads * layer.head_dim
-    kept = []
-    for position, head in enumerate(layer.heads):
-        if head in gone:
-            continue
-        own = layer.kv_heads.index(layer.kv_of(head))
-        target = merges.get(layer.kv_of(head))
-        shift = (layer.kv_heads.index(target) - own) % count if target is not None else 0
-        kept.append(shift * width + position * layer.head_dim + torch.arange(layer.head_dim))
-    return torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long)
-
-
 def _energy(full: torch.Tensor, gram: torch.Tensor) -> float:
     """Sum over the Gram matrix's tokens of the unpruned output's |[W, b] x~|^2 (at least a tiny positive)."""
     return max(float((full @ gram * full).sum()), 1e-30)
@@ -119,6 +102,7 @@ def refit(
     heldout: Moments | None,
     bias: bool = True,
     merges: Mapping[int, int] | None = None,
+    recorded: list[Alternative] | None = None,
 ) -> Refit:
     """The ridge least-squares fit of the kept columns of the layer's output projection and its bias to the
     unpruned layer's output on the calibration tokens (from their Gram matrix; the target is the layer's own
@@ -129,10 +113,13 @@ def refit(
     bias) and only the kept columns are fitted, pulled towards themselves. A fit that cannot be trusted (fewer
     tokens than unknowns per output, features without energy, values that are not finite or overflow the
     weights' dtype) falls back to bias compensation (to the kept columns as they are without a bias) and says
-    why. With `merges` (KV heads merged into others) the statistics are those of the layer's inputs beside
-    what each query head gives attending to every other KV head (`prune_heads.recovery.sharing`), and the
-    re-pointed heads' columns are fitted on what they give once merged, pulled towards their columns as they are."""
-    fit = _Fit.of(layer, removed, calibration, heldout, bias, dict(merges or {}))
+    why. With `merges` (KV heads merged into others) the statistics are those of the layer's inputs beside the
+    alternatives `recorded` (by default every turn: `prune_heads.recovery.sharing`), and the re-pointed heads'
+    columns are fitted on what they give once merged, pulled towards their removal's bias compensation."""
+    shared = None
+    if merges:
+        shared = shared_columns(layer, removed, dict(merges), every_turn(layer) if recorded is None else recorded)
+    fit = _Fit.of(layer, removed, calibration, heldout, bias, shared)
     if not len(fit.kept):  # a layer that lost every head: the least-squares bias is the mean output, the prior
         return fit.result(fit.prior, math.inf, fit.error(fit.prior))
     gram, tokens = fit.gram, calibration.tokens
@@ -178,17 +165,16 @@ class _Fit:
         calibration: Moments,
         heldout: Moments | None,
         bias: bool,
-        merges: dict[int, int],
+        shared: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> _Fit:
         gram = calibration.matrix()
         inner = gram.shape[0] - 1  # the features recorded: the layer's, then any alternatives' (merges)
         full = _extended(_unpruned(layer, gram.device), inner)  # [out, inner + 1]
         kept, gone = kept_and_removed(layer, removed)
-        if merges:
-            kept = shared_features(layer, removed, merges)
+        kept, own = shared if shared is not None else (kept, kept)  # recorded features, and each one's own input
         # the prior: each unchanged feature's own column, and a re-pointed one's zero with its mean output moved
         # into the bias, as if it were removed (bias compensation: the limit a re-pointed head is pulled to)
-        own, moved = kept % (layer.num_heads * layer.head_dim), kept >= layer.num_heads * layer.head_dim
+        moved = kept != own
         compensated = torch.cat([gone, own[moved]])
         old_bias = full[:, inner]
         if bias:  # the kept features and the constant 1
@@ -246,17 +232,34 @@ def _damped_solve(kept: torch.Tensor, target: torch.Tensor, prior: torch.Tensor,
 
 
 def refit_flops(layers: list[AttentionLayer], plan: dict[str, list[int]]) -> float:
-    """The counted work of the plan's reconstruction: per pruned layer the fit's right-hand side (2 out w m, m
-    kept features + 1, w the layer's input features + 1), per finite ridge a Cholesky factorization (m^3 / 3)
-    and its two triangular solves (2 out m^2), and per ridge the fit's error (2 out w^2)."""
+    """The counted work of the plan's reconstruction (`_fit_flops` per pruned layer)."""
     total = 0.0
-    finite = sum(1 for ridge in RIDGES if math.isfinite(ridge))
     for layer in layers:
         if plan.get(layer.name):
-            out, w = output_projection(layer).features("out"), layer.num_heads * layer.head_dim + 1
-            m = (layer.num_heads - len(plan[layer.name])) * layer.head_dim + 1
-            total += 2 * out * w * m + finite * (m**3 / 3 + 2 * out * m * m) + len(RIDGES) * 2 * out * w * w
+            kept = (layer.num_heads - len(plan[layer.name])) * layer.head_dim
+            total += _fit_flops(layer, layer.num_heads * layer.head_dim, kept)
     return total
+
+
+def shared_refit_flops(layers: list[AttentionLayer], sharing: Mapping[str, Mapping[int, int]]) -> float:
+    """The counted work of the refits of the layers that `sharing` merges KV heads in, each fitting every query
+    head's features among its own inputs and its re-pointed heads' (`_fit_flops`)."""
+    total = 0.0
+    for layer in layers:
+        if sharing.get(layer.name):
+            moved = sum(1 for h in layer.heads if layer.kv_of(h) in sharing[layer.name])
+            width = layer.num_heads * layer.head_dim
+            total += _fit_flops(layer, width + moved * layer.head_dim, width)
+    return total
+
+
+def _fit_flops(layer: AttentionLayer, recorded: int, kept: int) -> float:
+    """One refit's counted work, `recorded` input features and `kept` of them fitted: the right-hand side (2 out w
+    m, m = kept + 1, w = recorded + 1), per finite ridge a Cholesky factorization (m^3 / 3) and its two
+    triangular solves (2 out m^2), and per ridge the fit's error (2 out w^2)."""
+    out, w, m = output_projection(layer).features("out"), recorded + 1, kept + 1
+    finite = sum(1 for ridge in RIDGES if math.isfinite(ridge))
+    return 2 * out * w * m + finite * (m**3 / 3 + 2 * out * m * m) + len(RIDGES) * 2 * out * w * w
 
 
 class RemovalCost:
