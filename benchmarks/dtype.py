@@ -1,8 +1,9 @@
 """The default path in another weight type, judged in float32: perplexity on the calibration's domain and on
 another, against the unpruned float32 model, with 95% paired intervals (no lm-eval: the quick check of a dtype;
-`frontier.py --dtype` runs the whole cell); `--general weigh` with every decision weighing the model's own text.
+`frontier.py --dtype` runs the whole cell); `--general weigh` with every decision weighing the model's own text,
+`--epochs 0` without tuning (what each step does to the calibration's text and the model's own).
 
-    .venv/bin/python benchmarks/dtype.py --model gemma3 --depth 1/3 --dtype bfloat16 [--general weigh]
+    .venv/bin/python benchmarks/dtype.py --model gemma3 --depth 1/3 --dtype bfloat16 [--general weigh] [--epochs 0]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--depth", choices=list(frontier.DEPTHS), default="1/3")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--general", choices=GENERAL_MODES, default="report", help="recovery.general")
+    parser.add_argument("--epochs", type=int, default=ph.RecoveryConfig().epochs, help="recovery.epochs")
     args = parser.parse_args()
     base, tokenizer = frontier.MODELS[args.model]()
     calibration = windows(tokenizer, "movie-snippets", "train[:1000]")
@@ -41,7 +43,8 @@ def main() -> None:
     model = torch.nn.Module.to(copy.deepcopy(base), getattr(torch, args.dtype))  # transformers refuses a GGUF's
     with Timer() as timer:
         heads = round(sum(l.num_heads for l in layers) * frontier.DEPTHS[args.depth])
-        found = frontier.default(model, calibration, heads, recovery={"general": args.general}, **groups)
+        recovery = {"general": args.general, "epochs": args.epochs}
+        found = frontier.default(model, calibration, heads, recovery=recovery, **groups)
     after = perplexities(torch.nn.Module.to(model, torch.float32), texts)
     passes = found["fisher_passes"]
     print(f"{args.model} at {args.depth} in {args.dtype}: {timer.seconds:.0f} s, {passes:.2f} fisher passes")

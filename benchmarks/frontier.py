@@ -1,11 +1,12 @@
-"""The speed-quality frontier of a decoder LLM: quality at 1/6, 1/3 and 1/2 of the KV groups removed, for the
-default path, whole attention blocks (`granularity="layer"`), query heads only (the same share, even per KV
-group, KV cache kept), the default path capped at one pass of tuning work (`tuning_budget: 1.0`: what the
-held-out stop's extra work buys), the default path with text the model writes itself beside the calibration
-(`generated_share` 3/8, on two draws: scoring seeds 0 and 1), the default with a frontier of 1/6, 1/3 and 1/2
-measured in the same run (`--depths`, tweet-snippets validation[:250] as its second text), that frontier's
-plan at a shallower depth written again with the default recovery (`--plan` with the depth's file and the same
-data: no scoring, no search) and FLAP, each against the unpruned model on the same windows and documents:
+"""The speed-quality frontier of a decoder LLM: quality at 1/6, 1/3, 1/2 and 2/3 of the KV groups removed, for the
+default path, the default path at that depth's KV cache (`--kv-cache`: the emptied groups' query heads may stay on
+shared KV heads, where that measures better), whole attention blocks (`granularity="layer"`), query heads only (the
+same share, even per KV group, KV cache kept), the default path capped at one pass of tuning work (`tuning_budget:
+1.0`: what the held-out stop's extra work buys), the default path with text the model writes itself beside the
+calibration (`generated_share` 3/8, on two draws: scoring seeds 0 and 1), the default with a frontier of 1/6, 1/3
+and 1/2 measured in the same run (`--depths`, tweet-snippets validation[:250] as its second text), that frontier's
+plan at a shallower depth written again with the default recovery (`--plan` with the depth's file and the same data:
+no scoring, no search) and FLAP, each against the unpruned model on the same windows and documents:
 
 - perplexity on movie-snippets test[:1000] (the calibration's domain) and tweet-snippets test[:1000] (another),
   change with its 95% paired interval over windows;
@@ -55,7 +56,7 @@ from prune_heads.recovery.generated import SHARE
 from prune_heads.runtime.ledger import BEFORE_TUNING, Stage
 
 OUT = Path(__file__).resolve().parent / ".frontier"
-DEPTHS = {"1/6": 1 / 6, "1/3": 1 / 3, "1/2": 1 / 2}
+DEPTHS = {"1/6": 1 / 6, "1/3": 1 / 3, "1/2": 1 / 2, "2/3": 2 / 3}
 TASKS = {"sentence_endings": "acc_norm", "review_sentiment": "acc", "tweet_endings": "acc_norm"}
 INCLUDE = Path(__file__).resolve().parent / "lm_eval"  # tweet_endings: sentence endings built from the tweets
 SECOND: dict[str, ph.TaskData] = {}  # the frontier cell's second text, windows of the model's tokenizer
@@ -99,6 +100,7 @@ def default(
     tried = next((e["tried"] for e in result.recovery if e.get("step") == "selection"), {})
     kept = [e.get("kept") for e in result.recovery if e.get("step") != "notes"]
     found = {"fisher_passes": spent, "kept": kept, "heldout_kl": tried, "work": work.as_dict()}
+    found["sharing"] = result.sharing  # {layer: {merged KV head: kept}}, where shared KV heads were kept
     found["timings"] = result.timings  # seconds by stage: scoring, selection (search, candidates), tuning
     tuned = [e for e in result.recovery if "epochs_run" in e]
     found["tuning"] = {k: tuned[0][k] for k in ("epochs_run", "heldout_by_epoch")} if tuned else None
@@ -122,6 +124,10 @@ METHODS = {  # (model, data, heads to remove, the selection a KV group needs) ->
     # every decision also weighs the model's own written text (`--general weigh`)
     "default, guard weighed": lambda model, data, n, groups: default(
         model, data, n, recovery={"general": "weigh"}, **groups
+    ),
+    # the depth's KV cache as the budget (`--kv-cache`): the emptied groups' query heads may be kept, shared
+    "default, KV cache": lambda model, data, n, groups: default(
+        model, data, None, kv_cache=cache_at(model, n), **groups
     ),
     "whole attention blocks": lambda model, data, n, groups: default(model, data, n, granularity="layer"),
     "query heads only, even per group": lambda model, data, n, groups: default(model, data, n, gqa="even"),
@@ -152,6 +158,12 @@ METHODS = {  # (model, data, heads to remove, the selection a KV group needs) ->
         "plan": {k: len(v) for k, v in flap(model, data.batches, num_heads=n).items()}
     },
 }
+
+
+def cache_at(model, heads: int) -> str:
+    """The KV-cache budget (f16 at 8,192 tokens) of the model less `heads` heads' share of its KV groups."""
+    share = heads / sum(layer.num_heads for layer in ph.find_attention(model))
+    return f"{round(ph.kv_cache_size(model, 8192) * (1 - share))}B@8192"
 
 
 def frontier_plan(heads: int) -> dict:

@@ -66,7 +66,8 @@ class SelectionConfig:
     kv_cache: str | None = option(
         None,
         "Remove the fewest KV groups that bring the KV cache within SIZE@TOKENS[:TYPE] (120MiB@8192, "
-        "1GiB@32k:q8_0; llama.cpp's cache types, f16 by default).",
+        "1GiB@32k:q8_0; llama.cpp's cache types, f16 by default), or share them where that measures better "
+        "(--kv-sharing).",
     )
     max_loss: float | None = option(
         None,

@@ -694,3 +694,14 @@ def test_under_a_kv_cache_budget_kv_heads_are_shared_where_that_measures_better(
     removal = ph.PruneConfig(ph.SelectionConfig(kv_cache="6KiB@64"), recovery=ph.RecoveryConfig(kv_sharing=False))
     removed = ph.prune_model(tm.planted_llama(), data, removal, progress=False)
     assert removed.heads_removed == 6 and removed.sharing == {}
+
+
+def test_a_kv_cache_budget_on_a_model_that_cannot_share_removes_and_says_why_in_one_note():
+    model = tm.build("gpt2")  # one KV head per query head: no grouped-query layout to share into
+    budget = f"{ph.kv_cache_size(model, 64) // 2}B@64"
+    result = ph.prune_model(model, tm.batches("gpt2"), ph.PruneConfig(ph.SelectionConfig(kv_cache=budget)), False)
+    notes = next(e for e in result.recovery if e["step"] == "notes")["notes"]
+    assert [n for n in notes if "KV heads not shared" in n] == [
+        "KV heads not shared: its family (gpt2) keeps no grouped-query layout"
+    ]
+    assert result.heads_removed == 6 and result.sharing == {}

@@ -247,7 +247,8 @@ class GatedModel:
         try:
             normalized = normalize_plan(layers, plan)
             probe_plan(self.model, layers, normalized, inputs)
-            prove_sharing(self.model, self.sharing, self.key_maps, inputs)
+            if self.sharing:
+                prove_sharing(self.model, self.sharing, self.key_maps, inputs)
         except BaseException:
             self.restore()
             raise
