@@ -5,7 +5,7 @@ a sparsity, a FLOPs, KV-cache or loss budget, a frontier's depths, or a plan giv
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
@@ -13,7 +13,8 @@ from torch import nn
 
 from .config import BUDGETS, FRONTIER, PruneConfig, SelectionConfig, parse_depths
 from .errors import ConfigError
-from .model.layers import find_attention
+from .model.layers import AttentionLayer, find_attention
+from .model.sharing import Merges, normalize_sharing, split_plan
 from .model.surgery import PlanError, normalize_plan
 from .recovery.generated import writes_text
 from .recovery.holdout import measures_loss
@@ -25,14 +26,15 @@ from .scoring.selection import HeadBudget, check_budget, heads_for_flops, reques
 class Budget:
     """What a run removes, checked against the structure: the `select_heads` budget (`heads`), the heads it asks
     for before rounding (`asked`) and the exact number it removes (`removes`), a plan given whole by layer name
-    (`given`), a frontier's depths (share, heads), and the budget the searched order goes to (`order`: the
-    deepest of the budget and the depths)."""
+    (`given`) with the KV heads it shares (`shared`), a frontier's depths (share, heads), and the budget the
+    searched order goes to (`order`: the deepest of the budget and the depths)."""
 
     heads: HeadBudget
     asked: int
     removes: int
     given: dict[str, list[int]] | None = None
     depths: tuple[tuple[float, int], ...] = ()
+    shared: dict[str, Merges] = field(default_factory=dict)
 
     @property
     def order(self) -> HeadBudget:
@@ -63,13 +65,28 @@ def check_given(config: PruneConfig) -> None:
 
 
 def _given(model: nn.Module, config: PruneConfig, plan: dict) -> Budget:
-    """A plan given whole (`{layer index or name: [heads]}`, such as a frontier depth's): its heads by layer name
-    and exactly that many heads as the budget. A plan replaces the search, so a loss bound, depths or iterative
-    scoring beside it are refused."""
+    """A plan given whole (`{layer index or name: [heads]}`, such as a frontier depth's, with any KV heads it
+    shares): its heads by layer name and exactly that many heads as the budget. A plan replaces the search, so a
+    loss bound, depths or iterative scoring beside it are refused."""
     check_given(config)
-    named = {n: h for n, h in normalize_plan(find_attention(model), plan).items() if h}
+    named, shared = given_plan(find_attention(model), plan)
     count = sum(map(len, named.values()))
-    return Budget(HeadBudget(num_heads=count), count, count, named)
+    return Budget(HeadBudget(num_heads=count), count, count, named, shared=shared)
+
+
+def given_plan(layers: list[AttentionLayer], plan: dict) -> tuple[dict[str, list[int]], dict[str, Merges]]:
+    """A plan given whole as its heads removed and its KV heads shared by layer name (`split_plan`), checked
+    against the structure: PlanError where a layer would do both, which the recovery does not measure."""
+    removals, sharing = split_plan(plan)
+    named = {n: h for n, h in normalize_plan(layers, removals).items() if h}
+    shared = normalize_sharing(layers, sharing)
+    both = [name for name in shared if name in named]
+    if both:
+        raise PlanError(
+            f"the plan removes heads of {both[0]} and shares its KV heads: give each layer one of the two "
+            "(ph.prune, then ph.share_kv_heads, does both without recovery)"
+        )
+    return named, shared
 
 
 def _head_budget(model: nn.Module, config: PruneConfig, seq_len: int) -> HeadBudget:

@@ -52,6 +52,17 @@ def test_a_plan_given_whole_is_its_own_budget(llama):
         ph.resolve_budget(llama, config(depths="1/3"), plan={0: [0, 1]})
 
 
+def test_a_plan_given_whole_carries_the_kv_heads_it_shares_in_layers_it_leaves_whole(llama):
+    plan = {0: [0, 1], "shared_kv_heads": {"model.layers.1.self_attn": {"1": 0}}}  # as plan.json holds it
+    budget = ph.resolve_budget(llama, config(), plan=plan)
+    assert budget.given == {"model.layers.0.self_attn": [0, 1]} and budget.removes == 2
+    assert budget.shared == {"model.layers.1.self_attn": {1: 0}}
+    with pytest.raises(ph.PlanError, match="removes heads of model.layers.1.self_attn and shares its KV heads"):
+        ph.resolve_budget(llama, config(), plan={1: [0, 1], "shared_kv_heads": {1: {1: 0}}})
+    with pytest.raises(ph.PlanError, match="merge each into one that stays"):
+        ph.resolve_budget(llama, config(), plan={"shared_kv_heads": {1: {1: 1}}})
+
+
 @pytest.mark.parametrize(
     "made, message",
     [

@@ -111,6 +111,7 @@ def test_plan_that_empties_a_layer_needs_min_heads_zero(tmp_path, fixture_model_
     [
         ("[[0, 1]]", "must hold a JSON object"),
         ('{"0": [0, 1', "is not valid JSON"),
+        ('{"0": [0], "shared_kv_heads": [[1, 0]]}', '"shared_kv_heads" must hold'),
     ],
 )
 def test_bad_plan_files_name_the_file(tmp_path, fixture_model_path, content, message):
@@ -539,6 +540,11 @@ def test_a_kv_cache_budget_shares_kv_heads_where_that_measures_better_and_says_s
     assert "its KV cache 768.00 KiB at 8,192 tokens (f16), 3 KV heads shared in 3 layers" in result.output
     assert "| shared KV heads | model.layers.0.self_attn: " in (tmp_path / "shared" / "report.md").read_text()
     assert ph.kv_cache_size(ph.load_pruned(tmp_path / "shared"), 8192) == 768 * 1024
+    plan = tmp_path / "shared" / "plan.json"
+    assert len(json.loads(plan.read_text())["shared_kv_heads"]) == 3
+    again = _invoke(["prune", str(folder), "--task", "causal-lm", "--plan", str(plan), "-o", str(tmp_path / "again")])
+    assert again.exit_code == 0 and "removed 0 heads, 3 KV heads shared in 3 layers" in again.output, again.output
+    assert ph.kv_cache_size(ph.load_pruned(tmp_path / "again"), 8192) == 768 * 1024
     removed = _invoke([*args, "--no-kv-sharing", "-o", str(tmp_path / "removed")])
     assert "removed 6 heads" in removed.output and "shared" not in removed.output
 

@@ -670,7 +670,8 @@ def test_under_a_kv_cache_budget_kv_heads_are_shared_where_that_measures_better(
     """A KV-cache budget of half the cache on the planted Llama: the flow tries keeping the emptied groups' query
     heads on the KV head each layer keeps, measures that better than any removal, and the model it writes is
     the state it measured (its held-out value), shares in every layer, keeps every query head, holds the
-    budget's cache and saves, loads and generates. Without `kv_sharing` the same budget removes whole groups."""
+    budget's cache and saves, loads and generates; its written plan, given whole, shares the same heads and
+    measures no worse. Without `kv_sharing` the same budget removes whole groups."""
     model, data = tm.planted_llama(), tm.batches("llama")
     original = copy.deepcopy(model)
     config = ph.PruneConfig(ph.SelectionConfig(kv_cache="6KiB@64"))
@@ -691,6 +692,9 @@ def test_under_a_kv_cache_budget_kv_heads_are_shared_where_that_measures_better(
         kept = inputs["attention_mask"].bool()
         torch.testing.assert_close(loaded(**inputs).logits[kept], model(**inputs).logits[kept])
     assert loaded.generate(inputs["input_ids"][1:], max_new_tokens=3, do_sample=False).shape[-1] == 10
+    again = ph.prune_model(tm.planted_llama(), data, ph.PruneConfig(), progress=False, plan=result.written_plan)
+    assert again.sharing == result.sharing and again.plan == {}
+    assert again.heldout["final"] <= result.heldout["final"] + 1e-7  # the same sharing, also tried unrefitted
     removal = ph.PruneConfig(ph.SelectionConfig(kv_cache="6KiB@64"), recovery=ph.RecoveryConfig(kv_sharing=False))
     removed = ph.prune_model(tm.planted_llama(), data, removal, progress=False)
     assert removed.heads_removed == 6 and removed.sharing == {}

@@ -219,8 +219,9 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
     "plan_file",
     type=click.Path(exists=True, dir_okay=False),
     default=None,
-    help="JSON {layer: [heads]} (such as a frontier depth's, frontier/plan-1-3.json) removed instead of "
-    "scoring and the search: with --data, recovered as the default path recovers; without, as it is.",
+    help="JSON {layer: [heads]} (such as a frontier depth's, frontier/plan-1-3.json, or a run's plan.json with "
+    "the KV heads it shares) removed instead of scoring and the search: with --data, recovered as the default "
+    "path recovers; without, as it is.",
 )
 @config_option(ScoringConfig, "method", type=click.Choice(sorted(METHODS)))
 @config_option(ScoringConfig, "steps", type=int)

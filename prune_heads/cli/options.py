@@ -17,6 +17,7 @@ import click
 from ..config import CHOICES, ScoringConfig
 from ..errors import PruneHeadsError
 from ..evaluation.report import frontier_table
+from ..model.sharing import SHARED
 from ..model.surgery import PlanError
 from ..recipes import parse_recipe
 from ..runtime.memory import map_large_blocks
@@ -234,7 +235,8 @@ def task_metrics(task: str, metrics: tuple[str, ...]) -> list[str]:
 
 
 def read_plan(path: str) -> dict:
-    """A plan JSON file: an object {layer: [heads]}; anything else is a PlanError naming the file."""
+    """A plan JSON file: an object {layer: [heads]}, its shared KV heads under "shared_kv_heads"; anything else is a
+    PlanError naming the file."""
     try:
         plan = json.loads(Path(path).read_text())
     except json.JSONDecodeError as error:
@@ -242,10 +244,13 @@ def read_plan(path: str) -> dict:
             f"{path} is not valid JSON ({error.msg} at line {error.lineno}); a plan is "
             f'{{"layer name or index": [heads to remove]}}'
         ) from None
-    if not isinstance(plan, dict) or not all(isinstance(v, list) for v in plan.values()):
+    if not isinstance(plan, dict) or not all(isinstance(v, list) for k, v in plan.items() if k != SHARED):
         raise PlanError(
             f'{path} must hold a JSON object {{"layer name or index": [heads to remove]}}, not {type(plan).__name__}'
         )
+    sharing = plan.get(SHARED, {})
+    if not isinstance(sharing, dict) or not all(isinstance(v, dict) for v in sharing.values()):
+        raise PlanError(f'{path}: "{SHARED}" must hold {{"layer name or index": {{"merged KV head": kept KV head}}}}')
     return plan
 
 
@@ -313,11 +318,9 @@ def frontier_lines(report, output: str) -> str:
 
 def kv_cache_line(report) -> str:
     """The pruned model's KV cache, where a KV-cache budget set the depth, and the KV heads it shares."""
-    kv = report.meta.get("kv_cache")
-    if kv is None:
-        return ""
-    selection: dict = next((e for e in report.recovery if e["step"] == "selection"), {})
-    shared = selection.get("shared_kv_heads", {})
+    kv, shared = report.meta.get("kv_cache"), report.meta.get("shared_kv_heads", {})
     merged = sum(len(merges) for merges in shared.values())
     sharing = f", {merged} KV heads shared in {len(shared)} layers (their query heads kept)" if shared else ""
+    if kv is None:
+        return sharing
     return f"; its KV cache {size_text(kv['size'])} at {kv['context']:,} tokens ({kv['type']}){sharing}"

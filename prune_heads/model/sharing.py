@@ -32,6 +32,7 @@ from .surgery import PlanError, check_groups, layer_for, relayout, write_record
 Merges = dict[int, int]  # merged KV head -> the KV head its query heads attend to since (original indices)
 KeyMaps = dict[int, torch.Tensor]  # merged KV head -> its keys' complex scale per rotary pair [head_dim // 2]
 
+SHARED = "shared_kv_heads"  # a plan file's key for its sharing, beside each layer's removed heads
 _HEAD_NORMS = ("q_norm", "k_norm")  # a scale folded into the query rows does not pass through these
 
 
@@ -84,6 +85,17 @@ def normalize_sharing(
             ) from None
         normalized[layer.name] = merges
     return normalized
+
+
+def split_plan(plan: Mapping[Any, Any]) -> tuple[dict, dict]:
+    """A plan as a file holds it, `{layer: [heads removed]}` with `{layer: {merged KV head: kept KV head}}` under
+    "shared_kv_heads", as its removals and its sharing (`written_plan` writes it)."""
+    return {k: v for k, v in plan.items() if k != SHARED}, dict(plan.get(SHARED) or {})
+
+
+def written_plan(plan: Mapping[str, list[int]], sharing: Mapping[str, Merges]) -> dict:
+    """`plan` with the KV heads it shares, as a plan file holds them (`split_plan` reads it back)."""
+    return {**plan, SHARED: {name: dict(merges) for name, merges in sharing.items()}} if sharing else dict(plan)
 
 
 def rotated(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -186,7 +198,7 @@ def layer_of(module: nn.Module, layer: AttentionLayer) -> AttentionLayer:
 
 def share_kv_heads(
     model: nn.Module,
-    sharing: Mapping[int | str, Mapping[int, int]],
+    sharing: Mapping[Any, Mapping[int, int]],
     key_maps: Mapping[str, KeyMaps] | None = None,
     inputs: dict | None = None,
 ) -> nn.Module:

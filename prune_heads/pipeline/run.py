@@ -9,13 +9,15 @@ from typing import Any
 
 from torch import nn
 
-from ..budgets import check_given, resolve_budget
+from ..budgets import check_given, given_plan, resolve_budget
 from ..config import PruneConfig
 from ..evaluation.report import Report
 from ..export.gguf import check_gguf
 from ..export.persistence import ensure_file_free, ensure_free
+from ..model.layers import find_attention
 from ..model.onload import check_offload, onload_offloaded
 from ..model.probe import prune
+from ..model.sharing import share_kv_heads
 from ..pruner import PruneResult, prune_model
 from ..recipes import Recipe
 from ..runtime.parallel import is_main
@@ -87,7 +89,8 @@ def _check_budget(recipe: Recipe, model: nn.Module, config: PruneConfig, plan: d
         resolve_budget(model, config, seq_len=length)
     else:
         check_given(config)
-        check_minimum(model, plan, recipe.selection.min_heads_per_layer)
+        removals, _ = given_plan(find_attention(model), plan)
+        check_minimum(model, removals, recipe.selection.min_heads_per_layer)
 
 
 def _check_gguf(
@@ -124,8 +127,11 @@ def _prune(
     assert plan is not None  # a run without a plan always recovers
     tick = time.perf_counter()
     onload_offloaded(model)  # a plan's layers are cut where their weights are
-    prune(model, plan)
-    return PruneResult(plan=plan, seconds=time.perf_counter() - tick), 0
+    removals, sharing = given_plan(find_attention(model), plan)
+    prune(model, removals)
+    if sharing:  # keys read as they are: their maps are fitted on calibration data
+        share_kv_heads(model, sharing)
+    return PruneResult(plan=removals, seconds=time.perf_counter() - tick, sharing=sharing), 0
 
 
 def _prune_iteratively(model: nn.Module, data: TaskData, config: PruneConfig, progress: bool) -> PruneResult:

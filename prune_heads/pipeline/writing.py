@@ -66,6 +66,7 @@ def run_report(
         "asked_heads": found.asked,
         "work": found.work.as_dict() if found.work is not None else {},
         **({"kv_cache": kv_cache} if kv_cache else {}),
+        **({"shared_kv_heads": found.sharing} if found.sharing else {}),
         **({"frontier": _frontier(recipe, found, speeds)} if found.frontier else {}),
         **({"calibration": _written_note(recipe)} if examples and recipe.data.source is None else {}),
     }
@@ -111,7 +112,7 @@ def write_output(
         else:
             write_model(model, tmp, processor, standalone=recipe.standalone)
         report.write(tmp)
-        (tmp / "plan.json").write_text(json.dumps(found.plan, indent=1))
+        (tmp / "plan.json").write_text(json.dumps(found.written_plan, indent=1))
         for depth in found.frontier[1:]:  # after the unpruned model: each depth's plan, to write it with --plan
             (tmp / depth.plan_file).parent.mkdir(exist_ok=True)
             (tmp / depth.plan_file).write_text(json.dumps(depth.plan, indent=1))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from typing import Any
 
@@ -82,9 +82,9 @@ def prune_model(
     (`recovery.general` 'report'), also weighed equally by every such decision ('weigh'), or left out ('off').
     No copy of the model is made: candidates and tuning run on the model itself through gates, then folded in.
     With `selection.depths`, each depth is measured along the searched order (`PruneResult.frontier`), also on
-    that second set. With `plan` (`{layer: [heads]}`, such as a frontier depth's), that plan goes with the same
-    recovery: no scoring, no search, no other candidate. Iterative pruning (`scoring.steps > 1`) is
-    `ph.prune_iteratively`'s.
+    that second set. With `plan` (`{layer: [heads]}`, such as a frontier depth's, or a result's `written_plan`
+    with the KV heads it shares), that plan goes with the same recovery: no scoring, no search, no other plan.
+    Iterative pruning (`scoring.steps > 1`) is `ph.prune_iteratively`'s.
     """
     run = _start(model, data, config or PruneConfig(), progress, eval_data, plan)
     scored = _score(run)
@@ -305,6 +305,7 @@ def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
     if searched.plan is not None:
         plans[searched.name] = searched.plan
     tried = candidates(plans, r.reconstruction, r.bias_compensation, trial.calibration is not None)
+    tried = _given_sharing(run, bench, tried)
     name = searched.name if searched.plan is not None else next(iter(plans))
     shared, why = _shared(run, bench, name, plans[name])
     tried += shared
@@ -331,9 +332,9 @@ def _shared(run: Run, bench: Bench, name: str, plan: dict[str, list[int]]) -> tu
     trial, why = bench.trial, _why_not_shared(run, bench.trial)
     if why is not None:
         return [], [] if why == "" else [f"KV heads not shared: {why}"]
-    trial.gated.use({})  # the unpruned model's statistics
-    trial.shared = SharedStatistics.of(run.model, trial.gated, plan, run.calib, trial.batches)
-    bench.tally.add(Stage.RECORDING, 2 * bench.pricer.forward(run.calib) + bench.tally.heldout_pass)
+    trial.shared = _recorded(
+        run, bench, lambda: SharedStatistics.of(run.model, trial.gated, plan, run.calib, trial.batches)
+    )
     if not trial.shared.merges:
         return [], ["KV heads not shared: the plan empties no KV group where its query heads divide over those kept"]
     every, better = trial.shared.merges, trial.better_shared(plan)
@@ -343,11 +344,32 @@ def _shared(run: Run, bench: Bench, name: str, plan: dict[str, list[int]]) -> tu
     return found, []
 
 
+def _given_sharing(run: Run, bench: Bench, tried: list[Candidate]) -> list[Candidate]:
+    """With a plan given whole that shares KV heads, each candidate shares them, with the key maps and the
+    re-pointed heads' statistics recorded where recovery runs (without it, the keys are read as they are)."""
+    shared, trial = run.budget.shared, bench.trial
+    if not shared:
+        return tried
+    if run.config.recovery.enabled:
+        trial.shared = _recorded(
+            run, bench, lambda: SharedStatistics.given(run.model, trial.gated, shared, run.calib, trial.batches)
+        )
+    return [dataclasses.replace(candidate, sharing=shared) for candidate in tried]
+
+
+def _recorded(run: Run, bench: Bench, recording: Callable[[], SharedStatistics]) -> SharedStatistics:
+    """A sharing's statistics recorded on the unpruned model, their passes counted: one over the calibration
+    for the keys, then one over each set."""
+    bench.trial.gated.use({})
+    bench.tally.add(Stage.RECORDING, 2 * bench.pricer.forward(run.calib) + bench.tally.heldout_pass)
+    return recording()
+
+
 def _why_not_shared(run: Run, trial: Trial) -> str | None:
-    """Why no sharing is tried: "" where none was asked (no KV-cache budget, no recovery, or `kv_sharing` off),
-    else the reason the run's notes give; None where it is tried."""
+    """Why no sharing is tried: "" where none was asked (no KV-cache budget, a plan given whole, no recovery, or
+    `kv_sharing` off), else the reason the run's notes give; None where it is tried."""
     r, selection = run.config.recovery, run.config.selection
-    if not (r.enabled and r.kv_sharing and selection.kv_cache is not None):
+    if not (r.enabled and r.kv_sharing and selection.kv_cache is not None and run.budget.given is None):
         return ""
     if not (r.reconstruction and trial.calibration is not None and trial.batches):
         return "sharing is tried with each layer refitted on held-out data (recovery with reconstruction)"

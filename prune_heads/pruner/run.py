@@ -14,6 +14,7 @@ from torch import nn
 
 from ..budgets import Budget
 from ..config import PruneConfig
+from ..model.sharing import written_plan
 from ..recovery.candidates import Decision, Trial
 from ..recovery.general import General
 from ..recovery.generated import writes_text
@@ -58,6 +59,12 @@ class PruneResult:
     def heads_removed(self) -> int:
         """Heads the plan removed."""
         return sum(len(h) for h in self.plan.values())
+
+    @property
+    def written_plan(self) -> dict:
+        """The plan with the KV heads it shares, as plan.json holds it and `prune_model(plan=...)` and `--plan`
+        take it."""
+        return written_plan(self.plan, self.sharing)
 
 
 @dataclass(frozen=True)

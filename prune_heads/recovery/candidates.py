@@ -179,8 +179,8 @@ class Trial:
             return State(plan, refits={**self._refits(plan), **shared}, sharing=sharing)
         if candidate.step == "bias compensation":
             assert self.calibration is not None
-            return State(plan, biases=self.gated.compensation(plan, self.calibration.means()))
-        return State(plan)
+            return State(plan, biases=self.gated.compensation(plan, self.calibration.means()), sharing=sharing)
+        return State(plan, sharing=sharing)
 
     def _refits(self, plan: Plan) -> dict[str, Refit]:
         found = {l.name: self.refit(l.name, plan[l.name]) for l in self.gated.layers if plan.get(l.name)}

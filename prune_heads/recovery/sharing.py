@@ -280,6 +280,29 @@ class SharedStatistics:
             return cls({}, {}, {}, {})
         products = key_products(model, cut, calibration, forward)
         merges = {l.name: kv_merges(l, plan[l.name], products.get(l.name)) or {} for l in cut}
+        return cls._recorded(model, forward, merges, products, calibration, heldout)
+
+    @classmethod
+    def given(
+        cls, model: nn.Module, forward: Forward, merges: dict[str, Merges], calibration: list[dict], heldout: list[dict]
+    ) -> SharedStatistics:
+        """Recorded for a sharing given whole (`{layer name: merges}`, checked) as `of` records a plan's."""
+        cut = [layer for layer in find_attention(model) if layer.name in merges]
+        products = key_products(model, cut, calibration, forward)
+        return cls._recorded(model, forward, merges, products, calibration, heldout)
+
+    @classmethod
+    def _recorded(
+        cls,
+        model: nn.Module,
+        forward: Forward,
+        merges: dict[str, Merges],
+        products: dict[str, torch.Tensor],
+        calibration: list[dict],
+        heldout: list[dict],
+    ) -> SharedStatistics:
+        """The key maps of `merges` fitted on `products` and the statistics of their re-pointed heads."""
+        cut = [layer for layer in find_attention(model) if layer.name in merges]
         by_name = {layer.name: layer for layer in cut}
         maps = {
             name: fit_key_maps(products[name], m, by_name[name].kv_heads) if name in products else {}
