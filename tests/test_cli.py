@@ -528,15 +528,18 @@ def test_a_kv_cache_budget_prunes_the_fewest_groups_and_says_the_size(tmp_path):
 @pytest.mark.slow
 def test_a_kv_cache_budget_shares_kv_heads_where_that_measures_better_and_says_so(tmp_path):
     """`--kv-cache` at half the planted tiny Llama's cache (each layer's KV head 1 a scale of its 0): the groups
-    are emptied by sharing, every query head kept, and the line and the report say so; `--no-kv-sharing` removes
-    them."""
+    are emptied by sharing, every query head kept, and the line and the report say so; the frontier measures
+    its depth shared too, in a row and a plan file of its own; `--no-kv-sharing` removes them."""
     folder = _tiny_llama_folder(tmp_path, tiny_models.planted_llama())
     (tmp_path / "data.txt").write_text("\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))))
     args = ["prune", str(folder), "--data", str(tmp_path / "data.txt"), "--text-column", "text", "--task"]
     args += ["causal-lm", "--max-length", "12", "--batch-size", "4", "--kv-cache", "768KiB@8192", "--epochs", "1"]
-    result = _invoke([*args, "-o", str(tmp_path / "shared")])
+    result = _invoke([*args, "--depths", "1/2", "-o", str(tmp_path / "shared")])
     assert result.exit_code == 0, result.output
     assert "removed 0 heads" in result.output
+    assert "\n| 1/2, 3 KV heads shared in 3 layers | 3 | 0 | " in result.output
+    depth = json.loads((tmp_path / "shared" / "frontier" / "plan-1-2-shared.json").read_text())
+    assert len(depth["shared_kv_heads"]) == 3 and (tmp_path / "shared" / "frontier" / "plan-1-2.json").exists()
     assert "its KV cache 768.00 KiB at 8,192 tokens (f16), 3 KV heads shared in 3 layers" in result.output
     assert "| shared KV heads | model.layers.0.self_attn: " in (tmp_path / "shared" / "report.md").read_text()
     assert ph.kv_cache_size(ph.load_pruned(tmp_path / "shared"), 8192) == 768 * 1024

@@ -700,6 +700,25 @@ def test_under_a_kv_cache_budget_kv_heads_are_shared_where_that_measures_better(
     assert removed.heads_removed == 6 and removed.sharing == {}
 
 
+@pytest.mark.slow
+def test_a_frontier_under_a_kv_cache_budget_measures_each_depth_with_kv_heads_shared_too():
+    """On the planted Llama, a frontier under a KV-cache budget measures half the cache also with the emptied
+    groups' query heads kept on the KV head each layer keeps: no change where removing them changes the
+    perplexity, at the same cache, with the parameters the shared model has; its plan, given whole, writes that
+    model (the unpruned depth has none)."""
+    config = ph.PruneConfig(ph.SelectionConfig(kv_cache="6KiB@64", depths="1/3,1/2"))
+    result = ph.prune_model(tm.planted_llama(), _labelled("llama"), config, progress=False)
+    assert [d.shared is None for d in result.frontier] == [True, False, False]
+    half = result.frontier[-1]
+    shared = half.shared
+    assert shared.heads == 0 and len(shared.sharing) == 3 and shared.plan_file == "frontier/plan-1-2-shared.json"
+    assert shared.kv_cache == half.kv_cache and (shared.units, shared.share) == (half.units, half.share)
+    assert abs(shared.perplexity_change) < 1e-3 < abs(half.perplexity_change)  # the planted copies: no change
+    model = tm.planted_llama()
+    given = ph.prune_model(model, _labelled("llama"), ph.PruneConfig(), progress=False, plan=shared.written_plan)
+    assert given.sharing == shared.sharing and sum(p.numel() for p in model.parameters()) == shared.parameters
+
+
 def test_a_kv_cache_budget_on_a_model_that_cannot_share_removes_and_says_why_in_one_note():
     model = tm.build("gpt2")  # one KV head per query head: no grouped-query layout to share into
     budget = f"{ph.kv_cache_size(model, 64) // 2}B@64"

@@ -279,7 +279,7 @@ def frontier_table(frontier: dict[str, Any]) -> list[str]:
     """The report's frontier as Markdown lines: per depth (the first the unpruned model) the units and heads
     gone, the perplexity changes with their intervals, the KV cache per cache type at the frontier's context,
     the parameters and, where measured, llama.cpp's prompt and decode speed per cache type (decode against the
-    unpruned model's in f16)."""
+    unpruned model's in f16); a depth measured with KV heads shared in a row of its own under it."""
     depths, context = frontier["depths"], f"{frontier['context']:,} tokens"
     caches = list(depths[0]["kv_cache"])
     timed = list(depths[0].get("llama_cpp", {}))
@@ -289,13 +289,25 @@ def frontier_table(frontier: dict[str, Any]) -> list[str]:
     head += [f"llama.cpp prompt / decode tok/s at {context}, {cache} cache" for cache in timed]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for d in depths:
-        row = [str(Fraction(d["share"]).limit_denominator(1000)) if d["units"] else "none", str(d["units"])]
-        row += [str(d["heads"]), _change(d["perplexity_change"], d["interval"])]
-        row += [_change(d["eval_change"], d["eval_interval"])] if frontier.get("second_text") else []
-        row += [" / ".join(size_text(size) for size in d["kv_cache"].values()), f"{d['parameters']:,}"]
-        row += [_speed(d["llama_cpp"][cache], depths[0]["llama_cpp"][timed[0]]) for cache in timed]
-        lines.append("| " + " | ".join(row) + " |")
+        for row in filter(None, (d, d.get("shared"))):
+            cells = _depth_row(row, bool(frontier.get("second_text")))
+            cells += [
+                _speed(row["llama_cpp"][c], depths[0]["llama_cpp"][timed[0]]) if "llama_cpp" in row else "-"
+                for c in timed
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _depth_row(d: dict[str, Any], second: bool) -> list[str]:
+    """A frontier depth's cells up to its parameters; a shared one's depth says how many KV heads it shares."""
+    depth = str(Fraction(d["share"]).limit_denominator(1000)) if d["units"] else "none"
+    if d.get("sharing"):
+        merged = sum(map(len, d["sharing"].values()))
+        depth += f", {merged} KV heads shared in {len(d['sharing'])} layers"
+    row = [depth, str(d["units"]), str(d["heads"]), _change(d["perplexity_change"], d["interval"])]
+    row += [_change(d["eval_change"], d["eval_interval"])] if second else []
+    return row + [" / ".join(size_text(size) for size in d["kv_cache"].values()), f"{d['parameters']:,}"]
 
 
 def _change(change: float, interval: list[float] | tuple[float, float]) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -292,13 +293,16 @@ def head_parameters(layer: AttentionLayer) -> tuple[int, int]:
     )
 
 
-def parameters_after(model: nn.Module, plan: dict[str, list[int]]) -> int:
-    """The model's parameters once `plan` (original head indices per layer name) is removed."""
+def parameters_after(
+    model: nn.Module, plan: dict[str, list[int]], sharing: Mapping[str, Mapping[int, int]] | None = None
+) -> int:
+    """The model's parameters once `plan` (original head indices per layer name) is removed and the KV heads
+    `sharing` merges (`{layer name: {merged KV head: kept KV head}}`) are gone."""
     gone = 0
     for layer in require_attention(model):
-        removed = plan.get(layer.name, [])
+        removed, merged = plan.get(layer.name, []), len((sharing or {}).get(layer.name, {}))
         query, group = head_parameters(layer)
-        gone += len(removed) * query + (layer.num_kv_heads - kv_groups_left(layer, removed)) * group
+        gone += len(removed) * query + (layer.num_kv_heads - kv_groups_left(layer, removed) + merged) * group
     return sum(p.numel() for p in model.parameters()) - gone
 
 

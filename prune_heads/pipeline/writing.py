@@ -113,9 +113,10 @@ def write_output(
             write_model(model, tmp, processor, standalone=recipe.standalone)
         report.write(tmp)
         (tmp / "plan.json").write_text(json.dumps(found.written_plan, indent=1))
-        for depth in found.frontier[1:]:  # after the unpruned model: each depth's plan, to write it with --plan
-            (tmp / depth.plan_file).parent.mkdir(exist_ok=True)
-            (tmp / depth.plan_file).write_text(json.dumps(depth.plan, indent=1))
+        for depth in found.frontier[1:]:  # after the unpruned model: each depth's plans, to write one with --plan
+            for plan in filter(None, (depth, depth.shared)):
+                (tmp / plan.plan_file).parent.mkdir(exist_ok=True)
+                (tmp / plan.plan_file).write_text(json.dumps(plan.written_plan, indent=1))
         if found.scores is not None:
             found.scores.save(tmp / "scores.json")
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))

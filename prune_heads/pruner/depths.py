@@ -1,7 +1,7 @@
 """The depths along one nested order of units (the search's, else the plain ranking's): the deepest within a
 quality bound (`selection.max_loss`) and the frontier of asked depths (`selection.depths`), each a prefix of that
 order with every pruned layer refitted, measured on the held-out batches (and a second text) against the
-unpruned model."""
+unpruned model, and under a KV-cache budget also with KV heads shared in place of the groups it empties."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ..config import PruneConfig
 from ..errors import ConfigError
 from ..evaluation.confidence import perplexity_change
 from ..model.layers import parameters_after
-from ..recovery.candidates import Decision, Trial, choose
+from ..recovery.candidates import Candidate, Decision, Trial, choose
 from ..recovery.holdout import SequenceNLL, sequence_nll
 from ..recovery.prefixes import Depth, deepest_within, prefix_length, prefix_plan
 from ..recovery.search import Searched, Unit
@@ -23,6 +23,7 @@ from ..runtime.progress import progress_bar
 from ..scoring.kv_cache import fits_cache, kv_cache_size
 from ..task_data import DataError, TaskData
 from .run import Bench, Run, heldout_nll, refitted, worst_rise
+from .sharing import better_shared, why_not_sharing, without
 
 MAX_LOSS_RULE = (
     "the longest prefix of the searched order (the plain ranking's where no search ran) whose held-out perplexity "
@@ -33,9 +34,12 @@ MAX_LOSS_RULE = (
 FRONTIER_RULE = (
     "each depth is the prefix of one nested order (the search's, else the plain ranking's; to the deepest asked) "
     "with each pruned layer refitted, before tuning; the change is the perplexity's against the unpruned model's "
-    "on the same sequences, with a 95% paired bootstrap interval over them"
+    "on the same sequences, with a 95% paired bootstrap interval over them; where KV heads are shared (a KV-cache "
+    "budget), each depth also with the emptied groups' query heads kept on a kept KV head in the layers whose "
+    "refit fits better so, at the same cache"
 )
 FRONTIER_CACHE_TYPES = ("f16", "q8_0")  # llama.cpp's default KV cache and its 8-bit one
+Measured = tuple[float, tuple[float, float], float | None, tuple[float, float] | None]
 
 
 def within_loss(run: Run, bench: Bench, searched: Searched) -> tuple[Searched, dict[str, Any]]:
@@ -87,7 +91,7 @@ def frontier_text(config: PruneConfig, eval_data: TaskData | Iterable[dict] | No
 def frontier(run: Run, bench: Bench, searched: Searched) -> list[Depth]:
     """The unpruned model (depth 0), then each asked depth measured along the searched order: its prefix, each
     pruned layer refitted, against the unpruned model on the held-out batches (and the second text), with its
-    KV cache and parameters."""
+    KV cache and parameters, and measured shared where the run shares KV heads (`Depth.shared`)."""
     if searched.plan is None or bench.unpruned is None:
         raise ConfigError(f"selection.depths measures along the searched order, and there is none: {searched.note}")
     gated = bench.trial.gated
@@ -108,19 +112,42 @@ def frontier(run: Run, bench: Bench, searched: Searched) -> list[Depth]:
 
 def _depth(run: Run, bench: Bench, share: float, prefix: list[Unit], second: SequenceNLL | None) -> Depth:
     """One depth: the `prefix`'s plan refitted on the gated model, measured on the held-out batches and the second
-    text."""
-    plan, gated = prefix_plan(prefix, len(prefix)), bench.trial.gated
+    text, and measured shared where the run shares KV heads."""
+    plan = prefix_plan(prefix, len(prefix))
     refitted(run, bench, plan, Stage.FRONTIER)
-    seed, heldout = run.config.scoring.seed, heldout_nll(run, bench.tally, bench.pricer, gated, Stage.FRONTIER)
+    heads, (kv, parameters) = sum(map(len, plan.values())), _size(run, plan)
+    depth = Depth(share, len(prefix), heads, *_measured(run, bench, second), kv, parameters, plan)
+    return dataclasses.replace(depth, shared=_shared(run, bench, depth, second))
+
+
+def _shared(run: Run, bench: Bench, depth: Depth, second: SequenceNLL | None) -> Depth | None:
+    """`depth` with the query heads of the KV groups it empties kept on KV heads it keeps, in the layers whose
+    refit fits better so (the default path's 'mixed' candidate), measured as the depth is, at the same KV cache;
+    None where the run does not share KV heads or no layer fits better shared."""
+    if why_not_sharing(run, bench.trial) is not None:
+        return None
+    sharing = better_shared(run, bench, depth.plan, Stage.FRONTIER)
+    if not sharing:
+        return None
+    trial, plan = bench.trial, without(depth.plan, sharing)
+    trial.use(trial.state(Candidate("mixed", plan, "reconstruction", sharing)))
+    measured, parameters = _measured(run, bench, second), parameters_after(run.model, plan, sharing)
+    heads = sum(map(len, plan.values()))
+    return Depth(depth.share, depth.units, heads, *measured, depth.kv_cache, parameters, plan, sharing)
+
+
+def _measured(run: Run, bench: Bench, second: SequenceNLL | None) -> Measured:
+    """The gated model's held-out perplexity change against the unpruned model's with its interval, and the
+    same on the second text (None without one)."""
+    seed, gated = run.config.scoring.seed, bench.trial.gated
+    heldout = heldout_nll(run, bench.tally, bench.pricer, gated, Stage.FRONTIER)
     assert bench.unpruned is not None and heldout is not None  # measured where the search ran
     change, interval = perplexity_change(bench.unpruned, heldout, seed)
-    eval_change = eval_interval = None
-    if second is not None:
-        pruned = _second_nll(run, bench, gated)
-        assert pruned is not None  # the same batches as the unpruned model's
-        eval_change, eval_interval = perplexity_change(second, pruned, seed)
-    heads, (kv, parameters) = sum(map(len, plan.values())), _size(run, plan)
-    return Depth(share, len(prefix), heads, change, interval, eval_change, eval_interval, kv, parameters, plan)
+    if second is None:
+        return change, interval, None, None
+    pruned = _second_nll(run, bench, gated)
+    assert pruned is not None  # the same batches as the unpruned model's
+    return (change, interval, *perplexity_change(second, pruned, seed))
 
 
 def _size(run: Run, plan: dict[str, list[int]]) -> tuple[dict[str, int], int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from contextlib import nullcontext
 from typing import Any
 
@@ -26,9 +26,7 @@ from ..export.persistence import output_biases_load
 from ..model.layers import require_attention, unmeasured_long_range
 from ..model.onload import layer_major_chain, moved_bytes, offloaded_bytes, onload_offloaded, prove_layer_major
 from ..model.probe import probe_layers
-from ..model.sharing import why_not_shared
 from ..recovery.candidates import (
-    Candidate,
     Trial,
     candidate_plans,
     candidates,
@@ -43,7 +41,6 @@ from ..recovery.generated import token_batches, with_generated, writes_text
 from ..recovery.holdout import one_standard_error, split_holdout
 from ..recovery.prefixes import prefix_plan, ranked_order
 from ..recovery.search import ROUNDS, Searched, SearchSchedule, searched_plan
-from ..recovery.sharing import SharedStatistics, sharable
 from ..recovery.tuning import Schedule, tune
 from ..runtime.devices import input_device, to_device
 from ..runtime.ledger import BEFORE_TUNING, Stage, Tally
@@ -58,6 +55,7 @@ from ..scoring.selection import HeadBudget, check_budget
 from ..task_data import DataError, TaskData, batch_size, with_targets, without_labels
 from .depths import at_budget, frontier, frontier_text, searched_prefix, within_bound, within_loss
 from .run import Bench, Chosen, PruneResult, Run, Scored, Tuned, general_rise, heldout_nll, logger, rise
+from .sharing import given_sharing, shared_candidates
 
 
 def prune_model(
@@ -82,8 +80,9 @@ def prune_model(
     (`recovery.general` 'report'), also weighed equally by every such decision ('weigh'), or left out ('off').
     No copy of the model is made: candidates and tuning run on the model itself through gates, then folded in.
     With `selection.depths`, each depth is measured along the searched order (`PruneResult.frontier`), also on
-    that second set. With `plan` (`{layer: [heads]}`, such as a frontier depth's, or a result's `written_plan`
-    with the KV heads it shares), that plan goes with the same recovery: no scoring, no search, no other plan.
+    that second set, and under a KV-cache budget with KV heads shared too. With `plan` (`{layer: [heads]}`,
+    such as a frontier depth's, or a result's `written_plan` with the KV heads it shares), that plan goes with
+    the same recovery: no scoring, no search, no other plan.
     Iterative pruning (`scoring.steps > 1`) is `ph.prune_iteratively`'s.
     """
     run = _start(model, data, config or PruneConfig(), progress, eval_data, plan)
@@ -305,9 +304,9 @@ def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
     if searched.plan is not None:
         plans[searched.name] = searched.plan
     tried = candidates(plans, r.reconstruction, r.bias_compensation, trial.calibration is not None)
-    tried = _given_sharing(run, bench, tried)
+    tried = given_sharing(run, bench, tried)
     name = searched.name if searched.plan is not None else next(iter(plans))
-    shared, why = _shared(run, bench, name, plans[name])
+    shared, why = shared_candidates(run, bench, name, plans[name])
     tried += shared
     notes += why
     decision = choose(trial, tried, fallback(plans, r.reconstruction, r.bias_compensation))
@@ -323,66 +322,6 @@ def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
     summary.update(heldout_summary(decision, run.heldout))
     asked = run.budget.asked if "max_loss" not in summary else summary["max_loss"]["heads"]
     return Chosen(decision, budget, asked, found, notes, summary, time.perf_counter() - tick)
-
-
-def _shared(run: Run, bench: Bench, name: str, plan: dict[str, list[int]]) -> tuple[list[Candidate], list[str]]:
-    """Under a KV-cache budget with `kv_sharing`, the candidates that keep the query heads of the KV groups `plan`
-    empties, re-pointed to KV heads it keeps (the same cache): in every layer whose cut allows it, and in those
-    whose refit fits better so than with the heads removed; with a note where none can."""
-    trial, why = bench.trial, _why_not_shared(run, bench.trial)
-    if why is not None:
-        return [], [] if why == "" else [f"KV heads not shared: {why}"]
-    trial.shared = _recorded(
-        run, bench, lambda: SharedStatistics.of(run.model, trial.gated, plan, run.calib, trial.batches)
-    )
-    if not trial.shared.merges:
-        return [], ["KV heads not shared: the plan empties no KV group where its query heads divide over those kept"]
-    every, better = trial.shared.merges, trial.better_shared(plan)
-    found = [Candidate(f"{name}, shared", _without(plan, every), "reconstruction", dict(every))]
-    if better and better != every:
-        found.append(Candidate(f"{name}, mixed", _without(plan, better), "reconstruction", better))
-    return found, []
-
-
-def _given_sharing(run: Run, bench: Bench, tried: list[Candidate]) -> list[Candidate]:
-    """With a plan given whole that shares KV heads, each candidate shares them, with the key maps and the
-    re-pointed heads' statistics recorded where recovery runs (without it, the keys are read as they are)."""
-    shared, trial = run.budget.shared, bench.trial
-    if not shared:
-        return tried
-    if run.config.recovery.enabled:
-        trial.shared = _recorded(
-            run, bench, lambda: SharedStatistics.given(run.model, trial.gated, shared, run.calib, trial.batches)
-        )
-    return [dataclasses.replace(candidate, sharing=shared) for candidate in tried]
-
-
-def _recorded(run: Run, bench: Bench, recording: Callable[[], SharedStatistics]) -> SharedStatistics:
-    """A sharing's statistics recorded on the unpruned model, their passes counted: one over the calibration
-    for the keys, then one over each set."""
-    bench.trial.gated.use({})
-    bench.tally.add(Stage.RECORDING, 2 * bench.pricer.forward(run.calib) + bench.tally.heldout_pass)
-    return recording()
-
-
-def _why_not_shared(run: Run, trial: Trial) -> str | None:
-    """Why no sharing is tried: "" where none was asked (no KV-cache budget, a plan given whole, no recovery, or
-    `kv_sharing` off), else the reason the run's notes give; None where it is tried."""
-    r, selection = run.config.recovery, run.config.selection
-    if not (r.enabled and r.kv_sharing and selection.kv_cache is not None and run.budget.given is None):
-        return ""
-    if not (r.reconstruction and trial.calibration is not None and trial.batches):
-        return "sharing is tried with each layer refitted on held-out data (recovery with reconstruction)"
-    if selection.uniform:
-        return "a uniform plan keeps the same heads in every layer"
-    if not sharable(run.layers):
-        return next(w for w in map(why_not_shared, run.layers) if w is not None)
-    return None
-
-
-def _without(plan: dict[str, list[int]], sharing: dict[str, Any]) -> dict[str, list[int]]:
-    """`plan` without the layers `sharing` cuts instead."""
-    return {name: heads for name, heads in plan.items() if name not in sharing}
 
 
 def _warned(note: str | None) -> list[str]:

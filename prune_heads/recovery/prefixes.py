@@ -6,9 +6,10 @@ instead of a prune per depth."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
+from ..model.sharing import Merges, written_plan
 from ..scoring.head_scores import HeadScores
 from ..scoring.selection import HeadBudget, removal_units
 from .search import Unit
@@ -19,7 +20,8 @@ class Depth:
     """One depth of a frontier: the share of heads asked, the units and heads its prefix removes (each pruned
     layer refitted, before tuning), the held-out perplexity change with its 95% interval (and on a second
     text where one was given), the KV cache in bytes per llama.cpp cache type, the parameters left and the
-    plan (original head indices per layer)."""
+    plan (original head indices per layer); with `sharing`, the KV heads it shares in layers the plan leaves
+    whole, and `shared`, the same depth with some of its emptied groups' query heads kept so (the same cache)."""
 
     share: float
     units: int
@@ -31,12 +33,20 @@ class Depth:
     kv_cache: dict[str, int]
     parameters: int
     plan: dict[str, list[int]]
+    sharing: dict[str, Merges] = field(default_factory=dict)
+    shared: Depth | None = None
 
     @property
     def plan_file(self) -> str:
-        """Where its plan is written beside the pruned model (frontier/plan-1-3.json), for `--plan`."""
+        """Where its plan is written beside the pruned model (frontier/plan-1-3.json, a shared one's
+        frontier/plan-1-3-shared.json), for `--plan`."""
         share = Fraction(self.share).limit_denominator(1000)
-        return f"frontier/plan-{share.numerator}-{share.denominator}.json"
+        return f"frontier/plan-{share.numerator}-{share.denominator}{'-shared' if self.sharing else ''}.json"
+
+    @property
+    def written_plan(self) -> dict:
+        """Its plan with the KV heads it shares, as its plan file holds it."""
+        return written_plan(self.plan, self.sharing)
 
 
 def prefix_length(order: list[Unit], heads: int) -> int | None:

@@ -1,0 +1,94 @@
+"""The KV heads a run shares in place of removing whole KV groups (docs/recovery.md): whether it tries, the
+candidates that keep the query heads of the groups a plan empties (the same cache), a plan given whole's sharing
+on every candidate, and the layers of a plan that fit better shared, each sharing's statistics recorded on the
+unpruned model with their passes counted."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from ..model.sharing import Merges, why_not_shared
+from ..recovery.candidates import Candidate, Trial
+from ..recovery.sharing import SharedStatistics, sharable
+from ..runtime.ledger import Stage
+from .run import Bench, Run
+
+
+def why_not_sharing(run: Run, trial: Trial) -> str | None:
+    """Why no sharing is tried: "" where none was asked (no KV-cache budget, a plan given whole, no recovery, or
+    `kv_sharing` off), else the reason the run's notes give; None where it is tried."""
+    r, selection = run.config.recovery, run.config.selection
+    if not (r.enabled and r.kv_sharing and selection.kv_cache is not None and run.budget.given is None):
+        return ""
+    if not (r.reconstruction and trial.calibration is not None and trial.batches):
+        return "sharing is tried with each layer refitted on held-out data (recovery with reconstruction)"
+    if selection.uniform:
+        return "a uniform plan keeps the same heads in every layer"
+    if not sharable(run.layers):
+        return next(w for w in map(why_not_shared, run.layers) if w is not None)
+    return None
+
+
+def shared_candidates(
+    run: Run, bench: Bench, name: str, plan: dict[str, list[int]]
+) -> tuple[list[Candidate], list[str]]:
+    """Under a KV-cache budget with `kv_sharing`, the candidates that keep the query heads of the KV groups `plan`
+    empties, re-pointed to KV heads it keeps (the same cache): in every layer whose cut allows it, and in those
+    whose refit fits better so than with the heads removed; with a note where none can."""
+    why = why_not_sharing(run, bench.trial)
+    if why is not None:
+        return [], [] if why == "" else [f"KV heads not shared: {why}"]
+    every = _record(run, bench, plan, Stage.RECORDING).merges
+    if not every:
+        return [], ["KV heads not shared: the plan empties no KV group where its query heads divide over those kept"]
+    better = bench.trial.better_shared(plan)
+    found = [Candidate(f"{name}, shared", without(plan, every), "reconstruction", dict(every))]
+    if better and better != every:
+        found.append(Candidate(f"{name}, mixed", without(plan, better), "reconstruction", better))
+    return found, []
+
+
+def better_shared(run: Run, bench: Bench, plan: dict[str, list[int]], stage: Stage) -> dict[str, Merges]:
+    """The layers of `plan` whose refit fits better with the query heads of the KV groups it empties kept and
+    shared than with them removed (the 'mixed' candidate's sharing), the statistics left on the trial."""
+    return bench.trial.better_shared(plan) if _record(run, bench, plan, stage).merges else {}
+
+
+def given_sharing(run: Run, bench: Bench, tried: list[Candidate]) -> list[Candidate]:
+    """With a plan given whole that shares KV heads, each candidate shares them, with the key maps and the
+    re-pointed heads' statistics recorded where recovery runs (without it, the keys are read as they are)."""
+    shared, trial = run.budget.shared, bench.trial
+    if not shared:
+        return tried
+    if run.config.recovery.enabled:
+        trial.shared = _recorded(
+            run,
+            bench,
+            Stage.RECORDING,
+            lambda: SharedStatistics.given(run.model, trial.gated, shared, run.calib, trial.batches),
+        )
+    return [dataclasses.replace(candidate, sharing=shared) for candidate in tried]
+
+
+def without(plan: dict[str, list[int]], sharing: dict[str, Any]) -> dict[str, list[int]]:
+    """`plan` without the layers `sharing` cuts instead."""
+    return {name: heads for name, heads in plan.items() if name not in sharing}
+
+
+def _record(run: Run, bench: Bench, plan: dict[str, list[int]], stage: Stage) -> SharedStatistics:
+    """The statistics of sharing in each layer `plan` empties a KV group of, left on the trial."""
+    trial = bench.trial
+    trial.shared = _recorded(
+        run, bench, stage, lambda: SharedStatistics.of(run.model, trial.gated, plan, run.calib, trial.batches)
+    )
+    return trial.shared
+
+
+def _recorded(run: Run, bench: Bench, stage: Stage, recording: Callable[[], SharedStatistics]) -> SharedStatistics:
+    """A sharing's statistics recorded on the unpruned model, their passes counted for `stage`: one over the
+    calibration for the keys, then one over each set."""
+    bench.trial.gated.use({})
+    bench.tally.add(stage, 2 * bench.pricer.forward(run.calib) + bench.tally.heldout_pass)
+    return recording()
