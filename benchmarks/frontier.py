@@ -144,6 +144,10 @@ METHODS = {  # (model, data, heads to remove, the selection a KV group needs) ->
     ),
     # the depth from a quality bound (`--max-loss 3`): the depth asked is not used, the cell says what it chose
     "default, max-loss 3%": lambda model, data, n, groups: default(model, data, None, max_loss=3.0, **groups),
+    # the same bound with whole KV groups removed only (`--no-kv-sharing`)
+    "removal, max-loss 3%": lambda model, data, n, groups: default(
+        model, data, None, max_loss=3.0, recovery={"kv_sharing": False}, **groups
+    ),
     # the frontier (`--depths 1/6,1/3,1/2`, tweets as the second text) beside the default at the cell's depth, on
     # the calibration alone: the tweets only measured
     "default, frontier": lambda model, data, n, groups: default(

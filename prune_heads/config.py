@@ -73,7 +73,8 @@ class SelectionConfig:
         None,
         "Remove the most units (KV groups, heads or blocks) whose removal, each pruned layer refitted, raises a "
         "language model's held-out perplexity (a classifier's on its labels) by at most this many percent (the "
-        "deepest prefix of one order: the search's, else the ranking's).",
+        "deepest prefix of one order: the search's, else the ranking's; KV groups measured shared too, "
+        "--kv-sharing).",
     )
     depths: str | None = option(
         None,
@@ -153,8 +154,9 @@ class RecoveryConfig:
     )
     kv_sharing: bool = option(
         True,
-        "Under a KV-cache budget, also try keeping the query heads of the KV groups the plan empties, re-pointed to "
-        "a KV head it keeps (shared KV heads: the same cache), kept where it measures better on held-out data.",
+        "Under a KV-cache budget or a loss bound, also try keeping the query heads of the KV groups the plan "
+        "empties, re-pointed to a KV head it keeps (shared KV heads: the same cache), kept where it measures "
+        "better on held-out data.",
     )
     search_rounds: int | None = option(
         None,

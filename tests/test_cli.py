@@ -553,8 +553,9 @@ def test_a_kv_cache_budget_shares_kv_heads_where_that_measures_better_and_says_s
 
 
 def test_a_loss_bound_prunes_the_deepest_prefix_within_it_and_says_so(tmp_path):
-    """`--max-loss` on a tiny Llama: the line names the bound and the rise measured at the depth it chose, the
-    report holds every rise measured, and a model with no loss on labels (an embedding model) is refused before
+    """`--max-loss` on a tiny Llama: the line names the bound and the rise measured at the depth it chose (with
+    `--no-kv-sharing`; by default this Llama's layers fit better shared, which the line says), the report holds
+    every rise measured, and a model with no loss on labels (an embedding model) is refused before
     its data (one line, exit 2)."""
     folder = _tiny_llama_folder(tmp_path)
     (tmp_path / "data.txt").write_text("\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))))
@@ -563,12 +564,17 @@ def test_a_loss_bound_prunes_the_deepest_prefix_within_it_and_says_so(tmp_path):
     assert result.exit_code == 2 and "this data gave none: give more examples" in result.output  # one window
     assert not (tmp_path / "none").exists()
     args += ["--task", "causal-lm", "--max-length", "12", "--batch-size", "4"]
-    result = _invoke([*args, "--max-loss", "50", "-o", str(tmp_path / "out")])
+    result = _invoke([*args, "--max-loss", "50", "--no-kv-sharing", "-o", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     depth = json.loads((tmp_path / "out" / "report.json").read_text())["meta"]["heldout"]["max_loss"]
     rise = dict((heads, value) for heads, value in depth["rises"])[depth["heads"]]
     assert f"removed {depth['heads']} heads, the most within --max-loss 50% of " in result.output
     assert f"(refitted, before tuning: {100 * rise:+.1f}%)" in result.output and rise <= 0.5
+    shared = _invoke([*args, "--max-loss", "50", "-o", str(tmp_path / "shared")])  # this Llama's layers share
+    meta = json.loads((tmp_path / "shared" / "report.json").read_text())["meta"]
+    assert shared.exit_code == 0 and len(meta["shared_kv_heads"]) == 3, shared.output
+    assert "heads, the deepest cut (KV heads shared where that measured better) within --max-loss 50%" in shared.output
+    assert "3 KV heads shared in 3 layers" in shared.output
     tiny_models.build("bert").bert.save_pretrained(tmp_path / "bert")
     args = ["--data", "missing.csv", "--task", "feature-extraction", "--max-loss", "3", "-o", "x"]
     result = _invoke(["prune", str(tmp_path / "bert"), *args])

@@ -290,13 +290,18 @@ def calibration_line(report) -> str:
 
 
 def max_loss_line(report) -> str:
-    """The depth a loss bound chose, with the refitted rise it measured there."""
+    """The depth a loss bound chose (KV heads shared or not), with the refitted rise it measured there."""
     depth = (report.meta.get("heldout") or {}).get("max_loss")
     if depth is None:
         return ""
     rise = dict((heads, value) for heads, value in depth["rises"]).get(depth["heads"], 0.0)  # 0 heads: none
+    most = (
+        "the deepest cut (KV heads shared where that measured better)"
+        if report.meta.get("shared_kv_heads")
+        else "the most"
+    )
     return (
-        f", the most within --max-loss {100 * depth['bound']:g}% of {len(depth['rises'])} depths measured "
+        f", {most} within --max-loss {100 * depth['bound']:g}% of {len(depth['rises'])} depths measured "
         f"(refitted, before tuning: {100 * rise:+.1f}%)"
     )
 

@@ -13,7 +13,8 @@ from ..config import PruneConfig
 from ..errors import ConfigError
 from ..evaluation.confidence import perplexity_change
 from ..model.layers import parameters_after
-from ..recovery.candidates import Candidate, Decision, Trial, choose
+from ..model.sharing import Merges
+from ..recovery.candidates import Decision, Trial, choose
 from ..recovery.holdout import SequenceNLL, sequence_nll
 from ..recovery.prefixes import Depth, deepest_within, prefix_length, prefix_plan
 from ..recovery.search import Searched, Unit
@@ -23,13 +24,15 @@ from ..runtime.progress import progress_bar
 from ..scoring.kv_cache import fits_cache, kv_cache_size
 from ..task_data import DataError, TaskData
 from .run import Bench, Run, heldout_nll, refitted, worst_rise
-from .sharing import better_shared, why_not_sharing, without
+from .sharing import better_shared, put_shared, why_not_sharing
 
 MAX_LOSS_RULE = (
     "the longest prefix of the searched order (the plain ranking's where no search ran) whose held-out perplexity "
     "rise (point estimate; a classifier's on its labels, the exp of the mean cross-entropy), each pruned layer "
     "refitted, is at most the bound, on the calibration's held-out text and on the general-ability guard's where "
-    "it is on; another candidate plan or tuning is kept only where the rises stay within it"
+    "it is on; where KV heads are shared, each prefix's rise is the lower of removing its groups and keeping their "
+    "query heads on a kept KV head in the layers whose refit fits better so; another candidate plan or tuning is "
+    "kept only where the rises stay within it"
 )
 FRONTIER_RULE = (
     "each depth is the prefix of one nested order (the search's, else the plain ranking's; to the deepest asked) "
@@ -49,11 +52,21 @@ def within_loss(run: Run, bench: Bench, searched: Searched) -> tuple[Searched, d
     percent = run.config.selection.max_loss
     if searched.plan is None or bench.unpruned is None or percent is None:
         raise ConfigError(f"selection.max_loss measures along the searched order, and there is none: {searched.note}")
-    bound = percent / 100
+    bound, shares = percent / 100, why_not_sharing(run, bench.trial) is None
+    shared: dict[int, dict[str, Merges]] = {}  # the prefixes whose rise was measured shared
 
     def rise_at(count: int) -> float:
-        refitted(run, bench, prefix_plan(searched.order, count), Stage.DEPTH)
-        return worst_rise(run, bench, bench.trial.gated, Stage.DEPTH)
+        plan = prefix_plan(searched.order, count)
+        refitted(run, bench, plan, Stage.DEPTH)
+        removed = worst_rise(run, bench, bench.trial.gated, Stage.DEPTH)
+        sharing = better_shared(run, bench, plan, Stage.DEPTH) if shares and plan else {}
+        if not sharing:
+            return removed
+        put_shared(bench, plan, sharing)
+        kept = worst_rise(run, bench, bench.trial.gated, Stage.DEPTH)
+        if kept < removed:
+            shared[count] = sharing
+        return min(kept, removed)
 
     count, rises = deepest_within(len(searched.order), rise_at, bound)
     bench.trial.gated.use({})
@@ -61,6 +74,8 @@ def within_loss(run: Run, bench: Bench, searched: Searched) -> tuple[Searched, d
     heads = sum(len(h) for h in plan.values())
     measured = [[sum(len(u) for _, u in searched.order[:k]), rises[k]] for k in sorted(rises)]
     summary = {"bound": bound, "heads": heads, "rises": measured, "rule": MAX_LOSS_RULE}
+    if count in shared:
+        summary["shared_kv_heads"] = shared[count]
     return dataclasses.replace(searched, plan=plan, order=searched.order[:count]), summary
 
 
@@ -129,8 +144,7 @@ def _shared(run: Run, bench: Bench, depth: Depth, second: SequenceNLL | None) ->
     sharing = better_shared(run, bench, depth.plan, Stage.FRONTIER)
     if not sharing:
         return None
-    trial, plan = bench.trial, without(depth.plan, sharing)
-    trial.use(trial.state(Candidate("mixed", plan, "reconstruction", sharing)))
+    plan = put_shared(bench, depth.plan, sharing)
     measured, parameters = _measured(run, bench, second), parameters_after(run.model, plan, sharing)
     heads = sum(map(len, plan.values()))
     return Depth(depth.share, depth.units, heads, *measured, depth.kv_cache, parameters, plan, sharing)

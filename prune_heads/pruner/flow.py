@@ -27,6 +27,7 @@ from ..model.layers import require_attention, unmeasured_long_range
 from ..model.onload import layer_major_chain, moved_bytes, offloaded_bytes, onload_offloaded, prove_layer_major
 from ..model.probe import probe_layers
 from ..recovery.candidates import (
+    Candidate,
     Trial,
     candidate_plans,
     candidates,
@@ -310,7 +311,7 @@ def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
     tried += shared
     notes += why
     decision = choose(trial, tried, fallback(plans, r.reconstruction, r.bias_compensation))
-    measured = f"{searched.name} + reconstruction"  # the state whose rise a loss bound measured
+    measured = _measured(searched.name, tried, summary)
     if decision.label != measured and not within_bound(run, bench):
         kept = searched_prefix(trial, decision, tried, measured)
         notes.append(f"{decision.label} raised the held-out perplexity beyond max_loss; kept {kept.label}")
@@ -322,6 +323,14 @@ def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
     summary.update(heldout_summary(decision, run.heldout))
     asked = run.budget.asked if "max_loss" not in summary else summary["max_loss"]["heads"]
     return Chosen(decision, budget, asked, found, notes, summary, time.perf_counter() - tick)
+
+
+def _measured(name: str, tried: list[Candidate], summary: dict[str, Any]) -> str:
+    """The label of the state whose rise a loss bound measured at its depth: the searched plan refitted, or with
+    the KV heads it shared there."""
+    sharing = summary.get("max_loss", {}).get("shared_kv_heads")
+    found = [c.label for c in tried if sharing and c.name.startswith(name) and c.sharing == sharing]
+    return found[0] if found else f"{name} + reconstruction"
 
 
 def _warned(note: str | None) -> list[str]:

@@ -17,14 +17,22 @@ from .run import Bench, Run
 
 
 def why_not_sharing(run: Run, trial: Trial) -> str | None:
-    """Why no sharing is tried: "" where none was asked (no KV-cache budget, a plan given whole, no recovery, or
-    `kv_sharing` off), else the reason the run's notes give; None where it is tried."""
+    """Why no sharing is tried: "" where none was asked (neither a KV-cache budget nor a loss bound, a plan given
+    whole, no recovery, or `kv_sharing` off; a loss bound on a model that cannot share), else the reason the
+    run's notes give; None where it is tried."""
     r, selection = run.config.recovery, run.config.selection
-    if not (r.enabled and r.kv_sharing and selection.kv_cache is not None and run.budget.given is None):
+    cache = selection.kv_cache is not None
+    if not (r.enabled and r.kv_sharing and (cache or selection.max_loss is not None) and run.budget.given is None):
         return ""
-    if not (r.reconstruction and trial.calibration is not None and trial.batches):
+    why = _unshared(run, trial)
+    return "" if why is not None and not cache else why  # a loss bound shares where it can, silently
+
+
+def _unshared(run: Run, trial: Trial) -> str | None:
+    """Why this run's model and recovery cannot share KV heads (None where they can)."""
+    if not (run.config.recovery.reconstruction and trial.calibration is not None and trial.batches):
         return "sharing is tried with each layer refitted on held-out data (recovery with reconstruction)"
-    if selection.uniform:
+    if run.config.selection.uniform:
         return "a uniform plan keeps the same heads in every layer"
     if not sharable(run.layers):
         return next(w for w in map(why_not_shared, run.layers) if w is not None)
@@ -42,7 +50,8 @@ def shared_candidates(
         return [], [] if why == "" else [f"KV heads not shared: {why}"]
     every = _record(run, bench, plan, Stage.RECORDING).merges
     if not every:
-        return [], ["KV heads not shared: the plan empties no KV group where its query heads divide over those kept"]
+        none = "KV heads not shared: the plan empties no KV group where its query heads divide over those kept"
+        return [], [none] if run.config.selection.kv_cache is not None else []
     better = bench.trial.better_shared(plan)
     found = [Candidate(f"{name}, shared", without(plan, every), "reconstruction", dict(every))]
     if better and better != every:
@@ -54,6 +63,14 @@ def better_shared(run: Run, bench: Bench, plan: dict[str, list[int]], stage: Sta
     """The layers of `plan` whose refit fits better with the query heads of the KV groups it empties kept and
     shared than with them removed (the 'mixed' candidate's sharing), the statistics left on the trial."""
     return bench.trial.better_shared(plan) if _record(run, bench, plan, stage).merges else {}
+
+
+def put_shared(bench: Bench, plan: dict[str, list[int]], sharing: dict[str, Merges]) -> dict[str, list[int]]:
+    """Put `plan` on the gated model with `sharing` in place of its cut in those layers, every cut layer refitted
+    (the recorded sharing's statistics), and return the heads it still removes."""
+    trial, removed = bench.trial, without(plan, sharing)
+    trial.use(trial.state(Candidate("shared", removed, "reconstruction", sharing)))
+    return removed
 
 
 def given_sharing(run: Run, bench: Bench, tried: list[Candidate]) -> list[Candidate]:
