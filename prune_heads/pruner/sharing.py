@@ -42,9 +42,9 @@ def _unshared(run: Run, trial: Trial) -> str | None:
 def shared_candidates(
     run: Run, bench: Bench, name: str, plan: dict[str, list[int]]
 ) -> tuple[list[Candidate], list[str]]:
-    """Under a KV-cache budget with `kv_sharing`, the candidates that keep the query heads of the KV groups `plan`
-    empties, re-pointed to KV heads it keeps (the same cache): in every layer whose cut allows it, and in those
-    whose refit fits better so than with the heads removed; with a note where none can."""
+    """Under a KV-cache budget or a loss bound with `kv_sharing`, the candidates that keep the query heads of the
+    KV groups `plan` empties, re-pointed to KV heads it keeps (the same cache): in every layer whose cut allows
+    it, and in those whose refit fits better so than with the heads removed; with a note where none can."""
     why = why_not_sharing(run, bench.trial)
     if why is not None:
         return [], [] if why == "" else [f"KV heads not shared: {why}"]
