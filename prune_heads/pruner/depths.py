@@ -1,7 +1,8 @@
 """The depths along one nested order of units (the search's, else the plain ranking's): the deepest within a
 quality bound (`selection.max_loss`) and the frontier of asked depths (`selection.depths`), each a prefix of that
 order with every pruned layer refitted, measured on the held-out batches (and a second text) against the
-unpruned model, and under a KV-cache budget also with KV heads shared in place of the groups it empties."""
+unpruned model, and where the run shares KV heads (a KV-cache budget or a loss bound) also with KV heads shared
+in place of the groups it empties."""
 
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ FRONTIER_RULE = (
     "each depth is the prefix of one nested order (the search's, else the plain ranking's; to the deepest asked) "
     "with each pruned layer refitted, before tuning; the change is the perplexity's against the unpruned model's "
     "on the same sequences, with a 95% paired bootstrap interval over them; where KV heads are shared (a KV-cache "
-    "budget), each depth also with the emptied groups' query heads kept on a kept KV head in the layers whose "
-    "refit fits better so, at the same cache"
+    "budget or a loss bound), each depth also with the emptied groups' query heads kept on a kept KV head in the "
+    "layers whose refit fits better so, at the same cache"
 )
 FRONTIER_CACHE_TYPES = ("f16", "q8_0")  # llama.cpp's default KV cache and its 8-bit one
 Measured = tuple[float, tuple[float, float], float | None, tuple[float, float] | None]
@@ -59,7 +60,7 @@ def within_loss(run: Run, bench: Bench, searched: Searched) -> tuple[Searched, d
         plan = prefix_plan(searched.order, count)
         refitted(run, bench, plan, Stage.DEPTH)
         removed = worst_rise(run, bench, bench.trial.gated, Stage.DEPTH)
-        sharing = better_shared(run, bench, plan, Stage.DEPTH) if shares and plan else {}
+        sharing = better_shared(run, bench, plan, Stage.DEPTH) if shares else {}
         if not sharing:
             return removed
         put_shared(bench, plan, sharing)

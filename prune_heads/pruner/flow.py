@@ -81,7 +81,7 @@ def prune_model(
     (`recovery.general` 'report'), also weighed equally by every such decision ('weigh'), or left out ('off').
     No copy of the model is made: candidates and tuning run on the model itself through gates, then folded in.
     With `selection.depths`, each depth is measured along the searched order (`PruneResult.frontier`), also on
-    that second set, and under a KV-cache budget with KV heads shared too. With `plan` (`{layer: [heads]}`,
+    that second set, and with KV heads shared too where the run shares them. With `plan` (`{layer: [heads]}`,
     such as a frontier depth's, or a result's `written_plan` with the KV heads it shares), that plan goes with
     the same recovery: no scoring, no search, no other plan.
     Iterative pruning (`scoring.steps > 1`) is `ph.prune_iteratively`'s.
@@ -311,7 +311,7 @@ def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
     tried += shared
     notes += why
     decision = choose(trial, tried, fallback(plans, r.reconstruction, r.bias_compensation))
-    measured = _measured(searched.name, tried, summary)
+    measured = _bound_state(searched.name, tried, summary)
     if decision.label != measured and not within_bound(run, bench):
         kept = searched_prefix(trial, decision, tried, measured)
         notes.append(f"{decision.label} raised the held-out perplexity beyond max_loss; kept {kept.label}")
@@ -325,7 +325,7 @@ def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
     return Chosen(decision, budget, asked, found, notes, summary, time.perf_counter() - tick)
 
 
-def _measured(name: str, tried: list[Candidate], summary: dict[str, Any]) -> str:
+def _bound_state(name: str, tried: list[Candidate], summary: dict[str, Any]) -> str:
     """The label of the state whose rise a loss bound measured at its depth: the searched plan refitted, or with
     the KV heads it shared there."""
     sharing = summary.get("max_loss", {}).get("shared_kv_heads")
