@@ -737,8 +737,9 @@ def _planted_text(n: int = 10) -> list[dict]:
 def test_a_loss_bound_goes_deeper_where_sharing_kv_heads_keeps_the_loss_within_it():
     """A known answer: on the planted Llama's own text, removing any KV group raises the loss by over 1%, and
     keeping its query heads on the layer's other KV head (a copy) does not. Under a bound of 0.1%, the loss bound
-    shares a KV head in every layer (the deepest prefix, measured shared) and removes no head; without
-    `kv_sharing` it removes nothing at all."""
+    shares a KV head in every layer (the deepest prefix, measured shared) and removes no head; the candidates
+    reuse the sharing's statistics recorded there (no recording beyond removal's); without `kv_sharing` it
+    removes nothing at all."""
     config, text = ph.PruneConfig(ph.SelectionConfig(max_loss=0.1)), _planted_text()
     model = tm.planted_llama()
     result = ph.prune_model(model, text, config, progress=False)
@@ -750,6 +751,7 @@ def test_a_loss_bound_goes_deeper_where_sharing_kv_heads_keeps_the_loss_within_i
     removed = ph.prune_model(tm.planted_llama(), text, removal, progress=False)
     assert removed.heads_removed == 0 and min(rise for _, rise in removed.heldout["max_loss"]["rises"]) > 1e-2
     assert "shared_kv_heads" not in removed.heldout["max_loss"]
+    assert result.work[Stage.RECORDING] == removed.work[Stage.RECORDING]
 
 
 def test_a_kv_cache_budget_on_a_model_that_cannot_share_removes_and_says_why_in_one_note():

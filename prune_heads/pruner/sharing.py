@@ -95,17 +95,22 @@ def without(plan: dict[str, list[int]], sharing: dict[str, Any]) -> dict[str, li
 
 
 def _record(run: Run, bench: Bench, plan: dict[str, list[int]], stage: Stage) -> SharedStatistics:
-    """The statistics of sharing in each layer `plan` empties a KV group of, left on the trial."""
+    """The statistics of sharing in each layer `plan` empties a KV group of, left on the trial; those on it
+    already where they were recorded for `plan` (a loss bound's or a frontier's depth that the candidates
+    try again)."""
     trial = bench.trial
-    trial.shared = _recorded(
-        run, bench, stage, lambda: SharedStatistics.of(run.model, trial.gated, plan, run.calib, trial.batches)
-    )
+    if trial.shared is None or trial.shared.plan != plan:
+        trial.shared = _recorded(
+            run, bench, stage, lambda: SharedStatistics.of(run.model, trial.gated, plan, run.calib, trial.batches)
+        )
     return trial.shared
 
 
 def _recorded(run: Run, bench: Bench, stage: Stage, recording: Callable[[], SharedStatistics]) -> SharedStatistics:
-    """A sharing's statistics recorded on the unpruned model, their passes counted for `stage`: one over the
-    calibration for the keys, then one over each set."""
+    """A sharing's statistics recorded on the unpruned model, their passes counted for `stage` where a layer
+    shares: one over the calibration for the keys, then one over each set."""
     bench.trial.gated.use({})
-    bench.tally.add(stage, 2 * bench.pricer.forward(run.calib) + bench.tally.heldout_pass)
-    return recording()
+    recorded = recording()
+    if recorded.merges:
+        bench.tally.add(stage, 2 * bench.pricer.forward(run.calib) + bench.tally.heldout_pass)
+    return recorded

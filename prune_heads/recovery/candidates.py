@@ -214,7 +214,7 @@ class Trial:
         if self.reference is not None:
             self.reference.release_moments()
         if self.shared is not None:  # the key maps stay: the state kept may share
-            self.shared = dataclasses.replace(self.shared, calibration={}, heldout={})
+            self.shared = dataclasses.replace(self.shared, calibration={}, heldout={}, plan=None)
 
 
 @dataclass

@@ -9,7 +9,7 @@ alone (`SharedStatistics.of`, what the default path tries), it serves that shari
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -255,12 +255,14 @@ def _alike(layer: AttentionLayer, products: torch.Tensor | None, j: int, g: int)
 class SharedStatistics:
     """What the default path tries a plan's sharing with: per layer whose cut can keep its query heads
     (`kv_merges`), the merges, the key maps fitted on the calibration's keys and the statistics of its re-pointed
-    heads (`repointed`) on the calibration and the held-out batches."""
+    heads (`repointed`) on the calibration and the held-out batches; `plan`: the plan they were recorded for
+    (None for a sharing given whole), so the same plan's are recorded once."""
 
     merges: dict[str, Merges]
     maps: dict[str, KeyMaps]
     calibration: dict[str, Moments]
     heldout: dict[str, Moments]
+    plan: dict[str, list[int]] | None = None
 
     @classmethod
     def of(
@@ -277,10 +279,11 @@ class SharedStatistics:
         layers = find_attention(model)
         cut = [layer for layer in layers if plan.get(layer.name) and kv_merges(layer, plan[layer.name]) is not None]
         if not cut:
-            return cls({}, {}, {}, {})
+            return cls({}, {}, {}, {}, dict(plan))
         products = key_products(model, cut, calibration, forward)
         merges = {l.name: kv_merges(l, plan[l.name], products.get(l.name)) or {} for l in cut}
-        return cls._recorded(model, forward, merges, products, calibration, heldout)
+        recorded = cls._recorded(model, forward, merges, products, calibration, heldout)
+        return replace(recorded, plan=dict(plan))
 
     @classmethod
     def given(
