@@ -144,7 +144,7 @@ def test_kv_heads_are_shared_on_the_gpu_as_on_the_cpu():
     GPU the CPU's fit and the CPU's model."""
     from prune_heads.model.sharing import share_kv_heads
     from prune_heads.recovery.reconstruction import refit
-    from prune_heads.recovery.sharing import merge_maps, sharing_statistics
+    from prune_heads.recovery.sharing import merge_maps, reading, sharing_statistics
 
     merges = {1: 0}
     found = []
@@ -153,7 +153,7 @@ def test_kv_heads_are_shared_on_the_gpu_as_on_the_cpu():
         batches = unlabelled_batches(device)
         layer = ph.find_attention(model)[0]
         calibration, heldout, maps = sharing_statistics(model, [layer], batches[:-1], batches[-1:])
-        fitted = refit(layer, (), calibration[layer.name], heldout[layer.name], merges=merges)
+        fitted = refit(layer, (), calibration[layer.name], heldout[layer.name], reads=reading(layer, merges))
         share_kv_heads(model, {0: merges}, {layer.name: merge_maps(maps[layer.name], layer, merges)})
         assert all(p.device.type == torch.device(device).type for p in model.parameters())
         with torch.no_grad():

@@ -20,6 +20,7 @@ from prune_heads.recovery.sharing import (
     key_products,
     kv_merges,
     merge_maps,
+    reading,
     repointed,
     sharing_statistics,
 )
@@ -240,7 +241,7 @@ def test_a_shared_refit_is_solved_from_the_recorded_turns_and_its_error_is_the_s
     batches = [batch(seed, rows=4, tokens=16) for seed in range(4)]
     calibration, _, maps = sharing_statistics(model, layers, batches, batches[:1])
     layer, merges = layers[1], {1: 0, 3: 2}
-    fitted = refit(layer, (), calibration[layer.name], None, merges=merges)
+    fitted = refit(layer, (), calibration[layer.name], None, reads=reading(layer, merges))
     x, _ = _o_proj_rows(model, layer, batches, merges, merge_maps(maps[layer.name], layer, merges))
     _, y = _o_proj_rows(model, layer, batches)  # the unpruned layer's output: the fit's target
     predicted = x @ fitted.weight.double().T + fitted.bias
@@ -261,9 +262,31 @@ def test_where_a_kv_head_is_a_rotary_scale_of_another_sharing_refits_exactly_and
     batches = [batch(seed, rows=4, tokens=16) for seed in range(4)]
     calibration, heldout, _ = sharing_statistics(model, find_attention(model), batches[:3], batches[3:])
     layer = find_attention(model)[1]
-    shared = refit(layer, (), calibration[layer.name], heldout[layer.name], merges={1: 0, 3: 2})
+    shared = refit(layer, (), calibration[layer.name], heldout[layer.name], reads=reading(layer, {1: 0, 3: 2}))
     removed = refit(layer, (2, 3, 6, 7), calibration[layer.name], heldout[layer.name])  # with their query heads
     assert shared.error < removed.error / 100
+
+
+def test_query_heads_of_one_kv_head_re_pointed_to_two_others_refit_exactly_from_the_turns():
+    """Eight over two's re-pointing: where KV head 1 is a rotary scale of 0 and 2 one of 1, KV head 1's query
+    heads read one KV head 0's and the other KV head 2's keys and values, and the refit of the layer so (each
+    head's features from the turn that reads its KV head) fits exactly where removing them cannot."""
+    model = eight_over_four("llama")
+    layer = find_attention(model)[1]
+    generator = torch.Generator().manual_seed(7)
+    scales = {j: torch.complex(*torch.randn(2, layer.head_dim // 2, generator=generator)) for j in (1, 2)}
+    with torch.no_grad():
+        layer.module.q_proj.weight.mul_(4)  # peaked attention: a head's output is far from its mean
+        layer.module.k_proj.weight.mul_(4)
+    tm.plant_scaled_kv_heads(layer, {j: scale.to(torch.complex128) for j, scale in scales.items()})
+    batches = [batch(seed, rows=4, tokens=16) for seed in range(4)]
+    calibration, heldout, _ = sharing_statistics(model, [layer], batches[:3], batches[3:])
+    layer = find_attention(model)[1]
+    split = refit(layer, (), calibration[layer.name], heldout[layer.name], reads={2: 0, 3: 2})
+    unrelated = refit(layer, (), calibration[layer.name], heldout[layer.name], reads={2: 0, 3: 3})
+    removed = refit(layer, (2, 3), calibration[layer.name], heldout[layer.name])
+    assert split.error < removed.error / 100
+    assert unrelated.error > 100 * split.error  # KV head 3's keys are not a scale of 1's
 
 
 def test_a_plans_cut_is_shared_by_merging_each_emptied_group_into_a_kept_one_keys_most_alike_first():
@@ -294,8 +317,8 @@ def test_one_sharings_statistics_refit_it_as_every_turns_do_at_a_fraction_of_the
     assert set(shared.merges) == {layer.name} and sorted(merges) == [1, 3]
     every, every_held, _ = sharing_statistics(model, layers, batches[:3], batches[3:])
     calibration, heldout = shared.calibration[layer.name], shared.heldout[layer.name]
-    narrow = refit(layer, (), calibration, heldout, merges=merges, recorded=[repointed(layer, merges)])
-    wide = refit(layer, (), every[layer.name], every_held[layer.name], merges=merges)
+    narrow = refit(layer, (), calibration, heldout, reads=reading(layer, merges), recorded=[repointed(layer, merges)])
+    wide = refit(layer, (), every[layer.name], every_held[layer.name], reads=reading(layer, merges))
     assert narrow.ridge == wide.ridge and narrow.error == pytest.approx(wide.error, rel=1e-6)
     torch.testing.assert_close(narrow.weight, wide.weight, rtol=1e-4, atol=1e-6)
     assert calibration.width < every[layer.name].width / 2

@@ -29,7 +29,7 @@ from ..task_data import batch_size
 from .gated import GatedModel
 from .holdout import balanced, one_standard_error
 from .reconstruction import Refit, RemovalCost, refit, refit_flops, shared_refit_flops
-from .sharing import Merges, SharedStatistics, repointed
+from .sharing import Merges, SharedStatistics, reading, repointed
 
 Plan = dict[str, list[int]]
 logger = logging.getLogger("prune_heads")
@@ -159,7 +159,7 @@ class Trial:
         layer, merges = self.gated.layers[self.gated.index[name]], self.shared.merges[name]
         held = self.shared.heldout.get(name)
         recorded = [repointed(layer, merges)]
-        return refit(layer, (), self.shared.calibration[name], held, self.bias, merges, recorded)
+        return refit(layer, (), self.shared.calibration[name], held, self.bias, reading(layer, merges), recorded)
 
     def better_shared(self, plan: Plan) -> dict[str, Merges]:
         """The layers of the recorded sharing whose refit fits better shared than with `plan`'s heads removed

@@ -101,7 +101,7 @@ def refit(
     calibration: Moments,
     heldout: Moments | None,
     bias: bool = True,
-    merges: Mapping[int, int] | None = None,
+    reads: Mapping[int, int] | None = None,
     recorded: list[Alternative] | None = None,
 ) -> Refit:
     """The ridge least-squares fit of the kept columns of the layer's output projection and its bias to the
@@ -113,12 +113,13 @@ def refit(
     bias) and only the kept columns are fitted, pulled towards themselves. A fit that cannot be trusted (fewer
     tokens than unknowns per output, features without energy, values that are not finite or overflow the
     weights' dtype) falls back to bias compensation (to the kept columns as they are without a bias) and says
-    why. With `merges` (KV heads merged into others) the statistics are those of the layer's inputs beside the
-    alternatives `recorded` (by default every turn: `prune_heads.recovery.sharing`), and the re-pointed heads'
-    columns are fitted on what they give once merged, pulled towards their removal's bias compensation."""
+    why. With `reads` (query heads re-pointed, each to the KV head it reads: `sharing.reading` of a sharing's
+    merges) the statistics are those of the layer's inputs beside the alternatives `recorded` (by default every
+    turn: `prune_heads.recovery.sharing`), and the re-pointed heads' columns are fitted on what they give so,
+    pulled towards their removal's bias compensation."""
     shared = None
-    if merges:
-        shared = shared_columns(layer, removed, dict(merges), every_turn(layer) if recorded is None else recorded)
+    if reads:
+        shared = shared_columns(layer, removed, reads, every_turn(layer) if recorded is None else recorded)
     fit = _Fit.of(layer, removed, calibration, heldout, bias, shared)
     if not len(fit.kept):  # a layer that lost every head: the least-squares bias is the mean output, the prior
         return fit.result(fit.prior, math.inf, fit.error(fit.prior))

@@ -2,13 +2,14 @@
 closed form: per attention layer, its output projection's inputs beside what query heads give when their KV
 heads read others (`Alternative`s, keys mapped, `prune_heads.model.sharing`). Recorded for every turn (each KV
 head reading the one 1, 2, ... places on: `sharing_statistics`), one Gram matrix per layer serves the refit of
-every sharing of it, as the unpruned one serves every removal; recorded for one sharing's re-pointed heads
-alone (`SharedStatistics.of`, what the default path tries), it serves that sharing at a fraction of the size.
-`shared_columns` says where a sharing's features lie in either (`reconstruction.refit` with `merges`)."""
+every sharing of it (and of query heads re-pointed one by one), as the unpruned one serves every removal;
+recorded for one sharing's re-pointed heads alone (`SharedStatistics.of`, what the default path tries), it
+serves that sharing at a fraction of the size. `shared_columns` says where a re-pointed head's features lie in
+either (`reconstruction.refit` with `reads`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,12 +50,18 @@ def repointed(layer: AttentionLayer, merges: Merges) -> Alternative:
     return Alternative(merges, tuple(p for p, h in enumerate(layer.heads) if layer.kv_of(h) in merges))
 
 
+def reading(layer: AttentionLayer, merges: Merges) -> dict[int, int]:
+    """The query heads `merges` re-point, each to the KV head it reads instead."""
+    return {h: merges[layer.kv_of(h)] for h in layer.heads if layer.kv_of(h) in merges}
+
+
 def shared_columns(
-    layer: AttentionLayer, removed: Iterable[int], merges: Merges, recorded: list[Alternative]
+    layer: AttentionLayer, removed: Iterable[int], reads: Mapping[int, int], recorded: list[Alternative]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where the features a refit fits once `removed` heads go and `merges` apply lie in statistics that record
-    `recorded` beside the layer's own inputs, and each one's own input feature: (kept, own). A re-pointed head's
-    come from the alternative whose run reads its new KV head; every other kept head's are its own."""
+    """Where the features a refit fits once `removed` heads go and each query head of `reads` reads the KV head
+    it names lie in statistics that record `recorded` beside the layer's own inputs, and each one's own input
+    feature: (kept, own). A re-pointed head's come from an alternative whose run has it read that KV head; every
+    other kept head's are its own."""
     gone, cpu = set(removed), torch.device("cpu")
     starts = [len(layer.heads)]  # where each alternative's heads begin, in heads
     for alternative in recorded[:-1]:
@@ -65,11 +72,11 @@ def shared_columns(
             continue
         kv = layer.kv_of(head)
         found = position
-        if kv in merges:
+        if head in reads:
             found = next(
                 start + a.positions.index(position)
                 for start, a in zip(starts, recorded)
-                if a.merges.get(kv) == merges[kv] and position in a.positions
+                if a.merges.get(kv) == reads[head] and position in a.positions
             )
         kept.append(found)
         own.append(position)
