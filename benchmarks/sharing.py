@@ -81,7 +81,7 @@ def split_cuts(layer) -> list[tuple[tuple[int, ...], dict[int, int]]]:
     return cuts
 
 
-def split_table(layers, calibration, heldout, judged) -> list[list]:
+def split_errors(layers, calibration, heldout, judged) -> list[tuple[str, float, float]]:
     """Per layer, removal's and eight over two's relative refit error on the judged tokens, each way's cut the
     one whose refit the held-out tokens rate best (the judged ones choose only the ridge)."""
     rows = []
@@ -95,7 +95,7 @@ def split_table(layers, calibration, heldout, judged) -> list[list]:
             ]
             _, removed, reads = min(fitted, key=lambda f: f[0])
             cells.append(refit(layer, removed, calibration[layer.name], judged[layer.name], reads=reads).error)
-        rows.append([layer.name, *(f"{e:.4f}" for e in cells), f"{100 * (cells[1] / cells[0] - 1):+.1f}%"])
+        rows.append((layer.name, cells[0], cells[1]))
         print(*rows[-1], file=sys.stderr, flush=True)
     return rows
 
@@ -179,13 +179,14 @@ def main() -> None:
 
 def print_split(layers, calibration, heldout, judged) -> None:
     """The per-layer comparison of eight over two with removal at one KV head gone, and how many layers each wins."""
-    rows = split_table(layers, calibration, heldout, judged)
-    lower = sum(row[3].startswith("-") for row in rows)
+    rows = split_errors(layers, calibration, heldout, judged)
+    lower = sum(split < removal for _, removal, split in rows)
     print(
         f"SmolLM2-135M, one KV head of each of {len(rows)} layers cut alone ({torch_threads()} threads): eight over "
         f"two's relative refit error on 16 judged movie windows lower than removal's in {lower}."
     )
-    print(markdown_table(["layer", "removal (6 over 2)", "eight over two", "difference"], rows))
+    cells = [[name, f"{r:.4f}", f"{e:.4f}", f"{100 * (e / r - 1):+.1f}%"] for name, r, e in rows]
+    print(markdown_table(["layer", "removal (6 over 2)", "eight over two", "difference"], cells))
 
 
 def print_tables(gated, layers, ways, maps, tests, depth=None, tuning=None) -> None:
