@@ -4,6 +4,7 @@ save -> load and generate() keep it, and what cannot share is refused before any
 (prune_heads.recovery.sharing): solved from one recording of every turn, with the shared layer's own error."""
 
 import json
+from collections.abc import Callable
 
 import pytest
 import tiny_models as tm
@@ -250,20 +251,30 @@ def test_a_shared_refit_is_solved_from_the_recorded_turns_and_its_error_is_the_s
     assert error == pytest.approx(fitted.error, rel=1e-6)
 
 
-def test_where_a_kv_head_is_a_rotary_scale_of_another_sharing_refits_exactly_and_removal_cannot():
+def _planted_statistics(scales: Callable[[int], dict[int, torch.Tensor]]):
+    """Layer 1 of a Llama of 8 query heads over 4 KV heads, its attention peaked (a head's output far from its
+    mean) and the KV heads `scales(half head_dim)` names planted as rotary scales of the ones before them, with its
+    statistics of every turn on 3 calibration batches and 1 held-out: (layer, calibration, held-out)."""
     model = eight_over_four("llama")
     layer = find_attention(model)[1]
-    half = layer.head_dim // 2
-    scale = torch.complex(*torch.randn(2, half, generator=torch.Generator().manual_seed(5))).to(torch.complex128)
     with torch.no_grad():
-        layer.module.q_proj.weight.mul_(4)  # peaked attention: a head's output is far from its mean
+        layer.module.q_proj.weight.mul_(4)
         layer.module.k_proj.weight.mul_(4)
-    tm.plant_scaled_kv_heads(layer, {1: scale, 3: scale})  # KV head 1 a scale of 0, 3 of 2
+    tm.plant_scaled_kv_heads(layer, scales(layer.head_dim // 2))
     batches = [batch(seed, rows=4, tokens=16) for seed in range(4)]
     calibration, heldout, _ = sharing_statistics(model, find_attention(model), batches[:3], batches[3:])
     layer = find_attention(model)[1]
-    shared = refit(layer, (), calibration[layer.name], heldout[layer.name], reads=reading(layer, {1: 0, 3: 2}))
-    removed = refit(layer, (2, 3, 6, 7), calibration[layer.name], heldout[layer.name])  # with their query heads
+    return layer, calibration[layer.name], heldout[layer.name]
+
+
+def test_where_a_kv_head_is_a_rotary_scale_of_another_sharing_refits_exactly_and_removal_cannot():
+    def scales(half: int) -> dict[int, torch.Tensor]:  # KV head 1 a scale of 0, 3 of 2
+        scale = torch.complex(*torch.randn(2, half, generator=torch.Generator().manual_seed(5)))
+        return dict.fromkeys((1, 3), scale.to(torch.complex128))
+
+    layer, calibration, heldout = _planted_statistics(scales)
+    shared = refit(layer, (), calibration, heldout, reads=reading(layer, {1: 0, 3: 2}))
+    removed = refit(layer, (2, 3, 6, 7), calibration, heldout)  # with their query heads
     assert shared.error < removed.error / 100
 
 
@@ -271,20 +282,15 @@ def test_query_heads_of_one_kv_head_re_pointed_to_two_others_refit_exactly_from_
     """Eight over two's re-pointing: where KV head 1 is a rotary scale of 0 and 2 one of 1, KV head 1's query
     heads read one KV head 0's and the other KV head 2's keys and values, and the refit of the layer so (each
     head's features from the turn that reads its KV head) fits exactly where removing them cannot."""
-    model = eight_over_four("llama")
-    layer = find_attention(model)[1]
-    generator = torch.Generator().manual_seed(7)
-    scales = {j: torch.complex(*torch.randn(2, layer.head_dim // 2, generator=generator)) for j in (1, 2)}
-    with torch.no_grad():
-        layer.module.q_proj.weight.mul_(4)  # peaked attention: a head's output is far from its mean
-        layer.module.k_proj.weight.mul_(4)
-    tm.plant_scaled_kv_heads(layer, {j: scale.to(torch.complex128) for j, scale in scales.items()})
-    batches = [batch(seed, rows=4, tokens=16) for seed in range(4)]
-    calibration, heldout, _ = sharing_statistics(model, [layer], batches[:3], batches[3:])
-    layer = find_attention(model)[1]
-    split = refit(layer, (), calibration[layer.name], heldout[layer.name], reads={2: 0, 3: 2})
-    unrelated = refit(layer, (), calibration[layer.name], heldout[layer.name], reads={2: 0, 3: 3})
-    removed = refit(layer, (2, 3), calibration[layer.name], heldout[layer.name])
+
+    def scales(half: int) -> dict[int, torch.Tensor]:  # KV head 1 a scale of 0, 2 one of 1
+        generator = torch.Generator().manual_seed(7)
+        return {j: torch.complex(*torch.randn(2, half, generator=generator)).to(torch.complex128) for j in (1, 2)}
+
+    layer, calibration, heldout = _planted_statistics(scales)
+    split = refit(layer, (), calibration, heldout, reads={2: 0, 3: 2})
+    unrelated = refit(layer, (), calibration, heldout, reads={2: 0, 3: 3})
+    removed = refit(layer, (2, 3), calibration, heldout)
     assert split.error < removed.error / 100
     assert unrelated.error > 100 * split.error  # KV head 3's keys are not a scale of 1's
 
