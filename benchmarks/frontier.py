@@ -102,6 +102,8 @@ def default(
     found = {"fisher_passes": spent, "kept": kept, "heldout_kl": tried, "work": work.as_dict()}
     found["sharing"] = result.sharing  # {layer: {merged KV head: kept}}, where shared KV heads were kept
     found["timings"] = result.timings  # seconds by stage: scoring, selection (search, candidates), tuning
+    healed = [e for e in result.recovery if e.get("step") == "healing"]
+    found["healing"] = healed[0] if healed else None
     tuned = [e for e in result.recovery if "epochs_run" in e]
     found["tuning"] = {k: tuned[0][k] for k in ("epochs_run", "heldout_by_epoch")} if tuned else None
     found["heldout"] = {k: result.heldout.get(k) for k in ("perplexity_change", "general_perplexity_change")}
@@ -157,6 +159,13 @@ METHODS = {  # (model, data, heads to remove, the selection a KV group needs) ->
     # file and the same data): no scoring pass, no search
     "the frontier's plan, recovered": lambda model, data, n, groups: default(
         model, data, n, plan=frontier_plan(n), **groups
+    ),
+    # the default path, then healed by distillation from the unpruned model over a budget of tokens (`--heal`)
+    "default, healed 250k": lambda model, data, n, groups: default(
+        model, data, n, recovery={"heal": 250_000}, **groups
+    ),
+    "default, healed 1M": lambda model, data, n, groups: default(
+        model, data, n, recovery={"heal": 1_000_000}, **groups
     ),
     "FLAP": lambda model, data, n, groups: {
         "plan": {k: len(v) for k, v in flap(model, data.batches, num_heads=n).items()}

@@ -4,6 +4,7 @@ the YAML recipes and the CLI fill in. Each field carries its one line of documen
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -122,6 +123,15 @@ def parse_depths(depths: str) -> list[float]:
     return found
 
 
+def parse_tokens(value: int | str) -> int:
+    """A token count: a whole number, or one with a k or M suffix ('250k', '2M', '1.5M')."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", str(value)) if not isinstance(value, bool) else None
+    found = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6}[match.group(2).lower()] if match else -1.0
+    if found < 0 or found != int(found):
+        raise ConfigError(f"a token count is {value!r}; give a whole number of tokens such as 2000000, 250k or 2M")
+    return int(found)
+
+
 @dataclass(frozen=True)
 class RecoveryConfig:
     """Retraining-free recovery after removal (docs/recovery.md). Each step is tried on held-out calibration
@@ -194,8 +204,38 @@ class RecoveryConfig:
     average: float = option(
         AVERAGE, "Decay per step of the moving average of the tuned values each check also tries (0: none).", cli=False
     )
+    heal: int | str = option(
+        0,
+        "Tokens of distillation from the unpruned model after the cut (2M, 250k; 0: none): every kept weight "
+        "trained on the calibration text and, for a language model, its own written text (or --heal-data), kept "
+        "only where held-out data improves.",
+    )
+    heal_rank: int = option(
+        0,
+        "What the heal trains: 0, every kept weight; R, LoRA adapters of rank R on every linear layer (peft), "
+        "merged back (for a model whose every weight's Adam state does not fit).",
+    )
+    heal_every: int | str = option(
+        "100k", "Tokens between the heal's checkpoints (--heal-checkpoints), which --resume continues from."
+    )
+    heal_checkpoints: str | None = option(
+        None,
+        "Folder for the heal's checkpoints (default with -o: OUTPUT.heal, removed once the model is written); "
+        "--resume continues the run whose checkpoints it holds.",
+    )
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "heal", parse_tokens(self.heal))  # '2M' in a recipe or on the command line
+        object.__setattr__(self, "heal_every", parse_tokens(self.heal_every))
+        if self.heal and not self.enabled:
+            raise ConfigError(
+                f"recovery.heal is {self.heal} tokens, but recovery is off and healing is its last step; turn "
+                "recovery on (drop --no-recovery) or give 0"
+            )
+        if self.heal_rank < 0:
+            raise ConfigError(f"recovery.heal_rank is {self.heal_rank}; give 0 (every weight) or a LoRA rank above 0")
+        if int(self.heal_every) < 1:
+            raise ConfigError(f"recovery.heal_every is {self.heal_every}; give a number of tokens above 0")
         if self.tuning_budget is not None and self.tuning_budget < 0 or self.min_tuning_flops < 0:
             raise ConfigError(
                 f"recovery.tuning_budget is {self.tuning_budget} and recovery.min_tuning_flops "

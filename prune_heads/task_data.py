@@ -163,6 +163,8 @@ class DataConfig:
     eval_examples: int | None = None
     stride: int | None = None
     general_source: str | None = None  # the general-ability guard's text and the depths' second text (its score split)
+    heal_source: str | None = None  # the heal's corpus (recovery.heal), in place of the model's written text
+    heal_split: str = "train"
 
 
 def load_task_data(

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -705,3 +706,22 @@ def test_a_quantized_gguf_file_loads_in_bfloat16_where_the_device_multiplies_it(
     assert loading.default_dtype(load_recipe("fixture-minilm-sentiment")) is None  # a checkpoint: as stored
     monkeypatch.setattr(loading, "native_bfloat16", lambda device: False)
     assert loading.default_dtype(recipe) is None  # float32, where bfloat16 would be emulated
+
+
+def test_heal_trains_says_so_and_resumes_only_its_own_run(tmp_path):
+    """`--heal` on a tiny Llama: the line gives the tokens healed on and the held-out divergence before and
+    after, the report has the healing row and the default checkpoint folder is gone once the model is written;
+    `--resume` with nothing to resume, and a budget below one batch, are one line (exit 2) and write nothing."""
+    folder = _tiny_llama_folder(tmp_path)
+    (tmp_path / "data.txt").write_text("\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))))
+    args = ["prune", str(folder), "--data", str(tmp_path / "data.txt"), "--text-column", "text", "--task"]
+    args += ["causal-lm", "--max-length", "12", "--batch-size", "4", "--num-heads", "4"]
+    result = _invoke([*args, "--heal", "1k", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"; healed on \d+ tokens, held-out divergence [\d.e-]+ -> [\d.e-]+", result.output)
+    assert "| healing | " in (tmp_path / "out" / "report.md").read_text()
+    assert not (tmp_path / "out.heal").exists()
+    result = _invoke([*args, "--heal", "1k", "--resume", "-o", str(tmp_path / "again")])
+    assert result.exit_code == 2 and "nothing to resume in" in result.output and not (tmp_path / "again").exists()
+    result = _invoke([*args, "--heal", "40", "-o", str(tmp_path / "small")])
+    assert result.exit_code == 2 and "below one batch" in result.output and not (tmp_path / "small").exists()

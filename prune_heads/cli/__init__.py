@@ -29,6 +29,7 @@ from .options import (
     emit,
     frontier_lines,
     handle_errors,
+    heal_line,
     heldout_line,
     kv_cache_line,
     launched,
@@ -251,6 +252,19 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
 @config_option(RecoveryConfig, "epochs", type=int)
 @config_option(RecoveryConfig, "tuning_budget", type=BUDGET, default="none")
 @config_option(RecoveryConfig, "holdout", type=float)
+@config_option(RecoveryConfig, "heal", type=str)
+@click.option(
+    "--heal-data",
+    default=None,
+    help="A corpus the heal trains on (read as --data is) in place of the model's own written text.",
+)
+@click.option("--heal-split", default="train", show_default=True, help="The split of --heal-data.")
+@config_option(RecoveryConfig, "heal_rank", type=click.IntRange(min=0))
+@config_option(RecoveryConfig, "heal_every", type=str)
+@config_option(RecoveryConfig, "heal_checkpoints")
+@click.option(
+    "--resume", is_flag=True, help="Continue the heal from its checkpoints (the same command, inputs and flags)."
+)
 @click.option(
     "--standalone",
     is_flag=True,
@@ -277,7 +291,9 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
 @click.option("--force", is_flag=True, help="Overwrite the output folder.")
 @processes_option("Prune")
 @handle_errors
-def prune_command(model: str, plan_file: str | None, recovery: bool, output: str, processes: int, **opts: Any) -> None:
+def prune_command(
+    model: str, plan_file: str | None, recovery: bool, output: str, processes: int, resume: bool, **opts: Any
+) -> None:
     """Score, select and remove heads (or apply --plan); saves a model that ph.load_pruned loads (or a GGUF
     file that llama.cpp runs: --output-format gguf -o FILE.gguf).
 
@@ -305,7 +321,7 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
         raise click.UsageError("--depths measures the searched order, and --plan applies a plan without one")
     selection.update({k: v for k, v in budgets.items() if v is not None} or {"sparsity": 0.0})
     steps = config_fields(RecoveryConfig, opts)
-    kept = {k: steps[k] for k in ("holdout", "epochs", "generated_share")}  # checked with recovery off too
+    kept = {k: steps[k] for k in ("holdout", "epochs", "generated_share", "heal")}  # checked with recovery off too
     recovery_section = steps if recovery else {**vars(RecoveryConfig.off()), **kept}
     fmt = opts["output_format"] or ("gguf" if output.endswith(".gguf") else "safetensors")
     recipe = make_recipe(
@@ -317,10 +333,10 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
         standalone=opts["standalone"],
         recovery=recovery_section,
         output={"path": output, "format": fmt, "gguf_type": opts["gguf_type"]},
-        data={"general_source": opts["general_source"]},
+        data=_other_texts(opts),
     )
     launched(processes)
-    report = run(recipe, output=output, force=opts["force"], plan=plan, evaluate=False)
+    report = run(recipe, output=output, force=opts["force"], plan=plan, evaluate=False, resume=resume)
     if not is_main():
         return  # every process holds the same model; the first one wrote it and says so
     emit(
@@ -329,11 +345,20 @@ def prune_command(model: str, plan_file: str | None, recovery: bool, output: str
         lambda: (
             f"removed {report.summary()['heads']['removed']} heads{max_loss_line(report)}{heldout_line(report)}"
             f"{kv_cache_line(report)}"
-            f"{calibration_line(report)}; saved the pruned model to {output}"
+            f"{calibration_line(report)}{heal_line(report)}; saved the pruned model to {output}"
             + asked_line(selection, report)
             + frontier_lines(report, output)
         ),
     )
+
+
+def _other_texts(opts: dict[str, Any]) -> dict[str, Any]:
+    """The data section's other texts: the guard's (--eval-data) and the heal's corpus (--heal-data, its split)."""
+    return {
+        "general_source": opts["general_source"],
+        "heal_source": opts["heal_data"],
+        "heal_split": opts["heal_split"],
+    }
 
 
 @main.command()

@@ -275,6 +275,18 @@ def heldout_line(report) -> str:
     return f" (held-out divergence from the unpruned model {final:.4g}; the plain selection's {plain:.4g}{perplexity})"
 
 
+def heal_line(report) -> str:
+    """What the heal did: its tokens, the guard's held-out divergence before and after, and whether it was kept."""
+    entry = next((e for e in report.recovery if e["step"] == "healing"), None)
+    if entry is None:
+        return ""
+    judged = entry["heldout"].get("general") or entry["heldout"].get("calibration")
+    change = "" if judged is None else f", held-out divergence {judged['before']:.4g} -> {judged['after']:.4g}"
+    return f"; healed on {entry['tokens']:,} tokens{change}" + (
+        "" if entry["kept"] else f" (not kept: {entry['why_not']})"
+    )
+
+
 def asked_line(selection: dict, report) -> str:
     """A note when --round took another count than the one asked for."""
     if not selection.get("round") or report.meta.get("asked_heads") is None:

@@ -236,6 +236,8 @@ class Report:
                     lines.append(f"| shared KV heads | {layer}: {pairs} (every query head kept) | | |")
             elif entry["step"] == "notes":
                 lines += [f"| note | {note} | | |" for note in entry["notes"]]
+            elif entry["step"] == "healing":
+                lines.append(_healing_row(entry))
             else:
                 by_epoch = " -> ".join(_number(v) for v in entry.get("heldout_by_epoch", []))
                 kept = (
@@ -341,6 +343,18 @@ def _work_line(work: dict[str, float]) -> str:
             f"offloaded weights' {offloaded / 2**30:.2f} GiB."
         )
     return line
+
+
+def _healing_row(entry: dict) -> str:
+    """The heal's row: tokens and their sources, and the held-out divergences before -> after it."""
+    rows = entry["rows"]
+    source = f"{rows['corpus']} corpus" if rows["corpus"] else f"{rows['written']} written"
+    held = "; ".join(f"{k} {_number(v['before'])} -> {_number(v['after'])}" for k, v in entry["heldout"].items())
+    return (
+        f"| healing | {entry['tokens']:,} tokens in {entry['steps']} steps ({rows['calibration']} calibration rows "
+        f"x {rows['calibration_repeats']}, {source}), {entry['seconds']:.1f} s | {held} | "
+        f"{'yes' if entry['kept'] else 'no'} |"
+    )
 
 
 def _number(value: float | None) -> str:

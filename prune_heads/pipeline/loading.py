@@ -157,13 +157,15 @@ def task_data(
 class RunData:
     """A run's data: the scoring batches (None where a plan is applied and nothing trains on them), the
     evaluation batches, an embedding model's training split for its task metrics, its unpruned embeddings
-    of the evaluation batches and the second text (the general-ability guard's and the depths')."""
+    of the evaluation batches, the second text (the general-ability guard's and the depths') and the heal's
+    corpus."""
 
     score: TaskData | None
     evaluation: TaskData | None
     train: TaskData | None
     reference: Any
     second: TaskData | None = None  # the guard's and the depths' second text
+    heal: TaskData | None = None  # the heal's corpus (data.heal_source)
 
 
 def run_data(
@@ -185,7 +187,17 @@ def run_data(
     reference = None
     if evaluation is not None and recipe.task == "feature-extraction":
         reference = embed(model, evaluation, progress)
-    return RunData(score, evaluation, train, reference, _second_text(recipe, model, processor))
+    heal = _heal_corpus(recipe, model, processor) if recovers else None
+    return RunData(score, evaluation, train, reference, _second_text(recipe, model, processor), heal)
+
+
+def _heal_corpus(recipe: Recipe, model: nn.Module, processor: Any) -> TaskData | None:
+    """The heal's corpus (`data.heal_source`, its `heal_split`, read as the calibration data is), where given."""
+    d = recipe.data
+    if d.heal_source is None:
+        return None
+    corpus = replace(recipe, data=replace(d, source=d.heal_source))
+    return task_data(corpus, model, processor, d.heal_split, None)
 
 
 def _second_text(recipe: Recipe, model: nn.Module, processor: Any) -> TaskData | None:

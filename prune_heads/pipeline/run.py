@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ from torch import nn
 
 from ..budgets import check_given, given_plan, resolve_budget
 from ..config import PruneConfig
+from ..errors import ConfigError
 from ..evaluation.report import Report
 from ..export.gguf import check_gguf
 from ..export.persistence import ensure_file_free, ensure_free
@@ -36,6 +39,7 @@ def run(
     plan: dict | None = None,
     evaluate: bool = True,
     progress: bool = True,
+    resume: bool = False,
 ) -> Report:
     """Run a recipe end to end and write the pruned model with its report to the output folder.
 
@@ -44,9 +48,12 @@ def run(
     folder that is renamed into place, so nothing half-written is left. With `output.format: gguf` the model
     is one GGUF file (`save_gguf`): the output itself when its path ends in .gguf (then only that file is
     written), else model.gguf in the folder. An existing output is an OutputExistsError unless `force`;
-    what no GGUF file can hold is refused (GgufError) before any data is read.
+    what no GGUF file can hold is refused (GgufError) before any data is read. A heal (`recovery.heal`) keeps
+    its checkpoints in `recovery.heal_checkpoints`, by default the output's path with '.heal' added, removed
+    once the model is written; `resume` continues from them.
     """
     target = Path(output or recipe.written.path or "pruned-model")
+    recipe = _with_checkpoints(recipe, target)
     gguf_file = recipe.written.format == "gguf" and target.suffix == ".gguf"
     (ensure_file_free if gguf_file else ensure_free)(target, force)  # before any work
     model = load_model(recipe)
@@ -54,6 +61,10 @@ def run(
     check_offload(model)
     _check_budget(recipe, model, config, plan)
     recovers = _recovers(recipe, plan)
+    if recipe.recovery.heal and not recovers:
+        raise ConfigError("recovery.heal trains on calibration data, and this run has none: give --data with --plan")
+    if force and not resume and recipe.recovery.heal_checkpoints == str(_checkpoints(target)):
+        shutil.rmtree(_checkpoints(target), ignore_errors=True)  # a fresh run over the last one's checkpoints
     processor = load_processor(recipe)
     if recipe.written.format == "gguf":
         _check_gguf(recipe, model, config, processor, recovers, target, force)
@@ -62,7 +73,7 @@ def run(
     timed = evaluate and recipe.evaluation.speed is not None
     in_llama = frontier_in_llama_cpp(recipe, plan)
     original = copy.deepcopy(model) if timed or in_llama else None  # timed beside the pruned one, in turns
-    found, examples = _prune(model, data, config, plan, recovers, progress)
+    found, examples = _prune(model, data, config, plan, recovers, progress, resume)
     after, evaluated_after = measure(model, data.evaluation, recipe, data.reference, data.train, processor, progress)
     if timed and original is not None:
         before["speed"], after["speed"] = measure_speed([original, model], recipe)
@@ -73,7 +84,22 @@ def run(
     report = run_report(recipe, found, examples, before, after, changed, budget_kv_cache(recipe, model), speeds)
     if main:
         write_output(recipe, model, processor, found, report, target, force)
+        if recipe.recovery.heal_checkpoints == str(_checkpoints(target)):
+            shutil.rmtree(_checkpoints(target), ignore_errors=True)  # the model they were for is written
     return report
+
+
+def _checkpoints(target: Path) -> Path:
+    """The heal's checkpoint folder beside the output, by default."""
+    return target.with_name(target.name + ".heal")
+
+
+def _with_checkpoints(recipe: Recipe, target: Path) -> Recipe:
+    """`recipe` with the heal's checkpoints beside the output where it heals and names no folder."""
+    r = recipe.recovery
+    if not r.heal or r.heal_checkpoints is not None:
+        return recipe
+    return replace(recipe, recovery=replace(r, heal_checkpoints=str(_checkpoints(target))))
 
 
 def _recovers(recipe: Recipe, plan: dict | None) -> bool:
@@ -111,7 +137,13 @@ def _check_gguf(
 
 
 def _prune(
-    model: nn.Module, data: RunData, config: PruneConfig, plan: dict | None, recovers: bool, progress: bool
+    model: nn.Module,
+    data: RunData,
+    config: PruneConfig,
+    plan: dict | None,
+    recovers: bool,
+    progress: bool,
+    resume: bool = False,
 ) -> tuple[PruneResult, int]:
     """The default path on the scoring batches where the run `recovers` (a given plan with its recovery;
     iterative pruning where `scoring.steps` asks for it), else the given plan applied as it is; and the examples
@@ -122,7 +154,7 @@ def _prune(
         return found, data.score.num_examples
     if recovers:
         assert data.score is not None  # loaded whenever the run recovers
-        found = prune_model(model, data.score, config, progress=progress, eval_data=data.second, plan=plan)
+        found = prune_model(model, data.score, config, progress, data.second, plan, heal_data=data.heal, resume=resume)
         return found, data.score.num_examples
     assert plan is not None  # a run without a plan always recovers
     tick = time.perf_counter()

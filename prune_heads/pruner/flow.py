@@ -55,6 +55,7 @@ from ..scoring.recording import Recorder, record
 from ..scoring.selection import HeadBudget, check_budget
 from ..task_data import DataError, TaskData, batch_size, with_targets, without_labels
 from .depths import at_budget, frontier, frontier_text, searched_prefix, within_bound, within_loss
+from .healing import Healed, heal, heal_start
 from .run import Bench, Chosen, PruneResult, Run, Scored, Tuned, general_rise, heldout_nll, logger, rise
 from .sharing import given_sharing, shared_candidates
 
@@ -66,6 +67,8 @@ def prune_model(
     progress: bool = True,
     eval_data: TaskData | Iterable[dict] | None = None,
     plan: dict | None = None,
+    heal_data: TaskData | Iterable[dict] | None = None,
+    resume: bool = False,
 ) -> PruneResult:
     """Prune `model` in place, the whole flow in one call, and say what was done.
 
@@ -83,10 +86,13 @@ def prune_model(
     With `selection.depths`, each depth is measured along the searched order (`PruneResult.frontier`), also on
     that second set, and with KV heads shared too where the run shares them. With `plan` (`{layer: [heads]}`,
     such as a frontier depth's, or a result's `written_plan` with the KV heads it shares), that plan goes with
-    the same recovery: no scoring, no search, no other plan.
+    the same recovery: no scoring, no search, no other plan. With `recovery.heal` tokens, the pruned model is
+    then distilled toward a copy of the unpruned one on the calibration text and, for a language model, text
+    it writes itself (`heal_data`'s batches in its place where given), kept only where held-out data improves;
+    `resume` continues the heal from the checkpoints in `recovery.heal_checkpoints` (docs/recovery.md).
     Iterative pruning (`scoring.steps > 1`) is `ph.prune_iteratively`'s.
     """
-    run = _start(model, data, config or PruneConfig(), progress, eval_data, plan)
+    run = _start(model, data, config or PruneConfig(), progress, eval_data, plan, heal_data, resume)
     scored = _score(run)
     gated = GatedModel(model, run.layers)
     with frozen(model), gated:
@@ -99,7 +105,8 @@ def prune_model(
         with frozen(model), gated:
             tuned = _tune(run, bench, chosen)
     gated.fold(chosen.decision.plan)
-    return _result(run, bench, scored, chosen, tuned)
+    healed = heal(run, bench, run.heal) if run.heal is not None else None
+    return _result(run, bench, scored, chosen, tuned, healed)
 
 
 def _start(
@@ -109,10 +116,13 @@ def _start(
     progress: bool,
     eval_data: TaskData | Iterable[dict] | None,
     plan: dict | None,
+    heal_data: TaskData | Iterable[dict] | None,
+    resume: bool,
 ) -> Run:
     """The run: the budget (checked against the structure before any data), the model's written text beside
     the batches where asked, the held-out split, the attention layers (each proven to be one, on the first
-    batch), the objective, and the recovery it runs (no bias steps where the model cannot hold output biases)."""
+    batch), the objective, the recovery it runs (no bias steps where the model cannot hold output biases) and
+    the heal's teacher (its checkpoints checked)."""
     start, progress = time.perf_counter(), progress and is_main()  # data-parallel: the first process's bars
     if config.scoring.steps > 1:
         raise ConfigError(
@@ -121,6 +131,7 @@ def _start(
         )
     batches = _batches(data)
     budget = _budget(model, config, batches, plan)
+    healing = heal_start(model, config, batches, heal_data, resume, progress)
     batches, generated = _with_written_text(model, batches, config)
     config, notes = _runnable(model, config)
     r = config.recovery
@@ -155,6 +166,7 @@ def _start(
         notes=notes + off,
         moved=moved,
         offloaded=offloaded_bytes(model),
+        heal=healing,
     )
 
 
@@ -400,12 +412,16 @@ def _ranked(run: Run, scores: HeadScores, budget: HeadBudget) -> Searched:
     return Searched(prefix_plan(order, len(order)), 0.0, note, order, "ranked")
 
 
-def _result(run: Run, bench: Bench, scored: Scored, chosen: Chosen, tuned: Tuned | None) -> PruneResult:
-    """What the run did, once the plan is removed: its steps and notes, the held-out summary with the
-    perplexity's change (a language model's), the counted work closed into its ledger, seconds per stage."""
+def _result(
+    run: Run, bench: Bench, scored: Scored, chosen: Chosen, tuned: Tuned | None, healed: Healed | None
+) -> PruneResult:
+    """What the run did, once the plan is removed (and healed): its steps and notes, the held-out summary with
+    the perplexity's change (a language model's), the counted work closed into its ledger, seconds per stage."""
     summary = dict(chosen.summary)
     if tuned is not None and tuned.final is not None:
         summary["final"] = tuned.final
+    if healed is not None and healed.kept and "calibration" in healed.entry["heldout"]:
+        summary["final"] = healed.entry["heldout"]["calibration"]["after"]
     if bench.unpruned is not None and summary:
         summary["perplexity_change"] = rise(run, bench, lambda batch: run.model(**batch))
     if run.general is not None and summary:
@@ -417,9 +433,12 @@ def _result(run: Run, bench: Bench, scored: Scored, chosen: Chosen, tuned: Tuned
             summary["general_perplexity_change"] = general_rise(run, bench, lambda batch: run.model(**batch))
     notes = [*run.notes, *chosen.notes]
     steps = [chosen.decision.entry(round(chosen.seconds, 3))] + ([tuned.entry] if tuned is not None else [])
+    steps += [healed.entry] if healed is not None else []
     timings = {"scoring": scored.seconds, "selection": chosen.seconds}
     if tuned is not None:
         timings["tuning"] = tuned.seconds
+    if healed is not None:
+        timings["healing"] = healed.seconds
     return PruneResult(
         chosen.decision.plan,
         scored.scores,

@@ -18,6 +18,7 @@ from ..model.sharing import written_plan
 from ..recovery.candidates import Decision, Trial
 from ..recovery.general import General
 from ..recovery.generated import writes_text
+from ..recovery.heal import HealStart
 from ..recovery.holdout import SequenceNLL, measures_loss, sequence_nll
 from ..recovery.prefixes import Depth
 from ..recovery.reconstruction import refit_flops
@@ -74,8 +75,8 @@ class Run:
     (with a plan given whole and a frontier's depths), the batches (`scoring`, the calibration part as given,
     what scoring reads; `calib`, the same on the model's device without labels; `heldout`, the held-out part),
     the model's written text beside them, a frontier's second text, the general-ability guard's text (None where
-    it is off), the notes made on the way in and, where weights are onloaded, the bytes onloading had moved
-    before the run and the offloaded weights' bytes."""
+    it is off), the notes made on the way in, where weights are onloaded, the bytes onloading had moved
+    before the run and the offloaded weights' bytes, and what a heal needs (None without one)."""
 
     model: nn.Module
     config: PruneConfig
@@ -93,6 +94,7 @@ class Run:
     notes: tuple[str, ...] = ()
     moved: int = 0
     offloaded: int = 0
+    heal: HealStart | None = None
 
     @property
     def weighs_general(self) -> bool:

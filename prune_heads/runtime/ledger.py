@@ -23,6 +23,7 @@ class Stage(Enum):
     SELECTION = "selection"
     RECONSTRUCTION = "reconstruction"
     TUNING = "tuning"
+    HEALING = "healing"
     PERPLEXITY = "perplexity"
 
     @property
@@ -41,6 +42,7 @@ LABELS = {
     Stage.SELECTION: "candidate trials",
     Stage.RECONSTRUCTION: "their refits",
     Stage.TUNING: "tuning",
+    Stage.HEALING: "healing by distillation",
     Stage.PERPLEXITY: "the held-out perplexity",
 }
 BEFORE_TUNING = (

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sized
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -243,6 +243,16 @@ def random_importance(run: ScoringRun):
     return [torch.rand(l.num_heads, generator=run.generator, dtype=torch.float64) for l in run.layers], None
 
 
+@contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """torch's global generators seeded with `seed` inside (draws outside `ScoringRun.generator`), as they were
+    again on exit."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
 def score_heads(
     model: nn.Module,
     dataloader: Iterable[dict],
@@ -268,6 +278,7 @@ def score_heads(
     bf16/fp16 model and scores are accumulated in float64 and returned as float32. Deterministic for a given
     seed. Under `accelerate launch` each process scores its share of the batches and every process gets
     the scores of all of them (see `prune_heads.parallel`).
+    The caller's random state is left as it was (the draws inside are seeded).
     """
     if method not in METHODS:
         raise ConfigError(f"unknown scoring method {method!r}; choose one of {', '.join(sorted(METHODS))}")
@@ -276,8 +287,7 @@ def score_heads(
     generator = torch.Generator().manual_seed(seed)
     if isinstance(dataloader, TaskData):
         dataloader = with_targets(dataloader)
-    torch.manual_seed(seed)
-    with frozen(model):
+    with _seeded(seed), frozen(model):
         probe = encoder_probe(model, dataloader, target) if loss is None else None
         run = ScoringRun(
             model=model,
