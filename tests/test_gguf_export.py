@@ -387,6 +387,18 @@ def test_default_type_of_changed_tensors_is_the_sources(tmp_path, smollm2_model)
     assert written.written == {"blk.0.attn_output.weight": "Q4_1"}  # 384 columns: whole blocks of 32
 
 
+def test_a_healed_model_copies_nothing_and_writes_every_weight_in_its_source_type(tmp_path, smollm2, smollm2_model):
+    """A heal changes every weight: none of the source's bytes still hold, so each tensor is written anew, in the
+    source tensor's type (Q4_1 matrices, F32 norms), none copied."""
+    with torch.no_grad():
+        for p in smollm2_model.parameters():
+            p.mul_(1.01)  # as a heal moves every weight
+    written = ph.save_gguf(smollm2_model, tmp_path / "healed.gguf")
+    source = {t.name: t.tensor_type.name for t in gguf.GGUFReader(smollm2 / SMOLLM2_FILE).tensors}
+    assert written.copied == [] and written.written == {k: v for k, v in source.items() if k in written.written}
+    assert set(written.written) == set(source)
+
+
 @pytest.mark.slow
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("ftype, expected", [("Q8_0", {"Q8_0"}), ("Q4_K_M", {"Q4_K", "Q5_0"})])

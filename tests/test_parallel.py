@@ -94,6 +94,21 @@ def test_two_gloo_processes_prune_as_one_process_does(name, tmp_path):
         torch.testing.assert_close(two["weights"][key], value, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_two_gloo_processes_heal_as_one_process_does(tmp_path):
+    """A heal on 2 processes (each half of every batch, the Trainer's gradients joined through accelerate)
+    trains on the budget's tokens once, not once per process, and ends within float rounding of one process's
+    weights."""
+    subprocess.run([sys.executable, SCRIPT, "llama", str(tmp_path / "one.pt"), "40", "400"], check=True)
+    two = [*LAUNCH, SCRIPT, "llama", str(tmp_path / "two.pt"), "40", "400"]
+    subprocess.run(two, check=True, env=ONE_THREAD)
+    one, two = (torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("one", "two"))
+    healed = [next(e for e in found["recovery"] if e["step"] == "healing") for found in (one, two)]
+    assert healed[0]["tokens"] == healed[1]["tokens"] and healed[0]["kept"] == healed[1]["kept"]
+    for key, value in one["weights"].items():
+        torch.testing.assert_close(two["weights"][key], value, rtol=1e-2, atol=1e-3)
+
+
 def _flat(found, path: str = "") -> dict:
     """The report's recovery steps as {path: value}, their timings left out (floats compare approximately)."""
     if isinstance(found, dict | list):

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..runtime.devices import input_device, native_bfloat16, to_device
+from ..runtime.parallel import rank_and_size
 from ..runtime.progress import library_bars, progress_bar
 from ..scoring.objective import Objective, neighbour_divergence
 from ..task_data import DataError, batch_size, without_labels
@@ -72,7 +73,14 @@ class HealData:
 
 
 def heal_steps(tokens: int, batch: int, length: int) -> int:
-    """Steps of `batch` rows of `length` tokens within `tokens`; a budget below one batch is refused."""
+    """Steps of `batch` rows of `length` tokens within `tokens`; a budget below one batch, or a batch the
+    data-parallel processes cannot share evenly, is refused."""
+    processes = rank_and_size()[1]
+    if batch % processes:
+        raise ConfigError(
+            f"recovery.heal shares each batch of {batch} rows among {processes} processes: give a batch size "
+            f"(--batch-size) that {processes} divides"
+        )
     if tokens < batch * length:
         raise ConfigError(
             f"recovery.heal is {tokens} tokens, below one batch ({batch} x {length} = {batch * length} tokens): "
@@ -395,7 +403,7 @@ def _arguments(data: HealData, settings: Settings, folder: Path, device: torch.d
     return TrainingArguments(
         output_dir=str(folder),
         max_steps=data.steps,
-        per_device_train_batch_size=data.batch,
+        per_device_train_batch_size=data.batch // rank_and_size()[1],  # data-parallel: each its share of a batch
         learning_rate=ADAPTER_LEARNING_RATE if settings.rank else LEARNING_RATE,
         lr_scheduler_type="cosine",
         warmup_steps=math.ceil(WARMUP * data.steps),
