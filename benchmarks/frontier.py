@@ -310,6 +310,10 @@ def table(out: Path) -> None:
             points = (f"{quarter(c[t]['points'])} ({quarter(c[t]['low'])} to {quarter(c[t]['high'])})" for t in TASKS)
             work = f"{c['seconds']:.0f} s on {c.get('device', 'cpu')}"
             work += f"; {c['fisher_passes']:.2f} fisher passes" if "fisher_passes" in c else ""
+            if c.get("healing"):  # its tokens, its work in the same passes, and whether it was kept
+                heal = c["work"]["healing"] / c["work"]["calibration_pass"]
+                kept = "" if c["healing"]["kept"] else ", not kept"
+                work += f" + {heal:.1f} healing ({c['healing']['tokens']:,} tokens{kept})"
             rows.append([c["method"], c.get("chosen", c["depth"]), *perplexities, *points, work])
         print(f"\n{name}:\n")
         header = ["method", "KV groups removed", "perplexity, movie (in-domain)", "perplexity, tweets (other)"]

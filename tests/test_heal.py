@@ -189,3 +189,18 @@ def test_adapters_heal_and_merge_back_into_a_plain_model(monkeypatch):
     monkeypatch.setattr("prune_heads.pruner.flow.score_heads", lambda *a, **k: pytest.fail("scored"))
     with pytest.raises(ConfigError, match="give --heal-rank 64"):
         _heal()
+
+
+def test_a_model_read_from_gguf_heals_and_stays_marked_as_it_was():
+    """transformers marks a model read from a GGUF file quantized though its weights are plain (the Trainer
+    refuses such a model): the heal trains it and leaves the marks as they were, for the writers to read."""
+    from types import SimpleNamespace
+
+    model = tm.build("llama")
+    quantizer = SimpleNamespace(quantization_config=SimpleNamespace(quant_method="gguf"), is_trainable=False)
+    model.is_quantized, model.hf_quantizer = True, quantizer
+    model.config.quantization_config = {"quant_method": "gguf"}
+    _, result = _heal(model=model)
+    assert _entry(result)["steps"] == 11
+    assert model.is_quantized and model.hf_quantizer is quantizer
+    assert model.config.quantization_config == {"quant_method": "gguf"}

@@ -285,7 +285,7 @@ def train(
     flags = [p.requires_grad for p in student.parameters()]
     folder = settings.folder or Path(tempfile.mkdtemp(prefix="prune-heads-heal-"))
     try:
-        with _kept_random_state(), _trainable(student, settings) as trained_model:
+        with _kept_random_state(), _unmarked(student), _trainable(student, settings) as trained_model:
             trained = _run_trainer(trained_model, teacher, data, settings, folder, found, check)
     finally:
         for p, flag in zip(student.parameters(), flags):
@@ -318,6 +318,26 @@ def _trainable(model: nn.Module, settings: Settings) -> Iterator[nn.Module]:
         adapted.unload()  # the model as it was: nothing half-merged
         raise
     adapted.merge_and_unload()
+
+
+@contextmanager
+def _unmarked(model: nn.Module) -> Iterator[None]:
+    """A model transformers read from a GGUF file holds plain weights but stays marked quantized, which the
+    Trainer refuses to train or save: unmarked inside, marked again on exit (other quantizers are left alone)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if quantizer is None or getattr(method, "value", method) != "gguf":
+        yield
+        return
+    marked: Any = model  # a transformers model: its marks are plain attributes
+    marks = (marked.is_quantized, marked.config.__dict__.pop("quantization_config", None))
+    marked.is_quantized, marked.hf_quantizer = False, None
+    try:
+        yield
+    finally:
+        marked.is_quantized, marked.hf_quantizer = marks[0], quantizer
+        if marks[1] is not None:
+            marked.config.quantization_config = marks[1]
 
 
 @contextmanager
