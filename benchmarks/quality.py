@@ -60,6 +60,8 @@ CONFIGS = {
         scoring=FISHER, recovery=ph.RecoveryConfig(holdout=0, bias_compensation=False, projection_tuning=False)
     ),
     "**default** (held-out decisions)": ph.PruneConfig(),
+    # then healed by distillation from the unpruned model on the calibration rows and their labels (`--heal 1M`)
+    "default, healed 1M": ph.PruneConfig(recovery=ph.RecoveryConfig(heal=1_000_000)),
 }
 
 

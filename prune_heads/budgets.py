@@ -51,6 +51,7 @@ def resolve_budget(model: nn.Module, config: PruneConfig, seq_len: int = 128, pl
     where the structure cannot meet it exactly."""
     if plan is not None:
         return _given(model, config, plan)
+    config.selection.one_budget()  # exactly one: a second would go unsaid
     depths = _depths(model, config)
     heads = _head_budget(model, config, seq_len)
     return Budget(heads, requested_heads(model, heads), check_budget(model, heads), None, depths)
@@ -70,8 +71,21 @@ def _given(model: nn.Module, config: PruneConfig, plan: dict) -> Budget:
     loss bound, depths or iterative scoring beside it are refused."""
     check_given(config)
     named, shared = given_plan(find_attention(model), plan)
+    check_minimum(model, named, config.selection.min_heads_per_layer)
     count = sum(map(len, named.values()))
     return Budget(HeadBudget(num_heads=count), count, count, named, shared=shared)
+
+
+def check_minimum(model: nn.Module, plan: dict, minimum: int) -> None:
+    """Refuse a given plan that leaves a layer with fewer than `minimum` heads (0 allows empty layers)."""
+    layers = find_attention(model)
+    for key, heads in normalize_plan(layers, plan).items():
+        left = next(l for l in layers if l.name == key).num_heads - len(heads)
+        if left < minimum:
+            raise PlanError(
+                f"the plan leaves {key} with {left} heads, below min_heads_per_layer={minimum}; "
+                f"set it to 0 (--min-heads-per-layer 0) to allow removing whole attention layers"
+            )
 
 
 def given_plan(layers: list[AttentionLayer], plan: dict) -> tuple[dict[str, list[int]], dict[str, Merges]]:

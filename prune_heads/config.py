@@ -110,6 +110,15 @@ class SelectionConfig:
         if self.context < 1:
             raise ConfigError(f"selection.context is {self.context}; give a number of tokens above 0")
 
+    def one_budget(self) -> str:
+        """The one budget set (`BUDGETS`); two or none are refused, by the API, the CLI and recipes alike."""
+        chosen = [k for k in BUDGETS if getattr(self, k) is not None]
+        if len(chosen) != 1:
+            raise ConfigError(
+                f"selection needs exactly one of {', '.join(BUDGETS[:-1])} or {BUDGETS[-1]} (has {chosen or 'none'})"
+            )
+        return chosen[0]
+
 
 def parse_depths(depths: str) -> list[float]:
     """`selection.depths` ('1/6,1/3,1/2') as shares of the heads, shallowest first (refused unless each is in

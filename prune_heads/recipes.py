@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from .config import BUDGETS, CHOICES, RecoveryConfig, ScoringConfig, SelectionConfig
+from .config import CHOICES, RecoveryConfig, ScoringConfig, SelectionConfig
 from .errors import ConfigError
 from .evaluation.lm_eval import LmEvalConfig
 from .evaluation.speed import SpeedConfig
@@ -173,13 +173,12 @@ def parse_recipe(data: Any, overrides: Sequence[str] = ()) -> Recipe:
     if isinstance(data, dict) and data.get("recovery") in (False, "off"):  # `recovery: off`: no recovery at all
         data["recovery"] = vars(RecoveryConfig.off())
     recipe = _build(Recipe, data, "")
-    chosen = [k for k in BUDGETS if getattr(recipe.selection, k) is not None]
-    if len(chosen) != 1:
-        raise RecipeError(
-            f"selection needs exactly one of {', '.join(BUDGETS[:-1])} or {BUDGETS[-1]} (has {chosen or 'none'})"
-        )
-    if chosen[0] in ("flops", "kv_cache", "max_loss") and recipe.scoring.steps > 1:
-        raise RecipeError(f"selection.{chosen[0]} needs scoring.steps 1; iterative pruning takes selection.sparsity")
+    try:
+        chosen = recipe.selection.one_budget()
+    except ConfigError as error:
+        raise RecipeError(str(error)) from None
+    if chosen in ("flops", "kv_cache", "max_loss") and recipe.scoring.steps > 1:
+        raise RecipeError(f"selection.{chosen} needs scoring.steps 1; iterative pruning takes selection.sparsity")
     if recipe.scoring.steps > 1 and recipe.recovery.enabled:
         raise RecipeError("scoring.steps > 1 prunes iteratively, which recovery cannot follow; set recovery: off")
     return recipe

@@ -67,7 +67,13 @@ def test_a_plan_given_whole_carries_the_kv_heads_it_shares_in_layers_it_leaves_w
     "made, message",
     [
         (dict(selection=SelectionConfig(max_loss=3), recovery=RecoveryConfig(holdout=0)), "holdout above 0"),
-        (dict(selection=SelectionConfig(depths="1/3", uniform=True)), "one at a time"),
+        (dict(selection=SelectionConfig(sparsity=0.0, depths="1/3", uniform=True)), "one at a time"),
+        (
+            dict(selection=SelectionConfig(flops=0.8, num_heads=10)),
+            r"exactly one of .* \(has \['num_heads', 'flops'\]\)",
+        ),
+        (dict(selection=SelectionConfig(flops=0.8, kv_cache="8KiB@64")), "exactly one of"),
+        (dict(selection=SelectionConfig()), r"exactly one of .* \(has none\)"),
         (dict(selection=SelectionConfig(sparsity=0.5), scoring=ScoringConfig(steps=2)), "turn recovery off"),
         (
             dict(selection=SelectionConfig(num_heads=2), scoring=ScoringConfig(steps=2), recovery=RecoveryConfig.off()),
@@ -84,3 +90,11 @@ def test_a_loss_bound_needs_a_model_it_can_measure():
     encoder = tm.build("xlm-roberta")  # no head: no labels to measure a loss on
     with pytest.raises(ph.ConfigError, match="this model has none"):
         ph.resolve_budget(encoder, config(max_loss=3))
+
+
+def test_a_plan_given_whole_keeps_min_heads_per_layer_on_every_path(llama):
+    """The API's `prune_model(plan=...)` checks the minimum the CLI checks: one home, `resolve_budget`."""
+    with pytest.raises(ph.PlanError, match="leaves model.layers.0.self_attn with 0 heads, below min_heads_per_layer=1"):
+        ph.resolve_budget(llama, config(), plan={0: [0, 1, 2, 3]})
+    emptied = ph.resolve_budget(llama, config(min_heads_per_layer=0), plan={0: [0, 1, 2, 3]})
+    assert emptied.removes == 4

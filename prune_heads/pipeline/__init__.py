@@ -2,8 +2,9 @@
 evaluate again, time in llama.cpp where asked (llama_cpp.py), write the model and its report (writing.py);
 `run` (run.py) puts them together."""
 
+from ..budgets import check_minimum
 from .evaluating import changes, heads_kept, measure, measure_speed
-from .loading import check_minimum, check_task, load_model, load_processor, resolve_source, task_data
+from .loading import check_task, load_model, load_processor, resolve_source, task_data
 from .run import run
 
 __all__ = [

@@ -19,26 +19,13 @@ from ..export.persistence import (
     gguf_read_once,
     load_pruned,
 )
-from ..model.layers import find_attention, require_attention
-from ..model.surgery import PlanError, normalize_plan
+from ..model.layers import require_attention
 from ..recipes import Recipe
 from ..recovery.generated import WRITTEN_EXAMPLES, written_batches
 from ..runtime.devices import native_bfloat16
 from ..task_data import TASK_HEADS, DataError, TaskData, load_task_data
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def check_minimum(model: nn.Module, plan: dict, minimum: int) -> None:
-    """Refuse a given plan that leaves a layer with fewer than `minimum` heads (0 allows empty layers)."""
-    layers = find_attention(model)
-    for key, heads in normalize_plan(layers, plan).items():
-        left = next(l for l in layers if l.name == key).num_heads - len(heads)
-        if left < minimum:
-            raise PlanError(
-                f"the plan leaves {key} with {left} heads, below min_heads_per_layer={minimum}; "
-                f"set it to 0 (--min-heads-per-layer 0) to allow removing whole attention layers"
-            )
 
 
 def resolve_source(reference: str) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from ..budgets import check_given, given_plan, resolve_budget
+from ..budgets import check_given, check_minimum, given_plan, resolve_budget
 from ..config import PruneConfig
 from ..errors import ConfigError
 from ..evaluation.report import Report
@@ -28,7 +28,7 @@ from ..scoring.iterative import prune_iteratively
 from ..task_data import TaskData, without_labels
 from .evaluating import changes, measure, measure_speed
 from .llama_cpp import frontier_in_llama_cpp, llama_speeds
-from .loading import RunData, check_minimum, load_model, load_processor, run_data
+from .loading import RunData, load_model, load_processor, run_data
 from .writing import budget_kv_cache, run_report, write_output
 
 
