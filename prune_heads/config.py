@@ -5,6 +5,7 @@ the YAML recipes and the CLI fill in. Each field carries its one line of documen
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -316,9 +317,25 @@ class PruneConfig:
         return cls(selection=recipe.selection, scoring=recipe.scoring, recovery=recipe.recovery)
 
 
-CHOICES: dict[str, tuple[str, ...]] = {
+class _Registered(Collection[str]):
+    """A registry's names, sorted, as they are when read: a method registered after import is a choice too."""
+
+    def __init__(self, registry: dict[str, Any]) -> None:
+        self.registry = registry
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.registry
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self.registry))
+
+    def __len__(self) -> int:
+        return len(self.registry)
+
+
+CHOICES: dict[str, Collection[str]] = {
     "task": TASKS,
-    "scoring.method": tuple(sorted(METHODS)),
+    "scoring.method": _Registered(METHODS),
     "scoring.objective": ("auto", "label-free"),
     "selection.scope": ("global", "layer"),
     "recovery.general": GENERAL_MODES,

@@ -262,3 +262,9 @@ def test_cutting_a_full_attention_layer_calibrated_inside_the_sliding_window_is_
     assert unmeasured_long_range(layers, {sliding: [0, 1]}, 4) is None
     llama = ph.find_attention(tm.build("llama"))
     assert unmeasured_long_range(llama, {llama[0].name: [0, 1]}, 4) is None
+
+
+def test_a_family_name_registered_already_is_refused():
+    spec = next(s for s in ph.FAMILIES if s.name)
+    with pytest.raises(ValueError, match=f"'{spec.name}' is registered already"):
+        ph.register_family(spec)

@@ -256,3 +256,23 @@ def test_one_default_method_everywhere_and_each_method_priced_in_passes():
         "random": 0,
         "ablation": 1 + heads,  # the plain pass, then one per head gated off
     }
+
+
+def test_a_registered_name_is_refused_and_a_new_method_reaches_the_cli_and_recipes(monkeypatch):
+    """`@method` refuses a name registered already (as peft's registry does); a method registered after import
+    is a `--method` choice and a recipe's `scoring.method` value, with no restart."""
+    from click.testing import CliRunner
+
+    from prune_heads.cli import main
+    from prune_heads.recipes import parse_recipe
+    from prune_heads.scoring import methods
+
+    with pytest.raises(ph.ConfigError, match="'fisher' is registered already"):
+        methods.method("fisher")(lambda run: None)
+    monkeypatch.setitem(methods.METHODS, "mine", methods.METHODS["random"])
+    recipe = parse_recipe({"model": "m", "selection": {"sparsity": 0.5}, "scoring": {"method": "mine"}})
+    assert recipe.scoring.method == "mine"
+    result = CliRunner().invoke(main, ["score", "missing-model", "--data", "d.csv", "--method", "mine"])
+    assert "Invalid value for '--method'" not in result.output
+    result = CliRunner().invoke(main, ["score", "missing-model", "--data", "d.csv", "--method", "yours"])
+    assert "Invalid value for '--method'" in result.output and "mine" in result.output

@@ -21,6 +21,7 @@ from .options import (
     BUDGET,
     GGUF_TYPE_HELP,
     OWN_PROCESS,
+    Registered,
     asked_line,
     calibration_line,
     config_fields,
@@ -154,7 +155,7 @@ def _inspect_gguf(path: str, as_json: bool) -> None:
 @main.command()
 @click.argument("model")
 @data_options
-@config_option(ScoringConfig, "method", type=click.Choice(sorted(METHODS)))
+@config_option(ScoringConfig, "method", type=Registered(METHODS))
 @click.option("--label-free", is_flag=True, help="Ignore labels: score against the unpruned model's outputs.")
 @click.option(
     "--output", "-o", default="head-scores", show_default=True, help="Folder for scores.json and heatmap.png."
@@ -224,7 +225,7 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
     "the KV heads it shares) removed instead of scoring and the search: with --data, recovered as the default "
     "path recovers; without, as it is.",
 )
-@config_option(ScoringConfig, "method", type=click.Choice(sorted(METHODS)))
+@config_option(ScoringConfig, "method", type=Registered(METHODS))
 @config_option(ScoringConfig, "steps", type=int)
 @config_option(SelectionConfig, "scope", type=click.Choice(CHOICES["selection.scope"]))
 @config_option(SelectionConfig, "min_heads_per_layer", type=int)

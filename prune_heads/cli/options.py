@@ -133,6 +133,23 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+class Registered(click.Choice):
+    """A choice among a registry's names as they are when the command runs, so a method a user registers before
+    calling the CLI is one of them (a plain Choice would freeze the names at import)."""
+
+    def __init__(self, registry: dict) -> None:
+        self.registry = registry
+        super().__init__(sorted(registry))
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(sorted(self.registry))
+
+    @choices.setter
+    def choices(self, value: Any) -> None:  # click sets them once; the registry holds them
+        pass
+
+
 def config_option(config: type, name: str, **kwargs: Any) -> Callable:
     """The option of a config field: its flag (`--NAME`, `--NAME/--no-NAME` for a switch, or the field's own
     `flag`), its default and its documentation, all from the config (`prune_heads.config.option`)."""

@@ -516,8 +516,11 @@ def register_family(spec: AttentionSpec) -> None:
     """Add an attention family to the table, ahead of the built-in ones so it can override them.
 
     Example: `register_family(AttentionSpec("mine", ("MyAttention",), q="wq", k="wk", v="wv", o="wo",
-    head_dim="head_dim", updates=(("", "n_heads", "heads"),)))`.
+    head_dim="head_dim", updates=(("", "n_heads", "heads"),)))`. A name registered already is refused
+    (ValueError: this module imports only torch and transformers, for standalone checkpoints).
     """
+    if any(found.name == spec.name for found in FAMILIES):
+        raise ValueError(f"an attention family named {spec.name!r} is registered already; give yours another name")
     FAMILIES.insert(0, spec)
 
 

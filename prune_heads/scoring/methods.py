@@ -76,9 +76,12 @@ DEFAULT_METHOD = "fisher"  # the default path's, measured best in benchmarks/sco
 def method(name: str, passes: int | Callable[[list[AttentionLayer]], int] = 2):
     """Register a scoring method under `name` (a function ScoringRun -> (scores, variances or None)) with
     its cost over the batches in forward passes (`passes`, or a function of the layers; a backward pass through
-    the gates counts as one more), what the flow's counted work prices it at."""
+    the gates counts as one more), what the flow's counted work prices it at. A name registered already is
+    refused (as peft's `register_peft_method` refuses one)."""
 
     def register(fn):
+        if name in METHODS:
+            raise ConfigError(f"a scoring method named {name!r} is registered already; register yours under another")
         METHODS[name] = fn
         PASSES[name] = passes if callable(passes) else lambda layers: passes
         return fn
