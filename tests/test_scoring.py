@@ -276,3 +276,12 @@ def test_a_registered_name_is_refused_and_a_new_method_reaches_the_cli_and_recip
     assert "Invalid value for '--method'" not in result.output
     result = CliRunner().invoke(main, ["score", "missing-model", "--data", "d.csv", "--method", "yours"])
     assert "Invalid value for '--method'" in result.output and "mine" in result.output
+
+
+def test_scoring_leaves_the_callers_random_state_as_it_was():
+    """Scoring seeds its own draws; the process's torch generator is the caller's again afterwards."""
+    model, data = tm.build("bert"), tm.batches("bert", n=2)
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    ph.score_heads(model, data, method="fisher", seed=0, progress=False)
+    assert torch.equal(torch.get_rng_state(), state)
