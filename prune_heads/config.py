@@ -133,12 +133,12 @@ def parse_depths(depths: str) -> list[float]:
     return found
 
 
-def parse_tokens(value: int | str) -> int:
-    """A token count: a whole number, or one with a k or M suffix ('250k', '2M', '1.5M')."""
+def parse_tokens(value: int | str, key: str = "a token count") -> int:
+    """A token count (`key`'s): a whole number, or one with a k or M suffix ('250k', '2M', '1.5M')."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", str(value)) if not isinstance(value, bool) else None
     found = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6}[match.group(2).lower()] if match else -1.0
     if found < 0 or found != int(found):
-        raise ConfigError(f"a token count is {value!r}; give a whole number of tokens such as 2000000, 250k or 2M")
+        raise ConfigError(f"{key} is {value!r}; give a whole number of tokens such as 2000000, 250k or 2M")
     return int(found)
 
 
@@ -235,8 +235,8 @@ class RecoveryConfig:
     )
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "heal", parse_tokens(self.heal))  # '2M' in a recipe or on the command line
-        object.__setattr__(self, "heal_every", parse_tokens(self.heal_every))
+        for key in ("heal", "heal_every"):  # '2M' in a recipe or on the command line
+            object.__setattr__(self, key, parse_tokens(getattr(self, key), f"recovery.{key}"))
         if self.heal and not self.enabled:
             raise ConfigError(
                 f"recovery.heal is {self.heal} tokens, but recovery is off and healing is its last step; turn "

@@ -4,6 +4,7 @@ import torch
 
 from prune_heads.budgets import resolve_budget
 from prune_heads.config import PruneConfig, SelectionConfig
+from prune_heads.errors import ConfigError
 from prune_heads.export.persistence import stock_config
 from prune_heads.model.layers import find_attention
 from prune_heads.pruner import prune_model
@@ -133,6 +134,14 @@ def test_recovery_section_maps_onto_prune_model():
     off = parse_recipe({**_base(), "recovery": "off"})
     assert not off.recovery.enabled
     assert parse_recipe({**_base(), "recovery": False}).recovery == off.recovery
+
+
+def test_a_heal_is_a_recovery_key_and_its_corpus_a_data_key():
+    recipe = parse_recipe({**_base(), "recovery": {"heal": "2M", "heal_every": "250k"}, "data": {"heal_source": "c"}})
+    assert (recipe.recovery.heal, recipe.recovery.heal_every) == (2_000_000, 250_000)
+    assert (recipe.data.heal_source, recipe.data.heal_split) == ("c", "train")
+    with pytest.raises(ConfigError, match="recovery.heal is 'lots'; give a whole number of tokens"):
+        parse_recipe({**_base(), "recovery": {"heal": "lots"}})
 
 
 def test_omitted_sections_are_the_default_path():
