@@ -9,7 +9,7 @@ import tiny_models as tm
 import torch
 
 import prune_heads as ph
-from prune_heads.pruner import run as records
+from prune_heads.pruner import records
 from prune_heads.recovery.gated import GatedModel
 from prune_heads.recovery.general import SHARE
 from prune_heads.recovery.holdout import sequence_nll, split_holdout

@@ -4,7 +4,7 @@ measures along the searched order: a quality bound's and a frontier's (depths.py
 from ..runtime.ledger import BEFORE_TUNING, Ledger, Stage
 from .depths import FRONTIER_CACHE_TYPES, FRONTIER_RULE, MAX_LOSS_RULE
 from .flow import prune_model
-from .run import PruneResult
+from .records import PruneResult
 
 __all__ = [
     "BEFORE_TUNING",

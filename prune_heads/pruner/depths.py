@@ -24,8 +24,8 @@ from ..runtime.ledger import Stage
 from ..runtime.progress import progress_bar
 from ..scoring.kv_cache import fits_cache, kv_cache_size
 from ..task_data import DataError, TaskData
-from .run import Bench, Run, heldout_nll, refitted, worst_rise
-from .sharing import better_shared, put_shared, why_not_sharing
+from .records import Bench, Run, heldout_nll, refitted, worst_rise
+from .sharing import put_shared, run_cannot_share, shared_where_better
 
 MAX_LOSS_RULE = (
     "the longest prefix of the searched order (the plain ranking's where no search ran) whose held-out perplexity "
@@ -53,14 +53,14 @@ def within_loss(run: Run, bench: Bench, searched: Searched) -> tuple[Searched, d
     percent = run.config.selection.max_loss
     if searched.plan is None or bench.unpruned is None or percent is None:
         raise ConfigError(f"selection.max_loss measures along the searched order, and there is none: {searched.note}")
-    bound, shares = percent / 100, why_not_sharing(run, bench.trial) is None
+    bound, shares = percent / 100, run_cannot_share(run, bench.trial) is None
     shared: dict[int, dict[str, Merges]] = {}  # the prefixes whose rise was measured shared
 
     def rise_at(count: int) -> float:
         plan = prefix_plan(searched.order, count)
         refitted(run, bench, plan, Stage.DEPTH)
         removed = worst_rise(run, bench, bench.trial.gated, Stage.DEPTH)
-        sharing = better_shared(run, bench, plan, Stage.DEPTH) if shares else {}
+        sharing = shared_where_better(run, bench, plan, Stage.DEPTH) if shares else {}
         if not sharing:
             return removed
         put_shared(bench, plan, sharing)
@@ -140,9 +140,9 @@ def _shared(run: Run, bench: Bench, depth: Depth, second: SequenceNLL | None) ->
     """`depth` with the query heads of the KV groups it empties kept on KV heads it keeps, in the layers whose
     refit fits better so (the default path's 'mixed' candidate), measured as the depth is, at the same KV cache;
     None where the run does not share KV heads or no layer fits better shared."""
-    if why_not_sharing(run, bench.trial) is not None:
+    if run_cannot_share(run, bench.trial) is not None:
         return None
-    sharing = better_shared(run, bench, depth.plan, Stage.FRONTIER)
+    sharing = shared_where_better(run, bench, depth.plan, Stage.FRONTIER)
     if not sharing:
         return None
     plan = put_shared(bench, depth.plan, sharing)

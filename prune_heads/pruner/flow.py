@@ -56,7 +56,7 @@ from ..scoring.selection import HeadBudget, check_budget
 from ..task_data import DataError, TaskData, batch_size, with_targets, without_labels
 from .depths import at_budget, frontier, frontier_text, searched_prefix, within_bound, within_loss
 from .healing import Healed, heal, heal_start
-from .run import Bench, Chosen, PruneResult, Run, Scored, Tuned, general_rise, heldout_nll, logger, rise
+from .records import Bench, Chosen, PruneResult, Run, Scored, Tuned, general_rise, heldout_nll, logger, rise
 from .sharing import given_sharing, shared_candidates
 
 
@@ -481,7 +481,7 @@ def _tune(run: Run, bench: Bench, chosen: Chosen) -> Tuned | None:
     groups = [{"params": params, "lr": rates[name]} for name, params in tunables.items()]
     check = (lambda: float(trial.divergences().mean())) if trial.batches else None
     limit = _tuning_limit(run, bench.tally)
-    budget = WorkLimit(float("inf") if limit is None else limit, bench.pricer, check=bench.tally.heldout_pass)
+    work_limit = WorkLimit(float("inf") if limit is None else limit, bench.pricer, check=bench.tally.heldout_pass)
     assert trial.calibration is not None
     with progress_bar(None, "tuning", r.epochs * len(run.calib), run.progress) as bar:  # may stop early
 
@@ -492,7 +492,7 @@ def _tune(run: Run, bench: Bench, chosen: Chosen) -> Tuned | None:
         schedule = Schedule(r.epochs, run.config.scoring.seed, r.average)
         targets = trial.calibration.targets
         history, steps, averaged, spent = tune(
-            forward, groups, run.calib, targets, run.objective, schedule, check, budget
+            forward, groups, run.calib, targets, run.objective, schedule, check, work_limit
         )
     gated.freeze()
     bench.tally.add(Stage.TUNING, spent)

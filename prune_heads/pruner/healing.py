@@ -38,7 +38,7 @@ from ..runtime.ledger import Stage
 from ..runtime.work import Pricer
 from ..scoring.objective import Objective
 from ..task_data import TaskData, with_targets
-from .run import Bench, Run
+from .records import Bench, Run
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from ..model.sharing import Merges, why_not_shared
 from ..recovery.candidates import Candidate, Trial
 from ..recovery.sharing import SharedStatistics, sharable
 from ..runtime.ledger import Stage
-from .run import Bench, Run
+from .records import Bench, Run
 
 
-def why_not_sharing(run: Run, trial: Trial) -> str | None:
+def run_cannot_share(run: Run, trial: Trial) -> str | None:
     """Why no sharing is tried: "" where none was asked (neither a KV-cache budget nor a loss bound, a plan given
     whole, no recovery, or `kv_sharing` off; a loss bound on a model that cannot share), else the reason the
     run's notes give; None where it is tried."""
@@ -45,7 +45,7 @@ def shared_candidates(
     """Under a KV-cache budget or a loss bound with `kv_sharing`, the candidates that keep the query heads of the
     KV groups `plan` empties, re-pointed to KV heads it keeps (the same cache): in every layer whose cut allows
     it, and in those whose refit fits better so than with the heads removed; with a note where none can."""
-    why = why_not_sharing(run, bench.trial)
+    why = run_cannot_share(run, bench.trial)
     if why is not None:
         return [], [] if why == "" else [f"KV heads not shared: {why}"]
     every = _record(run, bench, plan, Stage.RECORDING).merges
@@ -59,7 +59,7 @@ def shared_candidates(
     return found, []
 
 
-def better_shared(run: Run, bench: Bench, plan: dict[str, list[int]], stage: Stage) -> dict[str, Merges]:
+def shared_where_better(run: Run, bench: Bench, plan: dict[str, list[int]], stage: Stage) -> dict[str, Merges]:
     """The layers of `plan` whose refit fits better with the query heads of the KV groups it empties kept and
     shared than with them removed (the 'mixed' candidate's sharing), the statistics left on the trial."""
     return bench.trial.better_shared(plan) if _record(run, bench, plan, stage).merges else {}
