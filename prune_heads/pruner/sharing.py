@@ -52,7 +52,8 @@ def shared_candidates(
     if not every:
         none = "KV heads not shared: the plan empties no KV group where its query heads divide over those kept"
         return [], [none] if run.config.selection.kv_cache is not None else []
-    better = bench.trial.better_shared(plan)
+    better, work = bench.trial.better_shared(plan)
+    bench.tally.add(Stage.RECONSTRUCTION, work)
     found = [Candidate(f"{name}, shared", without(plan, every), "reconstruction", dict(every))]
     if better and better != every:
         found.append(Candidate(f"{name}, mixed", without(plan, better), "reconstruction", better))
@@ -61,8 +62,13 @@ def shared_candidates(
 
 def shared_where_better(run: Run, bench: Bench, plan: dict[str, list[int]], stage: Stage) -> dict[str, Merges]:
     """The layers of `plan` whose refit fits better with the query heads of the KV groups it empties kept and
-    shared than with them removed (the 'mixed' candidate's sharing), the statistics left on the trial."""
-    return bench.trial.better_shared(plan) if _record(run, bench, plan, stage).merges else {}
+    shared than with them removed (the 'mixed' candidate's sharing), the statistics left on the trial and the
+    refits counted for `stage`."""
+    if not _record(run, bench, plan, stage).merges:
+        return {}
+    better, work = bench.trial.better_shared(plan)
+    bench.tally.add(stage, work)
+    return better
 
 
 def put_shared(bench: Bench, plan: dict[str, list[int]], sharing: dict[str, Merges]) -> dict[str, list[int]]:

@@ -161,14 +161,15 @@ class Trial:
         recorded = [repointed(layer, merges)]
         return refit(layer, (), self.shared.calibration[name], held, self.bias, reading(layer, merges), recorded)
 
-    def better_shared(self, plan: Plan) -> dict[str, Merges]:
+    def better_shared(self, plan: Plan) -> tuple[dict[str, Merges], float]:
         """The layers of the recorded sharing whose refit fits better shared than with `plan`'s heads removed
-        (the held-out relative error), the refits' work counted."""
+        (the held-out relative error), and the refits' work, for the caller to count under its own stage."""
         assert self.shared is not None
         merges = self.shared.merges
-        self.refit_work += refit_flops(self.gated.layers, {n: plan[n] for n in merges})
-        self.refit_work += shared_refit_flops(self.gated.layers, merges)
-        return {n: m for n, m in merges.items() if self.shared_refit(n).error < self.refit(n, plan[n]).error}
+        work = refit_flops(self.gated.layers, {n: plan[n] for n in merges})
+        work += shared_refit_flops(self.gated.layers, merges)
+        better = {n: m for n, m in merges.items() if self.shared_refit(n).error < self.refit(n, plan[n]).error}
+        return better, work
 
     def state(self, candidate: Candidate) -> State:
         """The candidate's state: its plan with its reconstruction or bias compensation, and its sharing."""
