@@ -46,6 +46,30 @@ def test_the_flow_on_tiny_models_is_unchanged(name):
     check(name, result, model)
 
 
+def _labelled(batches: list[dict]) -> list[dict]:
+    """A decoder's batches with their own next tokens as labels (padding left out), so perplexity is measured."""
+    return [dict(b, labels=b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)) for b in batches]
+
+
+SELECTIONS = {  # name: (the tiny decoder, selection, recovery settings): the budgets and steps changed most
+    "tiny-llama-kv-cache": (tm.build, {"kv_cache": "8KiB@64"}, {}),
+    "tiny-llama-max-loss": (tm.build, {"max_loss": 50.0}, {"kv_sharing": False}),
+    "tiny-llama-depths": (tm.build, {"num_heads": 4, "depths": "1/6,1/2"}, {}),
+    "tiny-planted-llama-shared": (lambda name: tm.planted_llama(), {"kv_cache": "6KiB@64"}, {}),
+    "tiny-planted-llama-max-loss-shared": (lambda name: tm.planted_llama(), {"max_loss": 0.1}, {}),
+    "tiny-llama-healed": (tm.build, {"num_heads": 4}, {"heal": 400}),
+}
+
+
+@pytest.mark.parametrize("name", SELECTIONS)
+def test_the_budgets_sharing_and_healing_on_a_tiny_decoder_are_unchanged(name):
+    build, selection, recovery = SELECTIONS[name]
+    model = build("llama")
+    config = ph.PruneConfig(selection=ph.SelectionConfig(**selection), recovery=ph.RecoveryConfig(**recovery))
+    result = ph.prune_model(model, _labelled(tm.batches("llama", n=12, batch=6)), config, progress=False)
+    check(name, result, model)
+
+
 @pytest.mark.slow
 def test_the_default_flow_on_the_fixture_is_unchanged(fixture_model_path, fixture_data_path):
     tokenizer = AutoTokenizer.from_pretrained(fixture_model_path)

@@ -3,6 +3,8 @@ test modules share."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import transformers as T
 
@@ -327,7 +329,7 @@ def snapshot(result, model) -> dict:
         if t.is_floating_point()
     }
     plan = {name: sorted(heads) for name, heads in sorted(result.plan.items())}
-    return {
+    found = {
         "plan": plan,
         "asked": result.asked,
         "recovery": recovery,
@@ -335,6 +337,11 @@ def snapshot(result, model) -> dict:
         "work": result.work.as_dict(),
         "weights": weights,
     }
+    if result.sharing:  # the KV heads shared and the depths measured, where a run has them
+        found["sharing"] = {name: {str(k): v for k, v in merges.items()} for name, merges in result.sharing.items()}
+    if result.frontier:
+        found["frontier"] = [dataclasses.asdict(depth) for depth in result.frontier]
+    return found
 
 
 def assert_close(found, saved, path="report"):
