@@ -387,6 +387,7 @@ def test_default_type_of_changed_tensors_is_the_sources(tmp_path, smollm2_model)
     assert written.written == {"blk.0.attn_output.weight": "Q4_1"}  # 384 columns: whole blocks of 32
 
 
+@pytest.mark.slow
 def test_a_healed_model_copies_nothing_and_writes_every_weight_in_its_source_type(tmp_path, smollm2, smollm2_model):
     """A heal changes every weight: none of the source's bytes still hold, so each tensor is written anew, in the
     source tensor's type (Q4_1 matrices, F32 norms), none copied."""

@@ -51,6 +51,7 @@ def test_token_counts_take_suffixes_and_refuse_the_rest():
         dataclasses.replace(ph.RecoveryConfig.off(), heal=1000)
 
 
+@pytest.mark.slow
 def test_a_heal_lowers_the_divergence_on_both_held_out_texts_and_counts_its_work():
     """On the tiny Llama, healing lowers the divergence from the unpruned model on the calibration's held-out
     text and on the model's own, is kept, trains on exactly the steps its budget holds (the calibration a third
@@ -72,6 +73,7 @@ def test_a_heal_lowers_the_divergence_on_both_held_out_texts_and_counts_its_work
     model.generate(torch.tensor([[1, 5, 7]]), max_new_tokens=3, do_sample=False)
 
 
+@pytest.mark.slow
 def test_the_same_inputs_heal_to_the_same_model_and_leave_the_random_state_alone():
     model, data = tm.build("llama"), tm.batches("llama", n=6)  # the tiny model's build seeds torch
     torch.manual_seed(123)
@@ -85,6 +87,7 @@ def test_the_same_inputs_heal_to_the_same_model_and_leave_the_random_state_alone
     assert _same(_weights(a), _weights(b))
 
 
+@pytest.mark.slow
 def test_a_resumed_heal_gives_the_model_an_uninterrupted_one_gives(tmp_path, monkeypatch):
     """A heal stopped after its first checkpoint (step 6 of 11) resumes from it with --resume to the same
     weights, bit for bit, as one run straight through; its written text is read back, not written again."""
@@ -151,6 +154,7 @@ def test_a_heal_corpus_takes_the_place_of_the_written_text():
     assert _entry(result)["kept"]
 
 
+@pytest.mark.slow
 def test_a_heal_that_does_not_help_on_held_out_data_is_put_back(monkeypatch):
     """At a learning rate that wrecks the model, the healed weights measure worse on held-out data, and the
     model is the un-healed one again, weight for weight (the same as a run without a heal)."""
@@ -161,6 +165,7 @@ def test_a_heal_that_does_not_help_on_held_out_data_is_put_back(monkeypatch):
     assert _same(_weights(model), _weights(plain))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bert", "xlm-roberta"])
 def test_classifiers_and_embedding_models_heal_on_their_own_losses(name):
     """A classifier (tiny BERT) heals on its logits' KL and its labels' cross-entropy, an embedding model (tiny
@@ -175,6 +180,7 @@ def test_classifiers_and_embedding_models_heal_on_their_own_losses(name):
     assert entry["kept"] == (held["after"] < held["before"])
 
 
+@pytest.mark.slow
 def test_adapters_heal_and_merge_back_into_a_plain_model(monkeypatch):
     """`heal_rank` trains peft's LoRA adapters and merges them back: the model has no adapter left, its weights
     moved, and the divergence fell; healing every weight where its Adam state cannot fit is refused before any
@@ -191,6 +197,7 @@ def test_adapters_heal_and_merge_back_into_a_plain_model(monkeypatch):
         _heal()
 
 
+@pytest.mark.slow
 def test_a_model_read_from_gguf_heals_and_stays_marked_as_it_was():
     """transformers marks a model read from a GGUF file quantized though its weights are plain (the Trainer
     refuses such a model): the heal trains it and leaves the marks as they were, for the writers to read."""
