@@ -29,6 +29,7 @@ from ..recovery.heal import (
     heal_data,
     heal_steps,
     require_rows,
+    step_shape,
     train,
     write_text,
 )
@@ -71,7 +72,8 @@ def heal_start(
             "recovery.heal trains on batches of token ids through one stack (a decoder or an encoder); this "
             "model or data is neither: give 0"
         )
-    heal_steps(int(r.heal), batches[0]["input_ids"].shape[0], _width(batches))
+    rows, positions = step_shape(batches)
+    heal_steps(int(r.heal), rows, positions)
     corpus = require_rows(with_targets(heal_data), "the heal corpus (--heal-data)") if heal_data is not None else []
     if corpus and not token_batches(corpus):
         raise ConfigError("the heal corpus (--heal-data) is not token batches: load it as --data is loaded")
@@ -81,15 +83,10 @@ def heal_start(
         check_checkpoints(folder, found, resume)
     elif resume:
         raise ConfigError("--resume needs the folder of the checkpoints to continue: give --heal-checkpoints")
-    every = max(1, int(r.heal_every) // (batches[0]["input_ids"].shape[0] * _width(batches)))
+    every = max(1, int(r.heal_every) // (rows * positions))
     check_fits(model, r.heal_rank)
     settings = Settings(config.scoring.seed, folder, every, resume, progress, r.heal_rank)
     return HealStart(copy.deepcopy(model).eval(), corpus, found, settings)
-
-
-def _width(batches: list[dict]) -> int:
-    """The longest calibration sequence: every heal row is padded to it."""
-    return max(b["input_ids"].shape[-1] for b in batches)
 
 
 def heal(run: Run, bench: Bench, start: HealStart) -> Healed:

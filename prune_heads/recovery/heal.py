@@ -110,9 +110,15 @@ def rows_of(batches: list[dict], length: int, labels: bool) -> list[dict]:
 
 def _padded(value: torch.Tensor, key: str, length: int) -> torch.Tensor:
     """A row's token tensor padded on the right to `length` (0s: a masked position), others as they are."""
-    if key == "labels" or value.dim() != 1 or key not in ("input_ids", "attention_mask", "token_type_ids"):
+    if value.dim() != 1 or key not in ("input_ids", "attention_mask", "token_type_ids"):
         return value
     return nn.functional.pad(value, (0, length - value.shape[0]))
+
+
+def step_shape(batches: list[dict]) -> tuple[int, int]:
+    """(rows, positions) of one heal step: the first batch's rows, and the longest sequence, which every row is
+    padded to."""
+    return batch_size(batches[0]), max(b["input_ids"].shape[-1] for b in batches)
 
 
 def heal_data(
@@ -124,20 +130,14 @@ def heal_data(
 ) -> HealData:
     """The heal's rows: the calibration's (with a classifier's labels), then the user's corpus or, for a
     language model, `write(rows, length)`'s text, the calibration repeated to `CALIBRATION_SHARE` of the rows."""
-    length = max(b["input_ids"].shape[-1] for b in calibration) if "input_ids" in calibration[0] else 0
-    batch = batch_size(calibration[0])
-    steps = heal_steps(tokens, batch, max(length, 1))
-    others = rows_of(corpus, length, labels) if corpus else []
-    written = write(written_rows(steps, batch, len(others)), length) if write is not None else []
-    others += rows_of(written, length, False)
+    batch, length = step_shape(calibration)
+    steps = heal_steps(tokens, batch, length)
+    given = rows_of(corpus, length, labels)
+    written = write(written_rows(steps, batch, len(given)), length) if write is not None else []
+    others = given + rows_of(written, length, False)
     calib = rows_of(calibration, length, labels)
     repeats = max(1, round(len(others) * CALIBRATION_SHARE / ((1 - CALIBRATION_SHARE) * len(calib))))
-    rows = calib * repeats + others
-    return HealData(rows, batch, max(length, 1), steps, len(calib), repeats, written, len(others) - _count(written))
-
-
-def _count(batches: list[dict]) -> int:
-    return sum(map(batch_size, batches))
+    return HealData(calib * repeats + others, batch, length, steps, len(calib), repeats, written, len(given))
 
 
 def write_text(teacher: nn.Module, seed: int, folder: Path | None, progress: bool):
@@ -264,10 +264,9 @@ class HealStart:
 
 @dataclass(frozen=True)
 class Trained:
-    """What training did: the steps run (of them, those a resumed run took over from its checkpoint), the mean
-    loss of the first and last tenth of the steps and the held-out check at each checkpoint this run wrote."""
+    """What training did: the step a resumed run took over from its checkpoint (0 for a run from the start), the
+    mean loss of the first and last tenth of the steps and the held-out check at each checkpoint this run wrote."""
 
-    steps: int
     resumed: int
     first_loss: float
     last_loss: float
@@ -397,7 +396,7 @@ def _run_trainer(
     with library_bars(), _quiet_transformers():  # the Trainer's checkpoint writes show bars and notices
         trainer.train(resume_from_checkpoint=str(last) if last is not None else None)
     tenth = max(1, len(losses) // 10)
-    return Trained(data.steps, resumed, _mean(losses[:tenth]), _mean(losses[-tenth:]), checks)
+    return Trained(resumed, _mean(losses[:tenth]), _mean(losses[-tenth:]), checks)
 
 
 def _checked(student: nn.Module, check: Check | None, checks: list[float]) -> Callable[[], str]:
