@@ -8,7 +8,18 @@ head matters and which go), `recovery` (what is rebuilt after removal), `evaluat
 from .budgets import Budget, resolve_budget
 from .config import PruneConfig, RecoveryConfig, ScoringConfig, SelectionConfig
 from .errors import ConfigError, PruneHeadsError
-from .evaluation import LmEvalConfig, LmEvalError, Report, benchmark, benchmark_pair, compare, evaluate_task, lm_eval
+from .evaluation import (
+    Analysis,
+    LmEvalConfig,
+    LmEvalError,
+    Report,
+    analyze,
+    benchmark,
+    benchmark_pair,
+    compare,
+    evaluate_task,
+    lm_eval,
+)
 from .export import (
     GgufError,
     ModelNotFoundError,
@@ -57,6 +68,8 @@ from .scoring import (
 from .task_data import DataConfig, DataError, TaskData, load_task_data
 
 __all__ = [
+    "analyze",
+    "Analysis",
     "AttentionLayer",
     "AttentionSpec",
     "Budget",

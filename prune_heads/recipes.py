@@ -33,11 +33,13 @@ class RecipeError(ConfigError):
 @dataclass(frozen=True)
 class EvaluationConfig:
     """What is measured before and after; `speed: null` skips the speed measurement; `lm_eval` runs
-    lm-evaluation-harness tasks on a causal LM (`ph.lm_eval`)."""
+    lm-evaluation-harness tasks on a causal LM (`ph.lm_eval`); `analysis` writes the heads page (analysis.html,
+    `ph.analyze` on the unpruned model and the scoring data, the removed heads marked: two fisher passes more)."""
 
     metrics: list[str] = field(default_factory=lambda: ["accuracy"])
     speed: SpeedConfig | None = field(default_factory=SpeedConfig)
     lm_eval: LmEvalConfig | None = None
+    analysis: bool = True
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ def test_run_writes_a_loadable_model_and_a_true_report(fixture_run, fixture_mode
         "plan.json",
         "scores.json",
         "recipe.yaml",
+        "analysis.html",
+        "analysis.json",
     ):
         assert (out / name).exists(), name
     assert (out / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
@@ -54,6 +56,8 @@ def test_run_writes_a_loadable_model_and_a_true_report(fixture_run, fixture_mode
     markdown = (out / "report.md").read_text()
     assert "95% CI" in markdown and "McNemar p = " in markdown and ("within noise" in markdown or "real, " in markdown)
     assert "Work, counted in FLOPs" in markdown and report["meta"]["work"]["calibration_pass"] > 0
+    assert "[analysis.html](analysis.html)" in markdown  # the heads page, the removed heads marked on it
+    assert "36 heads removed (red crosses)" in (out / "analysis.html").read_text()
 
 
 def test_existing_output_is_refused_and_left_alone(fixture_run):
@@ -306,6 +310,8 @@ def test_bad_input_is_one_line_and_exit_two(tmp_path, fixture_model_path, fixtur
     (tmp_path / "empty.jsonl").write_text("")
     result = _invoke(["evaluate", str(fixture_model_path), "--data", str(tmp_path / "empty.jsonl"), "--no-speed"])
     assert result.exit_code == 2 and "has no examples" in result.output
+    result = _invoke(["analyze", str(fixture_model_path), "--data", str(tmp_path / "empty.jsonl"), *common[2:]])
+    assert result.exit_code == 2 and "has no examples" in result.output
     result = _invoke(["evaluate", str(fixture_model_path), "--data", str(fixture_data_path), "--task", "causal-lm"])
     assert result.exit_code == 2
     assert "is BertForSequenceClassification: use --task classification" in result.output.splitlines()[-1]
@@ -316,6 +322,7 @@ def test_bad_input_is_one_line_and_exit_two(tmp_path, fixture_model_path, fixtur
         ["score", "--task", "image-classification", *common[:2]],
         ["prune", "--task", "image-classification", "--sparsity", "0.5", *common],
         ["evaluate", "--task", "image-classification", *common[:2]],
+        ["analyze", "--task", "image-classification", *common],
     ):
         result = _invoke([command[0], str(tmp_path / "resnet"), *command[1:]])
         assert result.exit_code == 2, command
@@ -394,6 +401,21 @@ def test_score_and_evaluate_and_inspect(tmp_path, fixture_model_path, fixture_da
     assert 0.5 < json.loads(result.stdout)["metrics"]["accuracy"] <= 1
     result = _invoke(["inspect", str(fixture_model_path), "--json"])
     assert json.loads(result.stdout)["heads"] == 72
+
+
+def test_analyze_writes_the_page_and_its_json_and_refuses_an_existing_folder(
+    tmp_path, fixture_model_path, fixture_data_path
+):
+    args = ["analyze", str(fixture_model_path), "--data", str(fixture_data_path), "--examples", "64"]
+    result = _invoke([*args, "-o", str(tmp_path / "a"), "--json"])
+    assert result.exit_code == 0, result.output
+    found = ph.Analysis.load(tmp_path / "a" / "analysis.json")
+    assert json.loads(result.stdout) == json.loads(json.dumps(found.to_dict())) and found.examples == 64 and len(found.layers) == 6
+    assert found.unit == "head" and [c.heads for c in found.costs] == [12, 24, 36, 48]
+    assert (tmp_path / "a" / "analysis.html").read_text().count("data:image/png;base64,") == 5  # no KV heads
+    again = _invoke([*args, "-o", str(tmp_path / "a")])
+    assert again.exit_code == 2 and len(again.output.strip().splitlines()) == 1
+    assert "already exists and is not empty" in again.output
 
 
 def test_every_command_has_help_with_an_example():

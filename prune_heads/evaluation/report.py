@@ -11,28 +11,15 @@ from typing import Any
 from ..runtime.ledger import Stage
 from ..scoring.head_scores import HeadScores
 from ..scoring.kv_cache import size_text
+from .analysis.page import write_page
+from .analysis.records import Analysis
 from .confidence import RESAMPLES, describe
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _short(name: str) -> str:
-    parts = name.split(".")
-    digits = [p for p in parts if p.isdigit()]
-    stack = next((p for p in parts if p in ("encoder", "decoder")), "")
-    return f"{stack[:3]} {'.'.join(digits)} {parts[-1]}".strip() if digits else name[-24:]
+from .figures import pyplot, short_name
 
 
 def heatmap(scores: HeadScores, path: Path, removed: dict[str, list[int]], title: str | None = None) -> Path:
     """Layers x heads importance heatmap; removed heads crossed out, absent heads left blank."""
-    plt = _pyplot()
+    plt = pyplot()
     grid = scores.matrix().numpy()
     rows, cols = grid.shape
     fig, ax = plt.subplots(figsize=(max(5, 0.45 * cols + 2.5), max(2.5, 0.32 * rows + 1.5)))
@@ -43,7 +30,7 @@ def heatmap(scores: HeadScores, path: Path, removed: dict[str, list[int]], title
             ax.plot(head, row, marker="x", color="red", markersize=8, markeredgewidth=2)
     ax.set_xticks(range(cols))
     ax.set_yticks(range(rows))
-    ax.set_yticklabels([_short(n) for n in scores.layers], fontsize=7)
+    ax.set_yticklabels([short_name(n) for n in scores.layers], fontsize=7)
     ax.set_xlabel("head")
     ax.set_ylabel("attention layer")
     kept = sum(len(h) for h in scores.heads.values()) - sum(len(h) for h in removed.values())
@@ -72,6 +59,7 @@ class Report:
     meta: dict = field(default_factory=dict)
     recovery: list[dict] = field(default_factory=list)
     changes: dict[str, dict] = field(default_factory=dict)  # metric -> paired interval (prune_heads.confidence)
+    analysis: Analysis | None = None  # the unpruned model's heads (`analyze`), drawn with the removed ones marked
 
     def summary(self) -> dict[str, Any]:
         """Derived numbers: metric deltas (with their paired 95% interval, McNemar p for accuracies, and whether
@@ -160,6 +148,9 @@ class Report:
         lines += self._recovery_lines()
         if "frontier" in self.meta:
             lines += ["", *frontier_table(self.meta["frontier"])]
+        if self.analysis is not None:
+            lines += ["", f"The heads, which matter and which repeat each other: [analysis.html](analysis.html) "
+                      f"({len(self.analysis.duplicates)} near-duplicate pairs; the removed heads marked)."]  # fmt: skip
         lines += ["", "| layer | heads kept |", "|---|---|"]
         for name, kept in self.after.get("heads", {}).items():
             lines.append(f"| {name} | {kept} / {self.before['heads'].get(name, kept)} |")
@@ -274,6 +265,8 @@ class Report:
             paths["curve"] = curve(self.history, folder / "curve.png")
         if "frontier" in self.meta:
             paths["frontier"] = frontier_plot(self.meta["frontier"], folder / "frontier.png")
+        if self.analysis is not None:
+            paths["analysis"] = write_page(self.analysis, folder, self.plan)
         return paths
 
 
@@ -373,13 +366,13 @@ def compare(before: dict, after: dict, **extras: Any) -> Report:
 
 def heads_per_layer(before: dict[str, int], after: dict[str, int], path: Path) -> Path:
     """Bar chart of heads kept per layer, over the original count."""
-    plt = _pyplot()
+    plt = pyplot()
     names = list(before)
     fig, ax = plt.subplots(figsize=(max(5, 0.35 * len(names) + 2), 3.2))
     ax.bar(range(len(names)), [before[n] for n in names], color="#dddddd", label="before")
     ax.bar(range(len(names)), [after.get(n, before[n]) for n in names], color="#3b75af", label="kept")
     ax.set_xticks(range(len(names)))
-    ax.set_xticklabels([_short(n) for n in names], rotation=60, ha="right", fontsize=7)
+    ax.set_xticklabels([short_name(n) for n in names], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("heads")
     ax.set_title(f"Heads kept per layer: {sum(after.values())} of {sum(before.values())}", fontsize=9)
     ax.legend(fontsize=8)
@@ -391,7 +384,7 @@ def heads_per_layer(before: dict[str, int], after: dict[str, int], path: Path) -
 
 def curve(history: list[dict], path: Path) -> Path:
     """Metric (and loss) against heads removed, from an iterative pruning history."""
-    plt = _pyplot()
+    plt = pyplot()
     removed = [h["heads_removed"] for h in history]
     keys = [k for k in history[0] if k not in ("step", "heads_removed") and isinstance(history[0][k], (int, float))]
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * max(len(keys), 1), 3.2), squeeze=False)
@@ -410,7 +403,7 @@ def curve(history: list[dict], path: Path) -> Path:
 def frontier_plot(frontier: dict[str, Any], path: Path) -> Path:
     """Quality against speed: each depth's perplexity change (95% interval as a bar) against llama.cpp's decode
     speed in an f16 cache where measured, else against the KV cache (f16) it keeps."""
-    plt = _pyplot()
+    plt = pyplot()
     depths = frontier["depths"]
     timed = "llama_cpp" in depths[0] and "f16" in depths[0]["llama_cpp"]
     x = [d["llama_cpp"]["f16"]["decode"] if timed else d["kv_cache"]["f16"] / 2**20 for d in depths]

@@ -14,6 +14,7 @@ from torch import nn
 from ..budgets import check_given, check_minimum, given_plan, resolve_budget
 from ..config import PruneConfig
 from ..errors import ConfigError
+from ..evaluation.analysis import Analysis, analyze
 from ..evaluation.report import Report
 from ..export.gguf import check_gguf
 from ..export.persistence import ensure_file_free, ensure_free
@@ -73,6 +74,7 @@ def run(
     timed = evaluate and recipe.evaluation.speed is not None
     in_llama = frontier_in_llama_cpp(recipe, plan)
     original = copy.deepcopy(model) if timed or in_llama else None  # timed beside the pruned one, in turns
+    heads = _analysis(recipe, model, data, progress)
     found, examples = _prune(model, data, config, plan, recovers, progress, resume)
     after, evaluated_after = measure(model, data.evaluation, recipe, data.reference, data.train, processor, progress)
     if timed and original is not None:
@@ -82,11 +84,19 @@ def run(
     del original
     changed = changes(evaluated, evaluated_after, recipe.scoring.seed)
     report = run_report(recipe, found, examples, before, after, changed, budget_kv_cache(recipe, model), speeds)
+    report = replace(report, analysis=heads)
     if main:
         write_output(recipe, model, processor, found, report, target, force)
         if recipe.recovery.heal_checkpoints == str(_checkpoints(target)):
             shutil.rmtree(_checkpoints(target), ignore_errors=True)  # the model they were for is written
     return report
+
+
+def _analysis(recipe: Recipe, model: nn.Module, data: RunData, progress: bool) -> Analysis | None:
+    """The unpruned model's heads on the scoring data, for the page the run writes (`evaluation.analysis`)."""
+    if not recipe.evaluation.analysis or data.score is None:
+        return None
+    return analyze(model, data.score, seed=recipe.scoring.seed, progress=progress)
 
 
 def _checkpoints(target: Path) -> Path:
