@@ -410,7 +410,11 @@ def test_analyze_writes_the_page_and_its_json_and_refuses_an_existing_folder(
     result = _invoke([*args, "-o", str(tmp_path / "a"), "--json"])
     assert result.exit_code == 0, result.output
     found = ph.Analysis.load(tmp_path / "a" / "analysis.json")
-    assert json.loads(result.stdout) == json.loads(json.dumps(found.to_dict())) and found.examples == 64 and len(found.layers) == 6
+    assert (
+        json.loads(result.stdout) == json.loads(json.dumps(found.to_dict()))
+        and found.examples == 64
+        and len(found.layers) == 6
+    )
     assert found.unit == "head" and [c.heads for c in found.costs] == [12, 24, 36, 48]
     assert (tmp_path / "a" / "analysis.html").read_text().count("data:image/png;base64,") == 5  # no KV heads
     again = _invoke([*args, "-o", str(tmp_path / "a")])

@@ -16,6 +16,7 @@ from ..export.persistence import load_pruned
 from ..model.layers import scan_required
 from ..recipes import load_recipe, recipe_path, shipped_recipes
 from ..scoring.methods import METHODS
+from .analyze import analyze
 from .demo import demo
 from .options import (
     BUDGET,
@@ -195,50 +196,6 @@ def score(model: str, method: str, label_free: bool, output: str, force: bool, p
         lambda: (
             f"scored {sum(len(v) for v in scores.heads.values())} heads "
             f"on {scores.num_examples} examples ({method}); wrote {output}/scores.json and {output}/heatmap.png"
-        ),
-    )
-
-
-@main.command()
-@click.argument("model")
-@data_options
-@click.option(
-    "--output",
-    "-o",
-    default="head-analysis",
-    show_default=True,
-    help="Folder for analysis.html (the page) and analysis.json.",
-)
-@click.option("--force", is_flag=True, help="Overwrite the output folder.")
-@handle_errors
-def analyze(model: str, output: str, force: bool, **opts: Any) -> None:
-    """See the heads: importance with intervals, near-duplicate heads and KV heads, what each head attends to
-    and what removing the least important would cost; one HTML page and its JSON.
-
-    Example: prune-heads analyze ./model --data ./reviews.txt --split train -o heads
-    """
-    from ..evaluation.analysis import analyze as analyze_heads
-    from ..evaluation.analysis.page import write_page
-    from ..export.persistence import ensure_free, replace_folder
-    from ..pipeline import load_model, load_processor, task_data
-
-    recipe = make_recipe(model, opts)
-    ensure_free(Path(output), force)  # before any work
-    loaded = load_model(recipe)
-    data = task_data(recipe, loaded, load_processor(recipe), opts["split"], opts["examples"])
-    found = analyze_heads(loaded, data, seed=opts["seed"])
-
-    def write(tmp: Path) -> None:
-        write_page(found, tmp)
-
-    replace_folder(Path(output), force, write)
-    emit(
-        found.to_dict(),
-        opts["as_json"],
-        lambda: (
-            f"analysed {sum(len(layer.heads) for layer in found.layers)} heads on {found.examples} examples "
-            f"({found.passes:.2f} fisher passes): {len(found.duplicates)} near-duplicate pairs, ranking agreement "
-            f"{found.rank_agreement:.2f}; wrote {output}/analysis.html and {output}/analysis.json"
         ),
     )
 
@@ -622,6 +579,7 @@ def recipes(name: str | None) -> None:
         click.echo(f"{recipe_name:32} {description}")
 
 
+main.add_command(analyze)
 main.add_command(demo)
 
 

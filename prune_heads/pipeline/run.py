@@ -93,10 +93,12 @@ def run(
 
 
 def _analysis(recipe: Recipe, model: nn.Module, data: RunData, progress: bool) -> Analysis | None:
-    """The unpruned model's heads on the scoring data, for the page the run writes (`evaluation.analysis`)."""
+    """The unpruned model's heads on the scoring data against the run's objective, for the page the run writes
+    (`evaluation.analysis`)."""
     if not recipe.evaluation.analysis or data.score is None:
         return None
-    return analyze(model, data.score, seed=recipe.scoring.seed, progress=progress)
+    batches = data.score.without_labels() if recipe.scoring.objective == "label-free" else data.score
+    return analyze(model, batches, seed=recipe.scoring.seed, progress=progress)
 
 
 def _checkpoints(target: Path) -> Path:

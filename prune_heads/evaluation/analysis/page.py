@@ -59,6 +59,7 @@ def _draw_map(figure, ax, analysis: Analysis, field: str, removed: Removed, log:
     figure.colorbar(image, ax=ax, shrink=0.8)
     _mark(ax, analysis, removed)
     ax.set_yticks(range(grid.shape[0]), [short_name(layer.name) for layer in analysis.layers], fontsize=6)
+    ax.set_xticks(range(0, grid.shape[1], max(1, grid.shape[1] // 8)))
     ax.set_xlabel("head", fontsize=8)
     ax.set_title(("log10 " if log else "") + field, fontsize=9)
 
