@@ -3,6 +3,7 @@ import dataclasses
 import inspect
 import json
 import math
+import typing
 
 import pytest
 import tiny_models as tm
@@ -20,6 +21,19 @@ from prune_heads.scoring.methods import score_heads
 from prune_heads.scoring.objective import Objective, neighbour_divergence
 
 
+def reachable_records(root: type) -> set[type]:
+    """Every dataclass reachable from `root` through its fields' types (unions and containers opened)."""
+    seen, todo = set(), [root]
+    while todo:
+        kind = todo.pop()
+        if dataclasses.is_dataclass(kind) and isinstance(kind, type) and kind not in seen:
+            seen.add(kind)
+            todo.extend(typing.get_type_hints(kind, localns=vars(inspect.getmodule(kind))).values())
+        elif not isinstance(kind, type):
+            todo.extend(typing.get_args(kind))
+    return seen
+
+
 def test_the_flow_s_records_are_frozen_and_its_work_adds_up():
     """No stage rewrites what an earlier one made: every record the flow hands on is a frozen dataclass, and the
     ledger's stages, the scoring pass among them, add up to its total."""
@@ -30,6 +44,8 @@ def test_the_flow_s_records_are_frozen_and_its_work_adds_up():
     result = ph.prune_model(tm.build("llama"), tm.batches("llama"), config, progress=False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.plan = {}
+    mutable = [c.__name__ for c in reachable_records(records.PruneResult) if not c.__dataclass_params__.frozen]
+    assert not mutable, f"records a PruneResult holds that can be changed: {mutable}"
     work = result.work
     assert work.total == pytest.approx(sum(work.stages.values()), rel=1e-12) and work.as_dict()["total"] == work.total
     assert work[Stage.SCORING] == work.calibration_pass  # fisher's scoring pass: one forward and backward pass

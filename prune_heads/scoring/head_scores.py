@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class HeadScores:
     """Importance of every present head, per attention layer (higher = more important).
 
