@@ -17,8 +17,8 @@ from common import Timer
 from llm import windows
 
 import prune_heads as ph
+from prune_heads.config import GENERAL_MODES
 from prune_heads.evaluation.task import evaluation
-from prune_heads.recovery.general import GENERAL_MODES
 
 
 def perplexities(model, texts: dict) -> dict:

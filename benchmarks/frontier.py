@@ -50,9 +50,9 @@ from llm import smollm2, windows
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import prune_heads as ph
+from prune_heads.config import SHARE
 from prune_heads.evaluation.confidence import compare
 from prune_heads.evaluation.task import evaluation
-from prune_heads.recovery.generated import SHARE
 from prune_heads.runtime.ledger import BEFORE_TUNING, Stage
 
 OUT = Path(__file__).resolve().parent / ".frontier"

@@ -11,14 +11,14 @@ from typing import Any
 
 from torch import nn
 
-from .config import BUDGETS, FRONTIER, PruneConfig, SelectionConfig, parse_depths
+from .config import BUDGETS, FRONTIER, KvCacheBudget, PruneConfig, SelectionConfig, parse_depths
 from .errors import ConfigError
 from .model.layers import AttentionLayer, find_attention
 from .model.sharing import Merges, normalize_sharing, split_plan
 from .model.surgery import PlanError, normalize_plan
 from .recovery.generated import writes_text
 from .recovery.holdout import measures_loss
-from .scoring.kv_cache import KvCacheBudget, heads_for_kv_cache
+from .scoring.kv_cache import heads_for_kv_cache
 from .scoring.selection import HeadBudget, check_budget, heads_for_flops, requested_heads, unit_sizes
 
 

@@ -4,27 +4,96 @@ the YAML recipes and the CLI fill in. Each field carries its one line of documen
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
 from .errors import ConfigError
-from .export.gguf import FILE_TYPES, GGUF_TYPES
-from .recovery.general import GENERAL_MODES
-from .recovery.generated import SHARE
-from .recovery.search import ROUNDS
-from .recovery.tuning import AVERAGE, MIN_TUNING_FLOPS
-from .scoring.kv_cache import KvCacheBudget
-from .scoring.methods import DEFAULT_METHOD, METHODS
-from .scoring.selection import GQA_MODES, GRANULARITIES, ROUNDING
+from .model.surgery import PlanError
 from .task_data import TASKS
 
+# The choices and defaults the config offers and the wings honour, here so that the config sits below the code it
+# configures (scoring, recovery, export import them from it; it imports none of them).
 DTYPES = ("float32", "float16", "bfloat16")
 BUDGETS = ("sparsity", "num_heads", "keep_per_layer", "flops", "kv_cache", "max_loss")  # how many go: one of them
 FRONTIER = ("depths", "context")  # what a frontier measures beside the budget, not how heads go
 FORMATS = ("safetensors", "gguf")  # a transformers folder, or one GGUF file for llama.cpp
+DEFAULT_METHOD = "fisher"  # the default path's, measured best in benchmarks/scoring.py
+GQA_MODES = ("groups", "even")  # whole KV groups, or the same number of query heads from every group
+GRANULARITIES = ("head", "layer")
+ROUNDING = ("down", "nearest", "up")
+GENERAL_MODES = ("report", "weigh", "off")
+SHARE = 0.375  # written examples per calibration example, the share measured: 3 for every 8
+# The default rounds of the plan search where the outputs are per position (a language model's tokens). Where
+# each example gives one output (a class, a value, an embedding) the default runs none: on the classifier
+# fixtures its plan lost on held-out data in every cell measured, even on 256 examples (benchmarks/research-log.md,
+# the searched plan).
+ROUNDS = 2
+AVERAGE = 0.9  # decay per step of the moving average that tuning checks beside its last step
+MIN_TUNING_FLOPS = 6e12  # tuning always gets this much work (about a minute on 2 CPU cores): small models tune fully
+_BLOCKED = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # gguf-py's quantized types: blocks of 32 values
+GGUF_TYPES = ("source", "f32", "f16", "bf16", *_BLOCKED)  # of tensors written anew
+# whole-file types of llama.cpp's own quantizer (llama-quantize's names): the file is written, then quantized
+FILE_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "Q3_K_M", "Q2_K")
+
+# llama.cpp's KV-cache types (--cache-type-k / --cache-type-v): values per block, bytes per block
+CACHE_TYPES = {
+    "f32": (1, 4),
+    "f16": (1, 2),
+    "bf16": (1, 2),
+    "q8_0": (32, 34),
+    "q5_1": (32, 24),
+    "q5_0": (32, 22),
+    "q4_1": (32, 20),
+    "iq4_nl": (32, 18),
+    "q4_0": (32, 18),
+}
+UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30}
+_FORM = "SIZE@TOKENS[:TYPE], e.g. 120MiB@8192 or 1GiB@32k:q8_0"
+
+
+@dataclass(frozen=True)
+class KvCacheBudget:
+    """A KV cache of at most `size` bytes holding `context` tokens, each value in `cache_type`."""
+
+    size: int
+    context: int
+    cache_type: str = "f16"
+
+    @classmethod
+    def parse(cls, text: str) -> KvCacheBudget:
+        """`SIZE@TOKENS[:TYPE]`: a size with its unit (B, KB, KiB, MB, MiB, GB, GiB), a context length (a `k`
+        suffix: thousands of 1,024) and one of llama.cpp's cache types (f16 by default)."""
+        found = re.fullmatch(r"\s*([\d.]+)\s*([a-z]+)\s*@\s*(\d+)(k?)\s*(?::\s*(\w+))?\s*", text, re.IGNORECASE)
+        unit = found and UNITS.get(found.group(2).lower())
+        cache_type = (found and found.group(5) or "f16").lower()
+        if not found or unit is None or cache_type not in CACHE_TYPES:
+            raise PlanError(
+                f"cannot read the KV-cache budget {text!r}: give {_FORM} (units {', '.join(_UNIT_NAMES)}; cache "
+                f"types {', '.join(CACHE_TYPES)})"
+            )
+        size = math.floor(float(found.group(1)) * unit)
+        context = int(found.group(3)) * (1024 if found.group(4) else 1)
+        if size <= 0 or context <= 0:
+            raise PlanError(f"the KV-cache budget {text!r} needs a size and a context length above 0")
+        return cls(size, context, cache_type)
+
+    def __str__(self) -> str:
+        return f"{size_text(self.size)} at {self.context:,} tokens ({self.cache_type})"
+
+
+_UNIT_NAMES = ("B", "KB", "KiB", "MB", "MiB", "GB", "GiB")
+
+
+def size_text(size: float) -> str:
+    """A size in the largest binary unit it reaches, as the KV-cache messages give it."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:,.2f} {unit}"
+    return f"{size:,.0f} B"
 
 
 def option(default: Any = None, help: str = "", *, flag: str | None = None, cli: bool = True, factory=None) -> Any:
@@ -41,7 +110,7 @@ def option(default: Any = None, help: str = "", *, flag: str | None = None, cli:
 class ScoringConfig:
     """How heads are scored (`ph.score_heads`)."""
 
-    method: str = option(DEFAULT_METHOD, f"Scoring method: {', '.join(sorted(METHODS))}.")
+    method: str = option(DEFAULT_METHOD, "Scoring method: one in ph.METHODS, those `prune-heads score --help` lists.")
     steps: int = option(1, "More than 1: prune iteratively, re-scoring after each step (needs --no-recovery).")
     objective: str = option(
         "auto",
@@ -317,25 +386,8 @@ class PruneConfig:
         return cls(selection=recipe.selection, scoring=recipe.scoring, recovery=recipe.recovery)
 
 
-class _Registered(Collection[str]):
-    """A registry's names, sorted, as they are when read: a method registered after import is a choice too."""
-
-    def __init__(self, registry: dict[str, Any]) -> None:
-        self.registry = registry
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.registry
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self.registry))
-
-    def __len__(self) -> int:
-        return len(self.registry)
-
-
 CHOICES: dict[str, Collection[str]] = {
     "task": TASKS,
-    "scoring.method": _Registered(METHODS),
     "scoring.objective": ("auto", "label-free"),
     "selection.scope": ("global", "layer"),
     "recovery.general": GENERAL_MODES,

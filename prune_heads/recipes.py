@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,28 @@ from .config import CHOICES, RecoveryConfig, ScoringConfig, SelectionConfig
 from .errors import ConfigError
 from .evaluation.lm_eval import LmEvalConfig
 from .evaluation.speed import SpeedConfig
+from .scoring.methods import METHODS
 from .task_data import DataConfig
+
+
+class RegisteredNames(Collection[str]):
+    """A registry's names, sorted, as they are when read: a method registered after import is a choice too."""
+
+    def __init__(self, registry: dict[str, Any]) -> None:
+        self.registry = registry
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.registry
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self.registry))
+
+    def __len__(self) -> int:
+        return len(self.registry)
+
+
+# what a recipe's fields may hold: the config's choices and the scoring methods registered when it is read
+ALLOWED: dict[str, Collection[str]] = {**CHOICES, "scoring.method": RegisteredNames(METHODS)}
 
 SHIPPED = Path(__file__).parent / "shipped_recipes"
 
@@ -131,8 +152,8 @@ def _build(cls: type, data: Any, where: str) -> Any:
             value = _build(nested, value, path)
         elif not _type_ok(value, hint):
             raise RecipeError(f"{path} must be {_type_name(hint)}, not {value!r}")
-        if path in CHOICES and value is not None and value not in CHOICES[path]:
-            raise RecipeError(f"{path} is {value!r}; choose one of {', '.join(CHOICES[path])}")
+        if path in ALLOWED and value is not None and value not in ALLOWED[path]:
+            raise RecipeError(f"{path} is {value!r}; choose one of {', '.join(ALLOWED[path])}")
         values[name] = value
     return cls(**values)
 

@@ -427,7 +427,7 @@ def test_every_command_has_help_with_an_example():
         result = _invoke([command, "--help"])
         assert result.exit_code == 0 and "Example:" in result.output, command
     assert _invoke(["prune", "m", "--data", "d", "-o", "x"]).exit_code == 2  # no --sparsity/--plan: bad usage
-    assert "fisher, fluctuation, gradient" in " ".join(_invoke(["prune", "--help"]).output.split())  # the methods
+    assert "fisher|fluctuation|gradient" in _invoke(["prune", "--help"]).output  # the methods registered
 
 
 def test_inspect_lists_the_attention_it_leaves_alone(tmp_path):

@@ -8,7 +8,8 @@ import tiny_models as tm
 import torch
 
 import prune_heads as ph
-from prune_heads.recovery.generated import SHARE, with_generated
+from prune_heads.config import SHARE
+from prune_heads.recovery.generated import with_generated
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")

@@ -5,7 +5,8 @@ import tiny_models as tm
 import torch
 
 import prune_heads as ph
-from prune_heads.recovery.general import GENERAL_MODES, GIVEN, SEED, SHARE, WRITTEN, general_text
+from prune_heads.config import GENERAL_MODES
+from prune_heads.recovery.general import GIVEN, SEED, SHARE, WRITTEN, general_text
 from prune_heads.recovery.generated import written_batches
 from prune_heads.recovery.holdout import balanced, set_weights
 from prune_heads.recovery.search import first_examples

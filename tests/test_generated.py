@@ -5,8 +5,8 @@ import tiny_models as tm
 import torch
 
 import prune_heads as ph
-from prune_heads.config import ConfigError
-from prune_heads.recovery.generated import SHARE, nucleus, sample, with_generated, writes_text, written_batches
+from prune_heads.config import SHARE, ConfigError
+from prune_heads.recovery.generated import nucleus, sample, with_generated, writes_text, written_batches
 from prune_heads.runtime.ledger import Stage
 from prune_heads.task_data import without_labels
 

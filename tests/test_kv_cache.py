@@ -7,9 +7,10 @@ import torch
 import transformers as T
 
 import prune_heads as ph
+from prune_heads.config import KvCacheBudget
 from prune_heads.evaluation.speed import kv_cache_bytes
 from prune_heads.recipes import RecipeError, parse_recipe
-from prune_heads.scoring.kv_cache import KvCacheBudget, heads_for_kv_cache
+from prune_heads.scoring.kv_cache import heads_for_kv_cache
 
 GROUP = 2 * 8 * 2  # a tiny Llama's KV group in f16: key and value, head size 8, two bytes, per token
 

@@ -11,11 +11,11 @@ ORDER = [  # lowest first
     "runtime",
     "task_data",
     "model",
+    "config",  # below what it configures, as peft's config imports only its utils
     "scoring",
     "recovery",
     "evaluation",
     "export",
-    "config",
     "budgets",
     "pruner",
     "recipes",
@@ -58,6 +58,11 @@ def test_the_top_level_holds_the_wings_and_a_few_modules():
     assert {"model", "scoring", "recovery", "evaluation", "export", "runtime"} <= {
         p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()
     }
+
+
+def test_the_config_imports_none_of_the_wings_it_configures():
+    """The config's choices and defaults live in it; scoring, recovery and export take them from there."""
+    assert not imported(PACKAGE / "config.py") & {"scoring", "recovery", "export", "evaluation", "pruner"}
 
 
 def test_imports_flow_one_way():

@@ -5,8 +5,8 @@ import tiny_models as tm
 import torch
 
 import prune_heads as ph
+from prune_heads.config import SHARE
 from prune_heads.recovery import search
-from prune_heads.recovery.generated import SHARE
 from prune_heads.recovery.search import search_order, searched_scores
 from prune_heads.runtime.ledger import Stage
 from prune_heads.scoring.selection import HeadBudget, removal_units

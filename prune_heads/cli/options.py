@@ -14,14 +14,13 @@ from typing import Any
 
 import click
 
-from ..config import CHOICES, ScoringConfig
+from ..config import CHOICES, ScoringConfig, size_text
 from ..errors import PruneHeadsError
 from ..evaluation.report import frontier_table
 from ..model.sharing import SHARED
 from ..model.surgery import PlanError
 from ..recipes import parse_recipe
 from ..runtime.memory import map_large_blocks
-from ..scoring.kv_cache import size_text
 
 
 class _Budget(click.ParamType):

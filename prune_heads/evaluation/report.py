@@ -8,9 +8,9 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from ..config import size_text
 from ..runtime.ledger import Stage
 from ..scoring.head_scores import HeadScores
-from ..scoring.kv_cache import size_text
 from .analysis.page import write_page
 from .analysis.records import Analysis
 from .confidence import RESAMPLES, describe

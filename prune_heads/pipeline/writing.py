@@ -11,13 +11,14 @@ from typing import Any
 import yaml
 from torch import nn
 
+from ..config import KvCacheBudget
 from ..evaluation.report import Report, compare
 from ..export.gguf import save_gguf
 from ..export.persistence import replace_folder, write_model
 from ..pruner import FRONTIER_RULE, PruneResult
 from ..recipes import Recipe, recipe_to_dict
 from ..recovery.generated import WRITTEN_EXAMPLES
-from ..scoring.kv_cache import KvCacheBudget, kv_cache_size
+from ..scoring.kv_cache import kv_cache_size
 
 
 def _written_note(recipe: Recipe) -> str:

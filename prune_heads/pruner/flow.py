@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..budgets import Budget, resolve_budget
-from ..config import PruneConfig, RecoveryConfig
+from ..config import ROUNDS, PruneConfig, RecoveryConfig
 from ..errors import ConfigError
 from ..export.persistence import output_biases_load
 from ..model.layers import require_attention, unmeasured_long_range
@@ -41,7 +41,7 @@ from ..recovery.general import General, general_text
 from ..recovery.generated import token_batches, with_generated, writes_text
 from ..recovery.holdout import one_standard_error, split_holdout
 from ..recovery.prefixes import prefix_plan, ranked_order
-from ..recovery.search import ROUNDS, Searched, SearchSchedule, searched_plan
+from ..recovery.search import Searched, SearchSchedule, searched_plan
 from ..recovery.tuning import Schedule, tune
 from ..runtime.devices import input_device, to_device
 from ..runtime.ledger import BEFORE_TUNING, Stage, Tally

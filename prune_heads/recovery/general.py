@@ -20,7 +20,6 @@ from .search import first_examples
 
 # 'report' by default: weighed, the written text led Gemma 3's decisions away from both test texts
 # (benchmarks/research-log.md, the general-ability guard)
-GENERAL_MODES = ("report", "weigh", "off")
 SHARE = 0.5  # written examples per calibration example in each set measured: a measurement costs 1.5x
 SEED = 7919  # added to the run's seed, so the guard's text is never the one a run without data calibrates on
 WRITTEN = "the model's own text"

@@ -19,7 +19,6 @@ from ..runtime.progress import progress_bar
 from ..scoring.objective import frozen
 from ..task_data import DataError
 
-SHARE = 0.375  # written examples per calibration example, the share measured: 3 for every 8
 WRITTEN_EXAMPLES = 128  # sequences a decoder writes to calibrate on when no data is given
 TOP_P = 0.95  # nucleus sampling at temperature 1: the model's own distribution without its unlikely tail
 WRITE_TOKENS = 8192  # written at once: a step reads the weights once for all its rows; their cache stays small

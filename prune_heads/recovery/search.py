@@ -31,10 +31,6 @@ from .holdout import set_weights
 from .reconstruction import Refit, refit_flops
 
 Unit = tuple[str, tuple[int, ...]]  # (layer name, original heads that go together)
-# The default rounds where the outputs are per position (a language model's tokens). Where each example gives
-# one output (a class, a value, an embedding) the default runs none: on the classifier fixtures its plan lost
-# on held-out data in every cell measured, even on 256 examples (benchmarks/research-log.md, the searched plan).
-ROUNDS = 2
 # Each round screens every unit on the first 1/SCREEN of the search's batches and races at most the cheapest MARGIN
 # times its share on the rest, a screen's worth at a time: the units it can take (benchmarks/research-log.md, the
 # screened search and the raced cut).

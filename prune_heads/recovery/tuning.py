@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..config import AVERAGE
 from ..model.gates import fold_gates, head_gates
 from ..model.layers import find_attention, resolve
 from ..runtime.devices import input_device, on_device_of, to_device
@@ -23,8 +24,6 @@ from ..scoring.objective import Objective, frozen
 from ..task_data import batch_size, without_labels
 
 PATIENCE = 2  # epochs without a better held-out value before tuning stops
-AVERAGE = 0.9  # decay per step of the moving average that tuning checks beside its last step
-MIN_TUNING_FLOPS = 6e12  # tuning always gets this much work (about a minute on 2 CPU cores): small models tune fully
 
 
 def _copy(params: list[torch.Tensor]) -> list[torch.Tensor]:

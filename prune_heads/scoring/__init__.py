@@ -6,9 +6,10 @@ methods and `score_heads`), `recording` (the unpruned model's statistics, taken 
 (a KV-cache size as a head count) and `iterative` (re-scoring between steps).
 """
 
+from ..config import KvCacheBudget
 from .head_scores import HeadScores
 from .iterative import IterativeResult, prune_iteratively
-from .kv_cache import KvCacheBudget, heads_for_kv_cache, kv_cache_size
+from .kv_cache import heads_for_kv_cache, kv_cache_size
 from .methods import METHODS, score_heads
 from .selection import HeadBudget, check_budget, heads_for_flops, plan_with_interactions, select_heads
 

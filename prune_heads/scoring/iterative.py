@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..config import DEFAULT_METHOD
 from ..errors import ConfigError
 from ..model.probe import prune
 from ..runtime.devices import input_device, to_device
 from ..task_data import batch_size
 from .head_scores import HeadScores
-from .methods import DEFAULT_METHOD, score_heads
+from .methods import score_heads
 from .objective import Loss, Objective, frozen
 from .selection import HeadBudget, select_heads
 

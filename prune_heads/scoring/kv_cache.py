@@ -5,71 +5,14 @@ the size, checked against the model's structure alone, before any data is read."
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
+from ..config import CACHE_TYPES, KvCacheBudget, size_text
 from ..model.layers import AttentionLayer, kv_groups_left, require_attention, sliding_window
 from ..model.surgery import PlanError
 from .selection import HeadBudget, check_budget
-
-# llama.cpp's KV-cache types (--cache-type-k / --cache-type-v): values per block, bytes per block
-CACHE_TYPES = {
-    "f32": (1, 4),
-    "f16": (1, 2),
-    "bf16": (1, 2),
-    "q8_0": (32, 34),
-    "q5_1": (32, 24),
-    "q5_0": (32, 22),
-    "q4_1": (32, 20),
-    "iq4_nl": (32, 18),
-    "q4_0": (32, 18),
-}
-UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30}
-_FORM = "SIZE@TOKENS[:TYPE], e.g. 120MiB@8192 or 1GiB@32k:q8_0"
-
-
-@dataclass(frozen=True)
-class KvCacheBudget:
-    """A KV cache of at most `size` bytes holding `context` tokens, each value in `cache_type`."""
-
-    size: int
-    context: int
-    cache_type: str = "f16"
-
-    @classmethod
-    def parse(cls, text: str) -> KvCacheBudget:
-        """`SIZE@TOKENS[:TYPE]`: a size with its unit (B, KB, KiB, MB, MiB, GB, GiB), a context length (a `k`
-        suffix: thousands of 1,024) and one of llama.cpp's cache types (f16 by default)."""
-        found = re.fullmatch(r"\s*([\d.]+)\s*([a-z]+)\s*@\s*(\d+)(k?)\s*(?::\s*(\w+))?\s*", text, re.IGNORECASE)
-        unit = found and UNITS.get(found.group(2).lower())
-        cache_type = (found and found.group(5) or "f16").lower()
-        if not found or unit is None or cache_type not in CACHE_TYPES:
-            raise PlanError(
-                f"cannot read the KV-cache budget {text!r}: give {_FORM} (units {', '.join(_UNIT_NAMES)}; cache "
-                f"types {', '.join(CACHE_TYPES)})"
-            )
-        size = math.floor(float(found.group(1)) * unit)
-        context = int(found.group(3)) * (1024 if found.group(4) else 1)
-        if size <= 0 or context <= 0:
-            raise PlanError(f"the KV-cache budget {text!r} needs a size and a context length above 0")
-        return cls(size, context, cache_type)
-
-    def __str__(self) -> str:
-        return f"{size_text(self.size)} at {self.context:,} tokens ({self.cache_type})"
-
-
-_UNIT_NAMES = ("B", "KB", "KiB", "MB", "MiB", "GB", "GiB")
-
-
-def size_text(size: float) -> str:
-    """A size in the largest binary unit it reaches, as the KV-cache messages give it."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size >= scale:
-            return f"{size / scale:,.2f} {unit}"
-    return f"{size:,.0f} B"
 
 
 def group_bytes(layer: AttentionLayer, context: int, cache_type: str) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..config import DEFAULT_METHOD
 from ..errors import ConfigError
 from ..model.gates import head_gates
 from ..model.hooks import hooks
@@ -70,7 +71,6 @@ class ScoringRun:
 
 METHODS: dict[str, Callable[[ScoringRun], tuple[list[torch.Tensor], list[torch.Tensor] | None]]] = {}
 PASSES: dict[str, Callable[[list[AttentionLayer]], int]] = {}  # a method's forward passes' worth over the batches
-DEFAULT_METHOD = "fisher"  # the default path's, measured best in benchmarks/scoring.py
 
 
 def method(name: str, passes: int | Callable[[list[AttentionLayer]], int] = 2):

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import GQA_MODES, GRANULARITIES, ROUNDING
 from ..model.inputs import dummy_inputs
 from ..model.layers import find_attention, require_attention
 from ..model.probe import prune
@@ -30,9 +31,6 @@ from ..runtime.devices import input_device, to_device
 from ..runtime.work import count_flops
 from .head_scores import HeadScores
 
-GQA_MODES = ("groups", "even")  # whole KV groups, or the same number of query heads from every group
-GRANULARITIES = ("head", "layer")
-ROUNDING = ("down", "nearest", "up")
 STRATEGIES = ("ranked", "interactions")
 _MAX_ENUMERATED = 20_000  # subsets of one layer's units, beyond which the set is grown greedily
 _MAX_COSTED = 64  # the same for a cost function (each call solves a linear system)

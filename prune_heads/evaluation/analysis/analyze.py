@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ...config import DEFAULT_METHOD
 from ...errors import ConfigError
 from ...model.gates import head_gates
 from ...model.hooks import hooks
@@ -21,7 +22,7 @@ from ...runtime.devices import input_device, to_device
 from ...runtime.memory import release_freed_memory
 from ...runtime.progress import progress_bar
 from ...runtime.work import Pricer
-from ...scoring.methods import DEFAULT_METHOD, head_scores
+from ...scoring.methods import head_scores
 from ...scoring.objective import Objective, Reference, encoder_probe, frozen
 from ...scoring.selection import HeadBudget, select_heads
 from ...task_data import TaskData, batch_size, with_targets

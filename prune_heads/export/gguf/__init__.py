@@ -23,7 +23,8 @@ qwen2 wants q of n_embd x n_embd, and phi3 q and the output projection of n_embd
 model has.
 """
 
-from .architectures import ARCHITECTURES, FILE_TYPES, GGUF_TYPES, GgufArch, GgufError
+from ...config import FILE_TYPES, GGUF_TYPES
+from .architectures import ARCHITECTURES, GgufArch, GgufError
 from .inspect import gguf_heads, quantized
 from .speed import LlamaCheck, LlamaSpeed, llama_checks, llama_cpp_installed, llama_perplexity, llama_speed
 from .tokenizer import tokenizer_model

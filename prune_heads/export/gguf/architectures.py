@@ -1,5 +1,5 @@
 """The GGUF architectures: which llama.cpp architecture each Hugging Face model type is written as, and the
-metadata it needs from the config; the tensor types written."""
+metadata it needs from the config (the tensor types written are the config's `GGUF_TYPES` and `FILE_TYPES`)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,6 @@ from torch import nn
 
 from ...errors import PruneHeadsError
 from ...model.layers import find_attention
-
-_BLOCKED = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # gguf-py's quantized types: blocks of 32 values
-
-
-GGUF_TYPES = ("source", "f32", "f16", "bf16", *_BLOCKED)  # of tensors written anew
-
-
-# whole-file types of llama.cpp's own quantizer (llama-quantize's names): the file is written, then quantized
-FILE_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "Q3_K_M", "Q2_K")
-
 
 RECORD_FIELD = "prune_heads.record"
 

@@ -15,14 +15,12 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from ...config import _BLOCKED, FILE_TYPES, GGUF_TYPES
 from ...model.layers import find_attention
 from ...model.surgery import RECORD_KEY
 from ..persistence import GGUF_SOURCE, ensure_file_free, replace_file
 from .architectures import (
-    _BLOCKED,
     DIGEST_FIELD,
-    FILE_TYPES,
-    GGUF_TYPES,
     RECORD_FIELD,
     UNEVEN,
     GgufArch,
