@@ -29,12 +29,12 @@ from common import markdown_table, torch_threads
 from llm import smollm2, windows
 
 from prune_heads.config import RecoveryConfig
+from prune_heads.model.kv_sharing import shared_kv
 from prune_heads.model.layers import find_attention
-from prune_heads.model.sharing import shared_kv
 from prune_heads.recovery.gated import GatedModel
 from prune_heads.recovery.holdout import sequence_nll
 from prune_heads.recovery.reconstruction import Refit, refit
-from prune_heads.recovery.sharing import merge_maps, reading, sharing_statistics
+from prune_heads.recovery.sharing_statistics import merge_maps, reading, sharing_statistics
 from prune_heads.recovery.tuning import Schedule, tune
 from prune_heads.scoring.objective import Objective
 from prune_heads.task_data import without_labels

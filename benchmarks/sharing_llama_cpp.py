@@ -30,8 +30,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import prune_heads as ph
 from prune_heads.export.gguf.speed import llama_perplexity
-from prune_heads.model.sharing import fit_key_maps, share_kv_heads
-from prune_heads.recovery.sharing import key_products
+from prune_heads.model.kv_sharing import fit_key_maps, share_kv_heads
+from prune_heads.recovery.sharing_statistics import key_products
 
 REPEATS = 3
 SMOLLM2_CUTS = {"a third": range(15), "two thirds": range(30)}  # the layers cut to one KV head

@@ -13,8 +13,8 @@ from torch import nn
 
 from .config import BUDGETS, FRONTIER, KvCacheBudget, PruneConfig, SelectionConfig, parse_depths
 from .errors import ConfigError
+from .model.kv_sharing import Merges, normalize_sharing, split_plan
 from .model.layers import AttentionLayer, find_attention
-from .model.sharing import Merges, normalize_sharing, split_plan
 from .model.surgery import PlanError, normalize_plan
 from .recovery.generated import writes_text
 from .recovery.holdout import measures_loss

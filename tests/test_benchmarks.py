@@ -14,7 +14,7 @@ import torch
 
 import prune_heads as ph
 from prune_heads.recovery.gated import GatedModel
-from prune_heads.recovery.sharing import sharing_statistics
+from prune_heads.recovery.sharing_statistics import sharing_statistics
 from prune_heads.scoring.objective import Objective
 
 FOLDER = Path(__file__).resolve().parents[1] / "benchmarks"

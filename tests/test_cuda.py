@@ -143,9 +143,9 @@ def test_the_statistics_algebra_runs_on_the_gpu_and_gives_the_cpus_results():
 def test_kv_heads_are_shared_on_the_gpu_as_on_the_cpu():
     """Key maps, the shared refit and the proven shared layout, each computed where the model is, give on the
     GPU the CPU's fit and the CPU's model."""
-    from prune_heads.model.sharing import share_kv_heads
+    from prune_heads.model.kv_sharing import share_kv_heads
     from prune_heads.recovery.reconstruction import refit
-    from prune_heads.recovery.sharing import merge_maps, reading, sharing_statistics
+    from prune_heads.recovery.sharing_statistics import merge_maps, reading, sharing_statistics
 
     merges = {1: 0}
     found = []

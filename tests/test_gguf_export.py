@@ -35,7 +35,7 @@ import prune_heads as ph
 from prune_heads.cli import main
 from prune_heads.export.gguf import gguf_heads
 from prune_heads.export.gguf.writer import _copy_fields, _reader
-from prune_heads.model.sharing import share_kv_heads
+from prune_heads.model.kv_sharing import share_kv_heads
 from prune_heads.model.surgery import add_output_bias
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

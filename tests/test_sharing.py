@@ -1,7 +1,8 @@
-"""Shared KV heads (prune_heads.model.sharing): the shared layer computes what the hooks compute on the unchanged
-model, a KV head whose keys are a rotary-commuting scale of another's is shared without changing the model,
-save -> load and generate() keep it, and what cannot share is refused before anything changes. Their refits
-(prune_heads.recovery.sharing): solved from one recording of every turn, with the shared layer's own error."""
+"""Shared KV heads (prune_heads.model.kv_sharing): the shared layer computes what the hooks compute on the
+unchanged model, a KV head whose keys are a rotary-commuting scale of another's is shared without changing the
+model, save -> load and generate() keep it, and what cannot share is refused before anything changes. Their
+refits (prune_heads.recovery.sharing_statistics): solved from one recording of every turn, with the shared
+layer's own error."""
 
 import json
 from collections.abc import Callable
@@ -12,11 +13,11 @@ import torch
 import transformers as T
 
 import prune_heads as ph
+from prune_heads.model.kv_sharing import fit_key_maps, maps_keys, share_kv_heads, shared_kv
 from prune_heads.model.layers import find_attention
-from prune_heads.model.sharing import fit_key_maps, maps_keys, share_kv_heads, shared_kv
 from prune_heads.model.surgery import RECORD_KEY, PlanError, RecordError, record_digest
 from prune_heads.recovery.reconstruction import refit
-from prune_heads.recovery.sharing import (
+from prune_heads.recovery.sharing_statistics import (
     SharedStatistics,
     key_products,
     kv_merges,

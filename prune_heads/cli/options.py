@@ -17,7 +17,7 @@ import click
 from ..config import CHOICES, ScoringConfig, size_text
 from ..errors import PruneHeadsError
 from ..evaluation.report import frontier_table
-from ..model.sharing import SHARED
+from ..model.kv_sharing import SHARED
 from ..model.surgery import PlanError
 from ..recipes import parse_recipe
 from ..runtime.memory import map_large_blocks

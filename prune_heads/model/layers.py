@@ -33,7 +33,7 @@ class AttentionLayer:
     `heads` and `kv_heads` are ORIGINAL indices (as numbered before any pruning), `heads` in the order the
     layer holds them. For grouped-query layers, query head h belongs to KV head h // (original heads per KV
     head), unless that KV head was merged into another: `merges` pairs each merged KV head with the one its
-    query heads attend to since (`prune_heads.model.sharing`).
+    query heads attend to since (`prune_heads.model.kv_sharing`).
     """
 
     name: str

@@ -221,7 +221,7 @@ def relayout(layer: AttentionLayer, removed: Iterable[int], merges: Mapping[int,
 
     The query heads are laid out by the KV head they attend to (`shared_order`), their output-projection
     columns with them; a KV head left without query heads, or merged, loses its key and value rows. What the
-    re-pointed heads' queries need to read their new keys is folded in before (`prune_heads.model.sharing`).
+    re-pointed heads' queries need to read their new keys is folded in before (`prune_heads.model.kv_sharing`).
     Callers validate first (see normalize_plan and `check_groups`).
     """
     spec, dim = layer.spec, layer.head_dim

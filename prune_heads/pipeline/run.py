@@ -18,10 +18,10 @@ from ..evaluation.analysis import Analysis, analyze
 from ..evaluation.report import Report
 from ..export.gguf import check_gguf
 from ..export.persistence import ensure_file_free, ensure_free
+from ..model.kv_sharing import share_kv_heads
 from ..model.layers import find_attention
 from ..model.onload import check_offload, onload_offloaded
 from ..model.probe import prune
-from ..model.sharing import share_kv_heads
 from ..pruner import PruneResult, prune_model
 from ..recipes import Recipe
 from ..runtime.parallel import is_main

@@ -13,8 +13,8 @@ from typing import Any
 from ..config import PruneConfig
 from ..errors import ConfigError
 from ..evaluation.confidence import perplexity_change
+from ..model.kv_sharing import Merges
 from ..model.layers import parameters_after
-from ..model.sharing import Merges
 from ..recovery.candidates import Decision, Trial, choose
 from ..recovery.holdout import SequenceNLL, sequence_nll
 from ..recovery.prefixes import Depth, deepest_within, prefix_length, prefix_plan
@@ -25,7 +25,7 @@ from ..runtime.progress import progress_bar
 from ..scoring.kv_cache import fits_cache, kv_cache_size
 from ..task_data import DataError, TaskData
 from .records import Bench, Run, heldout_nll, refitted, worst_rise
-from .sharing import put_shared, run_cannot_share, shared_where_better
+from .sharing_candidates import put_shared, run_cannot_share, shared_where_better
 
 MAX_LOSS_RULE = (
     "the longest prefix of the searched order (the plain ranking's where no search ran) whose held-out perplexity "

@@ -57,7 +57,7 @@ from ..task_data import DataError, TaskData, batch_size, with_targets, without_l
 from .depths import at_budget, frontier, frontier_text, searched_prefix, within_bound, within_loss
 from .healing import Healed, heal, heal_start
 from .records import Bench, Chosen, PruneResult, Run, Scored, Tuned, general_rise, heldout_nll, logger, rise
-from .sharing import given_sharing, shared_candidates
+from .sharing_candidates import given_sharing, shared_candidates
 
 
 def prune_model(

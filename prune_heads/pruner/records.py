@@ -14,7 +14,7 @@ from torch import nn
 
 from ..budgets import Budget
 from ..config import PruneConfig
-from ..model.sharing import written_plan
+from ..model.kv_sharing import written_plan
 from ..recovery.candidates import Decision, Trial
 from ..recovery.general import General
 from ..recovery.generated import writes_text

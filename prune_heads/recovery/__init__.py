@@ -4,8 +4,9 @@
 `holdout` (the held-out split and the one-standard-error rule), `tuning` (head scales and output biases
 tuned to the unpruned outputs), `reconstruction` (least-squares fits of what the removed heads wrote),
 `search` (a plan chosen by measured removals, in rounds), `prefixes` (the plans along one nested order of
-units, and the deepest a bound allows), `candidates`, `generated` (the model's own written text) and `sharing`
-(what shared KV heads would give, recorded so that any sharing of a layer is refitted in closed form).
+units, and the deepest a bound allows), `candidates`, `generated` (the model's own written text) and
+`sharing_statistics` (what shared KV heads would give, recorded so that any sharing of a layer is refitted in
+closed form).
 """
 
 from .reconstruction import reconstruct

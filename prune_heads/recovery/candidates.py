@@ -29,7 +29,7 @@ from ..task_data import batch_size
 from .gated import GatedModel
 from .holdout import balanced, one_standard_error
 from .reconstruction import Refit, RemovalCost, refit, refit_flops, shared_refit_flops
-from .sharing import Merges, SharedStatistics, reading, repointed
+from .sharing_statistics import Merges, SharedStatistics, reading, repointed
 
 Plan = dict[str, list[int]]
 logger = logging.getLogger("prune_heads")
@@ -69,7 +69,7 @@ def candidate_plans(
 class Candidate:
     """A plan (`name` says which) and the recovery step tried with it: "", "reconstruction" or
     "bias compensation"; with `sharing`, the KV heads it merges in layers the plan leaves whole
-    (`prune_heads.recovery.sharing`)."""
+    (`prune_heads.recovery.sharing_statistics`)."""
 
     name: str
     plan: Plan

@@ -12,10 +12,10 @@ from torch import nn
 
 from ..model.gates import fold_gates, gated_features, head_gates
 from ..model.hooks import hooks
+from ..model.kv_sharing import KeyMaps, Merges, apply_sharing, prove_sharing, shared_kv
 from ..model.layers import AttentionLayer, find_attention, output_projection, resolve
 from ..model.onload import passes
 from ..model.probe import probe_plan, remove_proven
-from ..model.sharing import KeyMaps, Merges, apply_sharing, prove_sharing, shared_kv
 from ..model.surgery import add_output_bias, head_features, normalize_plan
 from ..runtime.devices import on_device_of
 from ..runtime.parallel import Shards

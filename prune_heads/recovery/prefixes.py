@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from ..model.sharing import Merges, written_plan
+from ..model.kv_sharing import Merges, written_plan
 from ..scoring.head_scores import HeadScores
 from ..scoring.selection import HeadBudget, removal_units
 from .search import Unit

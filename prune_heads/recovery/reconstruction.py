@@ -30,7 +30,7 @@ from ..scoring.objective import Objective
 from ..scoring.recording import Moments, record
 from ..task_data import without_labels
 from .holdout import split_holdout
-from .sharing import Alternative, every_turn, shared_columns
+from .sharing_statistics import Alternative, every_turn, shared_columns
 
 logger = logging.getLogger("prune_heads")
 RIDGES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, math.inf)  # x the mean diagonal; inf: bias compensation itself
@@ -115,7 +115,7 @@ def refit(
     weights' dtype) falls back to bias compensation (to the kept columns as they are without a bias) and says
     why. With `reads` (query heads re-pointed, each to the KV head it reads: `sharing.reading` of a sharing's
     merges) the statistics are those of the layer's inputs beside the alternatives `recorded` (by default every
-    turn: `prune_heads.recovery.sharing`), and the re-pointed heads' columns are fitted on what they give so,
+    turn: `prune_heads.recovery.sharing_statistics`), and the re-pointed heads' columns are fitted on what they give so,
     pulled towards their removal's bias compensation."""
     shared = None
     if reads:

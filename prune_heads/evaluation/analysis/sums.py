@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ...model.hooks import Hook
+from ...model.kv_sharing import head_slots, maps_keys
 from ...model.layers import AttentionLayer, Projection, resolve
-from ...model.sharing import head_slots, maps_keys
 from ...scoring.recording import token_rows
 
 BEHAVIOURS = ("entropy", "distance", "first", "previous", "same")

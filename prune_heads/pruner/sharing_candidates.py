@@ -9,9 +9,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ..model.sharing import Merges, why_not_shared
+from ..model.kv_sharing import Merges, why_not_shared
 from ..recovery.candidates import Candidate, Trial
-from ..recovery.sharing import SharedStatistics, sharable
+from ..recovery.sharing_statistics import SharedStatistics, sharable
 from ..runtime.ledger import Stage
 from .records import Bench, Run
 

@@ -165,7 +165,7 @@ def fold_key_maps(layer: AttentionLayer, merges: Merges, maps: KeyMaps) -> None:
 def fit_key_maps(products: torch.Tensor, merges: Merges, kv_heads: tuple[int, ...]) -> KeyMaps:
     """Each merged KV head's complex scale per rotary pair, a = sum z_j conj(z_g) / sum |z_g|^2: the least-squares
     map of the kept head's keys z_g onto the merged head's z_j (`products` from
-    `prune_heads.recovery.sharing.key_products`)."""
+    `prune_heads.recovery.sharing_statistics.key_products`)."""
     maps = {}
     for j, g in merges.items():
         a, b = kv_heads.index(j), kv_heads.index(g)

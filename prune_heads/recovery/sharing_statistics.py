@@ -1,6 +1,6 @@
 """What shared KV heads would give, recorded on the unpruned model so that a sharing of a layer is refitted in
 closed form: per attention layer, its output projection's inputs beside what query heads give when their KV
-heads read others (`Alternative`s, keys mapped, `prune_heads.model.sharing`). Recorded for every turn (each KV
+heads read others (`Alternative`s, keys mapped, `prune_heads.model.kv_sharing`). Recorded for every turn (each KV
 head reading the one 1, 2, ... places on: `sharing_statistics`), one Gram matrix per layer serves the refit of
 every sharing of it (and of query heads re-pointed one by one), as the unpruned one serves every removal;
 recorded for one sharing's re-pointed heads alone (`SharedStatistics.of`, what the default path tries), it
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from ..model.hooks import Hook, hooks
+from ..model.kv_sharing import KeyMaps, Merges, fit_key_maps, head_slots, maps_keys, shared_kv, why_not_shared
 from ..model.layers import AttentionLayer, find_attention, resolve
-from ..model.sharing import KeyMaps, Merges, fit_key_maps, head_slots, maps_keys, shared_kv, why_not_shared
 from ..model.surgery import head_features
 from ..scoring.recording import Moments, token_rows
 
