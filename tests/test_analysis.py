@@ -180,3 +180,13 @@ def test_a_browser_renders_the_page_offline(llama, tmp_path):
     assert len(set(image.convert("L").resize((50, 120)).getdata())) > 20  # drawn, not a blank page
     dom = subprocess.run([*command, "--dump-dom", path.as_uri()], capture_output=True, text=True, timeout=120)
     assert dom.stdout.count("<img") == 6 and all(im.size[0] > 100 for im in _images(dom.stdout))
+
+
+def test_an_offloaded_model_gives_the_analysis_of_the_whole_one(llama):
+    from test_onload import offloaded
+
+    _, batches, whole = llama
+    model = offloaded("llama")
+    model.config._attn_implementation = "sdpa"  # as the shared fixture's
+    found = analyze(model, batches, progress=False)
+    assert found.layers == whole.layers and found.costs == whole.costs

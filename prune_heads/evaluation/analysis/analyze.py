@@ -18,6 +18,7 @@ from ...errors import ConfigError
 from ...model.gates import head_gates
 from ...model.hooks import hooks
 from ...model.layers import AttentionLayer, require_attention
+from ...model.onload import onload_offloaded
 from ...runtime.devices import input_device, to_device
 from ...runtime.memory import release_freed_memory
 from ...runtime.progress import progress_bar
@@ -182,9 +183,11 @@ def analyze(model: nn.Module, data: TaskData | Iterable[dict], seed: int = 0, pr
     grouped-query attention, its KV heads' keys and values), the near-duplicate pairs; each head's attention
     entropy, distance and first / previous / same-token shares; and the divergence from the unpruned model
     when the least important sixth, third, half and two thirds of the heads (KV groups) go. One forward and
-    backward pass, then the cuts on every second batch: two fisher passes' work. The model is left as it was."""
+    backward pass, then the cuts on every second batch: two fisher passes' work. The model computes as it did
+    (weights accelerate offloaded are made CPU tensors run on its execution device, as `prune_model` does)."""
     batches = _batches(data)
     layers = require_attention(model)
+    onload_offloaded(model)  # weights accelerate offloads to the meta device: read where they are, as scoring does
     probe = encoder_probe(model, batches, input_device(model))
     objective = Objective(model, None, probe)
     with frozen(model):  # torch's FLOP counter refuses some models whose weights need gradients
