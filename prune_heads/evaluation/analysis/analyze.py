@@ -32,7 +32,7 @@ from .records import Analysis, CutCost, LayerAnalysis
 from .sums import BEHAVIOURS, LayerSums, layer_hooks
 
 CUTS = (1 / 6, 1 / 3, 1 / 2, 2 / 3)  # shares of the heads (KV groups under grouped-query attention) cut
-MEASURED = 2  # every MEASURED-th batch measures the cuts: CUTS over it cost one forward pass over all batches
+MEASURED = 2  # every MEASURED-th batch measures the cuts: CUTS over them cost at most one pass over all batches
 Z = 1.959963984540054  # of a 95% normal interval
 
 
@@ -70,7 +70,8 @@ def _pass(
     model, layers, batches, objective, seed: int, progress: bool
 ) -> tuple[list[LayerSums], list[int], list[Kept]]:
     """One forward and backward pass with per-example gates: each layer's sums and per-batch squared gradients
-    (the fisher score's terms), each batch's examples, and every MEASURED-th batch kept with its reference."""
+    (the fisher score's terms), each batch's examples, and every MEASURED-th batch (the second, fourth, ...: at
+    most 1 / MEASURED of them; a lone batch itself) kept with its reference."""
     sums = [LayerSums.of(layer) for layer in layers]
     mask: list[torch.Tensor | None] = [None]
     device, generator = input_device(model), torch.Generator()
@@ -83,7 +84,7 @@ def _pass(
             mask[0] = batch.get("attention_mask")
             gates.reset(batch_size=batch_size(batch))
             outputs = model(**objective.inputs(batch), output_attentions=True)
-            if index % MEASURED == 0:
+            if index % MEASURED == MEASURED - 1 or len(batches) == 1:
                 reference = objective.reference(outputs, batch)
                 kept.append(Kept(to_device(batch, "cpu"), _on_cpu(reference)))
             losses = objective.per_example(outputs, batch, generator)
