@@ -27,17 +27,14 @@ import prune_heads as ph
 from prune_heads.evaluation.analysis.derived import DUPLICATE
 from prune_heads.evaluation.confidence import mean_of, paired_interval
 from prune_heads.scoring.objective import Objective
+from prune_heads.task_data import without_labels
 
 
 def references(model, data) -> list:
     """The unpruned model's outputs on each batch, as the divergence takes them."""
     objective = Objective(model)
     with torch.no_grad():
-        return [objective.reference(model(**unlabelled(batch)), batch) for batch in data]
-
-
-def unlabelled(batch: dict) -> dict:
-    return {k: v for k, v in batch.items() if k != "labels"}
+        return [objective.reference(model(**without_labels(batch)), batch) for batch in data]
 
 
 def divergences(model, data, kept: list, gates: dict[tuple[int, int], float]) -> np.ndarray:
@@ -48,7 +45,7 @@ def divergences(model, data, kept: list, gates: dict[tuple[int, int], float]) ->
         for (layer, position), value in gates.items():
             gate[layer][position] = value
         for batch, reference in zip(data, kept):
-            found.append(objective.divergence(model(**unlabelled(batch)), batch, reference).double())
+            found.append(objective.divergence(model(**without_labels(batch)), batch, reference).double())
     return torch.cat(found).numpy()
 
 

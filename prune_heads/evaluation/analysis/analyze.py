@@ -19,7 +19,7 @@ from ...model.gates import head_gates
 from ...model.hooks import hooks
 from ...model.layers import AttentionLayer, require_attention
 from ...model.onload import onload_offloaded
-from ...runtime.devices import input_device, to_device
+from ...runtime.devices import input_device, on_device_of, to_device
 from ...runtime.memory import release_freed_memory
 from ...runtime.progress import progress_bar
 from ...runtime.work import Pricer
@@ -86,7 +86,8 @@ def _pass(
             outputs = model(**objective.inputs(batch), output_attentions=True)
             if index % MEASURED == MEASURED - 1 or len(batches) == 1:
                 reference = objective.reference(outputs, batch)
-                kept.append(Kept(to_device(batch, "cpu"), _on_cpu(reference)))
+                on_cpu = to_device(batch, "cpu")
+                kept.append(Kept(on_cpu, on_device_of(reference, on_cpu)))
             losses = objective.per_example(outputs, batch, generator)
             for layer_sums, grad in zip(sums, _gradients(gates, losses)):
                 layer_sums.fisher.append((grad**2).sum(0))
@@ -94,10 +95,6 @@ def _pass(
             del outputs, losses
             release_freed_memory()
     return sums, examples, kept
-
-
-def _on_cpu(reference: Reference) -> Reference:
-    return tuple(t.cpu() for t in reference) if isinstance(reference, tuple) else reference.cpu()
 
 
 def _cut_plans(scores, layers: list[AttentionLayer]) -> list[tuple[int, dict[str, list[int]]]]:
@@ -129,17 +126,13 @@ def _cut_cost(model, layers, objective, kept: list[Kept], units: int, plan: dict
         for one in kept:
             batch = to_device(one.batch, device)
             outputs = model(**objective.inputs(batch))
-            values.append(objective.divergence(outputs, batch, _on(one.reference, device)).double().cpu())
+            values.append(objective.divergence(outputs, batch, on_device_of(one.reference, batch)).double().cpu())
     found = torch.cat(values)
     spread = Z * float(found.std()) / max(len(found), 1) ** 0.5 if len(found) > 1 else 0.0
     mean = float(found.mean())
     heads = sum(len(v) for v in plan.values())
     written = tuple((name, tuple(plan[name])) for name in plan if plan[name])
     return CutCost(units, heads, mean, mean - spread, mean + spread, len(found), written)
-
-
-def _on(reference: Reference, device) -> Reference:
-    return tuple(t.to(device) for t in reference) if isinstance(reference, tuple) else reference.to(device)
 
 
 def _layer(sums: LayerSums, found: derived.Importance, start: int) -> LayerAnalysis:
