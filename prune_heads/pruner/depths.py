@@ -15,7 +15,7 @@ from ..errors import ConfigError
 from ..evaluation.confidence import perplexity_change
 from ..model.kv_sharing import Merges
 from ..model.layers import parameters_after
-from ..recovery.candidates import Decision, Trial, choose
+from ..recovery.candidates import Candidate, Decision, Trial, choose
 from ..recovery.holdout import SequenceNLL, sequence_nll
 from ..recovery.prefixes import Depth, deepest_within, prefix_length, prefix_plan
 from ..recovery.search import Searched, Unit
@@ -63,7 +63,7 @@ def within_loss(run: Run, bench: Bench, searched: Searched) -> tuple[Searched, d
         sharing = shared_where_better(run, bench, plan, Stage.DEPTH) if shares else {}
         if not sharing:
             return removed
-        put_shared(bench, plan, sharing)
+        put_shared(bench, plan, sharing, Stage.DEPTH)
         kept = worst_rise(run, bench, bench.trial.gated, Stage.DEPTH)
         if kept < removed:
             shared[count] = sharing
@@ -86,11 +86,10 @@ def within_bound(run: Run, bench: Bench) -> bool:
     return percent is None or worst_rise(run, bench, bench.trial.gated, Stage.DEPTH) <= percent / 100
 
 
-def searched_prefix(trial: Trial, decision: Decision, tried: list, measured: str) -> Decision:
-    """The order's prefix with its reconstruction (the candidate labelled `measured`), the state whose rise chose
-    the depth, in place of the candidate `decision` kept (the others' held-out values stay in the report)."""
-    searched = [c for c in tried if c.label == measured]
-    kept = choose(trial, searched, searched[0].label)
+def searched_prefix(trial: Trial, decision: Decision, measured: Candidate) -> Decision:
+    """The order's prefix with its reconstruction (`measured`), the state whose rise chose the depth, in place of
+    the candidate `decision` kept (the others' held-out values stay in the report)."""
+    kept = choose(trial, [measured], measured.label)
     return dataclasses.replace(kept, tried=decision.tried)
 
 
@@ -145,7 +144,7 @@ def _shared(run: Run, bench: Bench, depth: Depth, second: SequenceNLL | None) ->
     sharing = shared_where_better(run, bench, depth.plan, Stage.FRONTIER)
     if not sharing:
         return None
-    plan = put_shared(bench, depth.plan, sharing)
+    plan = put_shared(bench, depth.plan, sharing, Stage.FRONTIER)
     measured, parameters = _measured(run, bench, second), parameters_after(run.model, plan, sharing)
     heads = sum(map(len, plan.values()))
     return Depth(depth.share, depth.units, heads, *measured, depth.kv_cache, parameters, plan, sharing)

@@ -28,6 +28,7 @@ from ..model.onload import layer_major_chain, moved_bytes, offloaded_bytes, onlo
 from ..model.probe import probe_layers
 from ..recovery.candidates import (
     Candidate,
+    Step,
     Trial,
     candidate_plans,
     candidates,
@@ -323,26 +324,29 @@ def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
     tried += shared
     notes += why
     decision = choose(trial, tried, fallback(plans, r.reconstruction, r.bias_compensation))
-    measured = _bound_state(searched.name, tried, summary)
-    if decision.label != measured and not within_bound(run, bench):
-        kept = searched_prefix(trial, decision, tried, measured)
+    bench.tally.add(Stage.RECONSTRUCTION, decision.work)
+    measured = _bound_state(searched, tried, summary)
+    if measured is not None and decision.label != measured.label and not within_bound(run, bench):
+        kept = searched_prefix(trial, decision, measured)
+        bench.tally.add(Stage.RECONSTRUCTION, kept.work)
         notes.append(f"{decision.label} raised the held-out perplexity beyond max_loss; kept {kept.label}")
         decision = kept
     trial.release()
     notes += trial.notes + _warned(unmeasured_long_range(run.layers, decision.plan, _seq_len(run.calib)))
-    bench.tally.add(Stage.RECONSTRUCTION, trial.refit_work)
     bench.tally.add(Stage.SELECTION, (len(decision.tried) + 1) * bench.tally.heldout_pass + costed)
     summary.update(heldout_summary(decision, run.heldout))
     asked = run.budget.asked if "max_loss" not in summary else summary["max_loss"]["heads"]
     return Chosen(decision, budget, asked, found, notes, summary, time.perf_counter() - tick)
 
 
-def _bound_state(name: str, tried: list[Candidate], summary: dict[str, Any]) -> str:
-    """The label of the state whose rise a loss bound measured at its depth: the searched plan refitted, or with
-    the KV heads it shared there."""
-    sharing = summary.get("max_loss", {}).get("shared_kv_heads")
-    found = [c.label for c in tried if sharing and c.name.startswith(name) and c.sharing == sharing]
-    return found[0] if found else f"{name} + reconstruction"
+def _bound_state(searched: Searched, tried: list[Candidate], summary: dict[str, Any]) -> Candidate | None:
+    """The state whose rise a loss bound measured at its depth: the searched plan refitted, or with the KV heads
+    it shared there (None without a loss bound)."""
+    if "max_loss" not in summary or searched.plan is None:
+        return None
+    sharing = summary["max_loss"].get("shared_kv_heads")
+    found = [c for c in tried if sharing and c.name.startswith(searched.name) and c.sharing == sharing]
+    return found[0] if found else Candidate(searched.name, searched.plan, Step.RECONSTRUCTION)
 
 
 def _warned(note: str | None) -> list[str]:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..model.kv_sharing import Merges, why_not_shared
-from ..recovery.candidates import Candidate, Trial
+from ..recovery.candidates import Candidate, Step, Trial
 from ..recovery.sharing_statistics import SharedStatistics, sharable
 from ..runtime.ledger import Stage
 from .records import Bench, Run
@@ -54,9 +54,9 @@ def shared_candidates(
         return [], [none] if run.config.selection.kv_cache is not None else []
     better, work = bench.trial.better_shared(plan)
     bench.tally.add(Stage.RECONSTRUCTION, work)
-    found = [Candidate(f"{name}, shared", without(plan, every), "reconstruction", dict(every))]
+    found = [Candidate(f"{name}, shared", without(plan, every), Step.RECONSTRUCTION, dict(every))]
     if better and better != every:
-        found.append(Candidate(f"{name}, mixed", without(plan, better), "reconstruction", better))
+        found.append(Candidate(f"{name}, mixed", without(plan, better), Step.RECONSTRUCTION, better))
     return found, []
 
 
@@ -71,11 +71,15 @@ def shared_where_better(run: Run, bench: Bench, plan: dict[str, list[int]], stag
     return better
 
 
-def put_shared(bench: Bench, plan: dict[str, list[int]], sharing: dict[str, Merges]) -> dict[str, list[int]]:
+def put_shared(
+    bench: Bench, plan: dict[str, list[int]], sharing: dict[str, Merges], stage: Stage
+) -> dict[str, list[int]]:
     """Put `plan` on the gated model with `sharing` in place of its cut in those layers, every cut layer refitted
-    (the recorded sharing's statistics), and return the heads it still removes."""
+    (the recorded sharing's statistics, the refits counted for `stage`), and return the heads it still removes."""
     trial, removed = bench.trial, without(plan, sharing)
-    trial.use(trial.state(Candidate("shared", removed, "reconstruction", sharing)))
+    state = trial.state(Candidate("shared", removed, Step.RECONSTRUCTION, sharing))
+    bench.tally.add(stage, state.work)
+    trial.use(state)
     return removed
 
 

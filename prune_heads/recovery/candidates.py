@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
@@ -65,21 +66,28 @@ def candidate_plans(
     return plans, notes, strategies["OBS"].flops if reconstruction else 0.0
 
 
+class Step(Enum):
+    """The recovery step a candidate plan is tried with; its value is how the report names it."""
+
+    NONE = ""
+    RECONSTRUCTION = "reconstruction"
+    BIAS_COMPENSATION = "bias compensation"
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """A plan (`name` says which) and the recovery step tried with it: "", "reconstruction" or
-    "bias compensation"; with `sharing`, the KV heads it merges in layers the plan leaves whole
-    (`prune_heads.recovery.sharing_statistics`)."""
+    """A plan (`name` says which) and the recovery step tried with it; with `sharing`, the KV heads it merges in
+    layers the plan leaves whole (`prune_heads.recovery.sharing_statistics`)."""
 
     name: str
     plan: Plan
-    step: str = ""
+    step: Step = Step.NONE
     sharing: dict[str, Merges] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
         """How the report names it: "OBS + reconstruction"."""
-        return f"{self.name} + {self.step}" if self.step else self.name
+        return f"{self.name} + {self.step.value}" if self.step is not Step.NONE else self.name
 
 
 def candidates(
@@ -93,28 +101,29 @@ def candidates(
         if i == 0 or not reconstruction:
             found.append(Candidate(name, plan))
         if recorded and reconstruction:
-            found.append(Candidate(name, plan, "reconstruction"))
+            found.append(Candidate(name, plan, Step.RECONSTRUCTION))
         elif recorded and bias_compensation:
-            found.append(Candidate(name, plan, "bias compensation"))
+            found.append(Candidate(name, plan, Step.BIAS_COMPENSATION))
     return found
 
 
 def fallback(plans: dict[str, Plan], reconstruction: bool, bias_compensation: bool) -> str:
     """The label kept where there is no held-out data to choose on: every enabled step, as configured."""
     name = "OBS" if "OBS" in plans else "interactions" if "interactions" in plans else next(iter(plans))
-    step = " + reconstruction" if reconstruction else " + bias compensation" if bias_compensation else ""
-    return name + step
+    step = Step.RECONSTRUCTION if reconstruction else Step.BIAS_COMPENSATION if bias_compensation else Step.NONE
+    return Candidate(name, {}, step).label
 
 
-@dataclass
+@dataclass(frozen=True)
 class State:
-    """A state of the gated model: the plan, the added biases or the reconstruction with it, and the KV heads it
-    shares."""
+    """A state of the gated model: the plan, the added biases or the reconstruction with it, the KV heads it
+    shares, and the counted work of the refits made for it (for the stage that asked for it to count)."""
 
     plan: Plan
     biases: dict[str, torch.Tensor] | None = None
     refits: dict[str, Refit] | None = None
     sharing: dict[str, Merges] = field(default_factory=dict)
+    work: float = 0.0
 
 
 @dataclass
@@ -123,9 +132,8 @@ class Trial:
     calibration batches (`calibration`, None without recovery) and on the held-out ones (`reference`, None
     without held-out data), those held-out batches (the calibration's, then the general-ability guard's:
     `domain` says how many examples are the calibration's; `prune_heads.recovery.general`), whether a refit
-    fits an output bias (`bias`) and whether the search and the choice show progress bars (`progress`). Refits
-    made here count their work in `refit_work`; a refit that fell back says so in `notes`. A plan's sharing is
-    tried with `shared`, its statistics, once recorded."""
+    fits an output bias (`bias`) and whether the search and the choice show progress bars (`progress`). A refit
+    that fell back says so in `notes`. A plan's sharing is tried with `shared`, its statistics, once recorded."""
 
     gated: GatedModel
     objective: Objective
@@ -135,7 +143,6 @@ class Trial:
     bias: bool
     progress: bool = False
     domain: int | None = None
-    refit_work: float = 0.0
     notes: list[str] = field(default_factory=list)
     shared: SharedStatistics | None = None
 
@@ -172,13 +179,14 @@ class Trial:
         return better, work
 
     def state(self, candidate: Candidate) -> State:
-        """The candidate's state: its plan with its reconstruction or bias compensation, and its sharing."""
+        """The candidate's state: its plan with its reconstruction (and that work) or bias compensation, and its
+        sharing."""
         plan, sharing = candidate.plan, candidate.sharing
-        if candidate.step == "reconstruction":
+        if candidate.step == Step.RECONSTRUCTION:
             shared = {name: self.shared_refit(name) for name in sharing}
-            self.refit_work += shared_refit_flops(self.gated.layers, sharing)
-            return State(plan, refits={**self._refits(plan), **shared}, sharing=sharing)
-        if candidate.step == "bias compensation":
+            work = refit_flops(self.gated.layers, plan) + shared_refit_flops(self.gated.layers, sharing)
+            return State(plan, refits={**self._refits(plan), **shared}, sharing=sharing, work=work)
+        if candidate.step == Step.BIAS_COMPENSATION:
             assert self.calibration is not None
             return State(plan, biases=self.gated.compensation(plan, self.calibration.means()), sharing=sharing)
         return State(plan, sharing=sharing)
@@ -190,7 +198,6 @@ class Trial:
             if fitted.fallback is not None and note not in self.notes:
                 self.notes.append(note)
                 logger.warning(note)
-        self.refit_work += refit_flops(self.gated.layers, plan)
         return found
 
     def use(self, state: State) -> None:
@@ -221,9 +228,9 @@ class Trial:
 @dataclass
 class Decision:
     """The candidate kept (`label`: the gated model is left in its state, whose `plan` it removes), its
-    held-out values, every candidate's mean held-out value and what its reconstruction chose (None without
-    one). It keeps no refit: their fits are in the weights, the originals in the gated
-    model."""
+    held-out values, every candidate's mean held-out value, what its reconstruction chose (None without
+    one), the KV heads it shares and the counted work of the refits made to choose it. It keeps no refit: their
+    fits are in the weights, the originals in the gated model."""
 
     label: str
     plan: Plan
@@ -231,6 +238,7 @@ class Decision:
     tried: dict[str, float | None]
     reconstruction: dict[str, Any] | None
     sharing: dict[str, Merges] = field(default_factory=dict)
+    work: float = 0.0
 
     @property
     def value(self) -> float | None:
@@ -253,19 +261,22 @@ def choose(trial: Trial, tried: list[Candidate], otherwise: str) -> Decision:
     reconstruction tried is made again once kept (each is a share of the weights: not kept meanwhile).
     A bar over the candidates where the trial shows progress."""
     measured: dict[str, tuple[torch.Tensor | None, Candidate, State]] = {}
+    work = 0.0
     for candidate in progress_bar(tried, "candidates", len(tried), trial.progress):
         state = trial.state(candidate)
+        work += state.work
         light = State(state.plan, biases=state.biases, sharing=state.sharing)  # refits made again once kept
         measured[candidate.label] = (trial.measure(state), candidate, light)
     values = {label: v for label, (v, _, _) in measured.items() if v is not None}
     label = one_standard_error(values) if trial.batches else otherwise
     kept, candidate, state = measured[label]
-    if candidate.step == "reconstruction":
+    if candidate.step == Step.RECONSTRUCTION:
         state = trial.state(candidate)
+        work += state.work
     trial.use(state)
     means = {k: None if v is None else float(v.mean()) for k, (v, _, _) in measured.items()}
     summary = _summary(state.refits) if state.refits else None
-    return Decision(label, state.plan, kept, means, summary, state.sharing)
+    return Decision(label, state.plan, kept, means, summary, state.sharing, work)
 
 
 def _summary(refits: dict[str, Refit]) -> dict[str, Any]:
