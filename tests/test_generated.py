@@ -6,7 +6,7 @@ import torch
 
 import prune_heads as ph
 from prune_heads.config import SHARE, ConfigError
-from prune_heads.recovery.generated import nucleus, sample, with_generated, writes_text, written_batches
+from prune_heads.recovery.generated import draw, nucleus, sample, with_generated, writes_text, written_batches
 from prune_heads.runtime.ledger import Stage
 from prune_heads.task_data import without_labels
 
@@ -61,11 +61,26 @@ def test_a_rows_text_does_not_depend_on_the_rows_written_beside_it(monkeypatch):
     assert torch.equal(written_batches(model, 3, 3, 6, 0, progress=False)[0]["input_ids"], wide[:3])
 
 
-def test_nucleus_keeps_the_most_likely_tokens_until_their_mass_reaches_top_p():
-    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3], [0.97, 0.01, 0.01, 0.01]])
-    kept = nucleus(probs.clone(), 0.75)
-    assert torch.equal(kept, torch.tensor([[0.0, 0.5, 0.0, 0.3], [0.97, 0.0, 0.0, 0.0]]))
-    assert torch.equal(nucleus(probs.clone(), 0.0), torch.tensor([[0.0, 0.5, 0.0, 0.0], [0.97, 0.0, 0.0, 0.0]]))
+def test_nucleus_keeps_the_most_likely_tokens_until_their_mass_reaches_top_p(monkeypatch):
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3], [0.97, 0.01, 0.01, 0.01]], dtype=torch.float64)
+    as_lists = lambda found: [(v.tolist(), t.tolist()) for v, t in found]  # noqa: E731
+    assert as_lists(nucleus(probs, 0.75)) == [([0.5, 0.3], [1, 3]), ([0.97], [0])]
+    assert as_lists(nucleus(probs, 0.0)) == [([0.5], [1]), ([0.97], [0])]
+    flat = torch.full((2, 4), 0.25)
+    assert [len(v) for v, _ in nucleus(flat, 0.9)] == [4, 4]
+    monkeypatch.setattr("prune_heads.recovery.generated.NUCLEUS_WIDTHS", (1, 2))  # each row found at its width
+    assert as_lists(nucleus(probs, 0.75)) == [([0.5, 0.3], [1, 3]), ([0.97], [0])]
+    assert [len(v) for v, _ in nucleus(flat, 0.9)] == [4, 4]
+
+
+def test_a_draw_follows_the_nucleus_and_its_rows_generator(monkeypatch):
+    monkeypatch.setattr("prune_heads.recovery.generated.TOP_P", 0.75)
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).repeat(4000, 1)
+    drawn = draw(probs, [torch.Generator().manual_seed(i) for i in range(4000)]).squeeze(1)
+    counts = torch.bincount(drawn, minlength=4)
+    assert counts[0] == counts[2] == 0 and abs(counts[1] / 4000 - 0.5 / 0.8) < 0.03  # 4 standard errors
+    again = draw(probs[:3], [torch.Generator().manual_seed(i) for i in range(3)]).squeeze(1)
+    assert torch.equal(again, drawn[:3])
 
 
 DECODERS = [name for name, family in tm.FAMILIES.items() if family[3] == "decoder"]

@@ -21,7 +21,8 @@ from ..task_data import DataError
 
 WRITTEN_EXAMPLES = 128  # sequences a decoder writes to calibrate on when no data is given
 TOP_P = 0.95  # nucleus sampling at temperature 1: the model's own distribution without its unlikely tail
-WRITE_TOKENS = 8192  # written at once: a step reads the weights once for all its rows; their cache stays small
+NUCLEUS_WIDTHS = (256, 2048)  # SmolLM2's nuclei at 0.95: median 189 tokens, 90% within 1,924, 99% within 5,078
+WRITE_TOKENS = 32768  # written at once: a step reads the weights once for all its rows (faster to 128 rows of 256)
 
 
 def writes_text(model: nn.Module) -> bool:
@@ -44,14 +45,30 @@ def prompts(batch: dict, rows: int) -> torch.Tensor:
     return first[torch.arange(rows) % len(first)].unsqueeze(1)
 
 
-def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """`probs` (rows x vocabulary) with each row's unlikely tail set to 0: only the most likely tokens whose mass
-    before them is under `top_p` stay (the most likely one always does)."""
-    ordered, order = probs.sort(-1, descending=True)
-    tail = ordered.cumsum(-1) - ordered >= top_p
-    tail[:, 0] = False
-    ordered[tail] = 0
-    return torch.zeros_like(probs).scatter(-1, order, ordered)
+def nucleus(probs: torch.Tensor, top_p: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each row's nucleus of `probs` (rows x vocabulary): the most likely tokens whose mass before them is under
+    `top_p` (the most likely one always), as (probabilities, token ids), most likely first. Looked for among a
+    row's `NUCLEUS_WIDTHS` most likely tokens before all of them (a full sort of the vocabulary cost two thirds
+    of a written token), so a row's nucleus depends on its own probabilities only."""
+    found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    left = torch.arange(len(probs))
+    for width in (*NUCLEUS_WIDTHS, probs.shape[-1]):
+        values, tokens = probs[left.to(probs.device)].topk(min(width, probs.shape[-1]), -1)
+        kept = (values.cumsum(-1) - values < top_p).sum(-1).clamp(min=1)
+        ends = (kept < values.shape[-1]) | (width >= probs.shape[-1])  # the nucleus ends inside these tokens
+        for row, v, t, n in zip(left[ends.cpu()].tolist(), values[ends], tokens[ends], kept[ends].tolist()):
+            found[row] = (v[:n].cpu(), t[:n].cpu())
+        left = left[~ends.cpu()]
+        if not len(left):
+            break
+    return [found[row] for row in range(len(probs))]
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of `probs` (rows x vocabulary), sampled from the row's `nucleus` at `TOP_P` with its own
+    CPU generator: token ids, rows x 1, on the CPU."""
+    drawn = [t[torch.multinomial(v, 1, generator=g)] for (v, t), g in zip(nucleus(probs, TOP_P), generators)]
+    return torch.stack(drawn)
 
 
 def row_generator(seed: int, length: int, row: int) -> torch.Generator:
@@ -76,9 +93,7 @@ def sample(model: nn.Module, prompt: torch.Tensor, new_tokens: int, generators: 
             out = lm(tokens[:, -1:], attention_mask=torch.ones_like(tokens), use_cache=True, **{named: cache})
             cache, logits = out[named], out.logits[:, -1].float()
             logits[:, ends] = -torch.inf
-            probs = nucleus(logits.softmax(-1), TOP_P).cpu()
-            drawn = torch.stack([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
-            tokens = torch.cat([tokens, drawn.to(tokens.device)], 1)
+            tokens = torch.cat([tokens, draw(logits.softmax(-1), generators).to(tokens.device)], 1)
     return tokens
 
 

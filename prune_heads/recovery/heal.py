@@ -35,6 +35,7 @@ from ..runtime.progress import library_bars, progress_bar
 from ..scoring.objective import Objective, neighbour_divergence
 from ..task_data import DataError, batch_size, without_labels
 from .generated import written_batches
+from .token_kl import token_kl
 
 CALIBRATION_SHARE = 1 / 3  # of the rows trained on (shared/notes/heal-measurements.md: a third kept movie text)
 WRITTEN_EPOCHS = 2  # each written sequence is trained on about twice: writing a token costs more than training it
@@ -227,6 +228,8 @@ def heal_loss(objective: Objective, teacher: nn.Module, student: nn.Module, batc
     with torch.no_grad():
         taught = teacher(**inputs)
     outputs = student(**inputs)
+    if getattr(outputs, "logits", None) is not None and outputs.logits.dim() == 3 and "labels" not in batch:
+        return token_kl(outputs.logits, taught.logits, inputs.get("attention_mask"))  # a language model
     embedding = objective.embedding(taught, inputs)
     reference = embedding if embedding is not None else torch.log_softmax(taught.logits.float(), -1)
     loss = objective.divergence(outputs, inputs, reference).mean()
