@@ -2,9 +2,7 @@
 where held-out data improves; its checkpoints resume to the same model, and bad input is refused before work."""
 
 import dataclasses
-import random
 
-import numpy as np
 import pytest
 import tiny_models as tm
 import torch
@@ -76,13 +74,8 @@ def test_a_heal_lowers_the_divergence_on_both_held_out_texts_and_counts_its_work
 @pytest.mark.slow
 def test_the_same_inputs_heal_to_the_same_model_and_leave_the_random_state_alone():
     model, data = tm.build("llama"), tm.batches("llama", n=6)  # the tiny model's build seeds torch
-    torch.manual_seed(123)
-    random.seed(5)
-    np.random.seed(6)
-    states = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
-    a, _ = _heal(model=model, data=data)
-    assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
-    assert np.array_equal(np.random.get_state()[1], states[2])
+    with tm.random_state_kept():
+        a, _ = _heal(model=model, data=data)
     b, _ = _heal()
     assert _same(_weights(a), _weights(b))
 

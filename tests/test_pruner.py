@@ -3,10 +3,8 @@ import dataclasses
 import inspect
 import json
 import math
-import random
 import typing
 
-import numpy as np
 import pytest
 import tiny_models as tm
 import torch
@@ -248,13 +246,8 @@ def test_prune_model_removes_exactly_the_budget_and_reports_its_decisions(name):
 def test_prune_model_leaves_the_callers_random_state_as_it_was():
     """Scoring, the written text and tuning draw from their own seeded generators, never the process's."""
     model, data = tm.build("llama"), tm.batches("llama")  # the tiny model's build seeds torch
-    torch.manual_seed(123)
-    random.seed(5)
-    np.random.seed(6)
-    states = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
-    ph.prune_model(model, data, ph.PruneConfig(ph.SelectionConfig(num_heads=4)), progress=False)
-    assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
-    assert np.array_equal(np.random.get_state()[1], states[2])
+    with tm.random_state_kept():
+        ph.prune_model(model, data, ph.PruneConfig(ph.SelectionConfig(num_heads=4)), progress=False)
 
 
 def test_prune_model_result_is_the_gated_state_it_measured():

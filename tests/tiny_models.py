@@ -4,7 +4,11 @@ test modules share."""
 from __future__ import annotations
 
 import dataclasses
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import numpy as np
 import torch
 import transformers as T
 
@@ -392,3 +396,16 @@ def planted_llama():
         scale = torch.complex(*torch.randn(2, layer.head_dim // 2, generator=generator)).to(torch.complex128)
         plant_scaled_kv_heads(layer, {1: scale})
     return model
+
+
+@contextmanager
+def random_state_kept() -> Iterator[None]:
+    """Seed torch's, Python's and numpy's generators, then fail unless the code inside leaves each as it was."""
+    torch.manual_seed(123)
+    random.seed(5)
+    np.random.seed(6)
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    yield
+    assert torch.equal(torch.get_rng_state(), states[0]), "torch's random state changed"
+    assert random.getstate() == states[1], "Python's random state changed"
+    assert np.array_equal(np.random.get_state()[1], states[2]), "numpy's random state changed"

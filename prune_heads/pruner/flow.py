@@ -150,6 +150,8 @@ def _start(
     probe_layers(model, layers, on_device[0])
     moved = moved_bytes(model)  # before the proof, which is this run's work
     prove_layer_major(model, on_device[0])  # an onloaded model's no-grad passes: each block moved once
+    pricer = Pricer.of(model, on_device[0])
+    written = generated + (general.written if general is not None else [])
     return Run(
         model=model,
         config=config,
@@ -168,7 +170,19 @@ def _start(
         moved=moved,
         offloaded=offloaded_bytes(model),
         heal=healing,
+        pricer=pricer,
+        work=_start_work(model, pricer, written, on_device[0]),
     )
+
+
+def _start_work(model: nn.Module, pricer: Pricer, written: list[dict], first: dict) -> dict[Stage, float]:
+    """The start's counted work: the text written beside the batches and the guard's (sampled with the KV cache:
+    a forward pass over the written tokens) and, where layers run one at a time, their proof (a whole pass and
+    two layer-major ones over the first batch)."""
+    work = {Stage.GENERATION: pricer.forward(written)} if written else {}
+    if layer_major_chain(model) is not None:
+        work[Stage.RECORDING] = 3 * pricer.forward([first])
+    return work
 
 
 def _check_processes(model: nn.Module, config: PruneConfig, lists: list[list[dict]]) -> None:
@@ -263,31 +277,23 @@ def _score(run: Run) -> Scored:
             if run.budget.given is None
             else None
         )
-    recorded = r.enabled and (recorder is None or recorder.calls != len(run.calib))  # no plain pass per batch
-    if recorded:
+    flops = scoring_passes(s.method, run.layers) * run.pricer.forward(run.calib)
+    work = {Stage.SCORING: flops} if scores is not None else {}
+    if r.enabled and (recorder is None or recorder.calls != len(run.calib)):  # no plain pass per batch
         recorder = record(run.model, run.calib, run.objective, r.reconstruction, run.progress)
-    return Scored(scores, recorder, recorded, time.perf_counter() - tick)
+        work[Stage.RECORDING] = run.pricer.forward(run.calib)
+    return Scored(scores, recorder, work, time.perf_counter() - tick)
 
 
 def _bench(run: Run, gated: GatedModel, scored: Scored) -> Bench:
     """What the decisions are measured on: the price of passes, the work of the passes so far, the held-out
     batches on the model's device with the unpruned model's outputs there (and its Gram matrices, which choose
     each reconstruction's ridge) and its held-out NLL."""
-    pricer = Pricer.of(gated.model, run.calib[0])
     general = run.general.heldout if run.general is not None else []
     weighed = general if run.weighs_general else []
-    tally = Tally(pricer.forward_backward(run.calib), pricer.forward(run.heldout + weighed))
-    if scored.scores is not None:
-        tally.add(Stage.SCORING, scoring_passes(run.config.scoring.method, run.layers) * pricer.forward(run.calib))
-    if scored.recorded:
-        tally.add(Stage.RECORDING, pricer.forward(run.calib))
-    if (
-        layer_major_chain(run.model) is not None
-    ):  # its proof: a whole pass and two layer-major ones over the first batch
-        tally.add(Stage.RECORDING, 3 * pricer.forward(run.calib[:1]))
-    written = run.generated + (run.general.written if run.general is not None else [])
-    if written:  # sampled with the KV cache: a forward pass over the written tokens
-        tally.add(Stage.GENERATION, pricer.forward(written))
+    pricer, tally = run.pricer, Tally(run.pricer.forward_backward(run.calib), run.pricer.forward(run.heldout + weighed))
+    for stage, flops in [*scored.work.items(), *run.work.items()]:  # counted where each was spent
+        tally.add(stage, flops)
     r = run.config.recovery
     heldout = [to_device(without_labels(b), input_device(run.model)) for b in run.heldout + weighed]
     reference = unpruned_heldout(gated, heldout, run.objective, r.reconstruction) if heldout else None

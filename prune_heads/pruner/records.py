@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +77,8 @@ class Run:
     what scoring reads; `calib`, the same on the model's device without labels; `heldout`, the held-out part),
     the model's written text beside them, a frontier's second text, the general-ability guard's text (None where
     it is off), the notes made on the way in, where weights are onloaded, the bytes onloading had moved
-    before the run and the offloaded weights' bytes, and what a heal needs (None without one)."""
+    before the run and the offloaded weights' bytes, what a heal needs (None without one), the price of passes
+    and the work counted on the way in (the written text, the proof of a model run one layer at a time)."""
 
     model: nn.Module
     config: PruneConfig
@@ -89,12 +91,14 @@ class Run:
     objective: Objective
     start: float
     progress: bool
+    pricer: Pricer
     second: list[dict] = field(default_factory=list)
     general: General | None = None
     notes: tuple[str, ...] = ()
     moved: int = 0
     offloaded: int = 0
     heal: HealStart | None = None
+    work: Mapping[Stage, float] = field(default_factory=dict)
 
     @property
     def weighs_general(self) -> bool:
@@ -119,11 +123,12 @@ class Bench:
 @dataclass(frozen=True)
 class Scored:
     """What scoring gave: the heads' scores (None for a plan given whole), the unpruned model's statistics on
-    the calibration batches (None without recovery), whether they took a pass of their own, and the seconds."""
+    the calibration batches (None without recovery), the work counted for each (the recording's where it took
+    a pass of its own) and the seconds."""
 
     scores: HeadScores | None
     recorder: Recorder | None
-    recorded: bool
+    work: Mapping[Stage, float]
     seconds: float
 
 
