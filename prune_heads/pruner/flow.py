@@ -139,11 +139,7 @@ def _start(
     calib, heldout = split_holdout(batches, r.holdout if r.enabled else 0.0)
     general, off = _general(model, config, calib, heldout, eval_data, progress)
     second = general.heldout if general is not None and config.selection.depths else frontier_text(config, eval_data)
-    if config.selection.max_loss is not None and not (heldout and all("labels" in b for b in heldout)):
-        raise ConfigError(
-            "selection.max_loss measures the loss on held-out calibration examples with labels, and this data gave "
-            "none: give more examples (or a shorter --max-length for a causal-lm task), with their labels"
-        )
+    _check_bound(config, heldout)
     _check_processes(model, config, [calib, heldout] + ([general.heldout, general.search] if general else []))
     layers = require_attention(model)
     on_device = [to_device(without_labels(b), input_device(model)) for b in calib]
@@ -183,6 +179,15 @@ def _start_work(model: nn.Module, pricer: Pricer, written: list[dict], first: di
     if layer_major_chain(model) is not None:
         work[Stage.RECORDING] = 3 * pricer.forward([first])
     return work
+
+
+def _check_bound(config: PruneConfig, heldout: list[dict]) -> None:
+    """A loss bound measures the loss on held-out examples with labels: refused where the data gave none."""
+    if config.selection.max_loss is not None and not (heldout and all("labels" in b for b in heldout)):
+        raise ConfigError(
+            "selection.max_loss measures the loss on held-out calibration examples with labels, and this data gave "
+            "none: give more examples (or a shorter --max-length for a causal-lm task), with their labels"
+        )
 
 
 def _check_processes(model: nn.Module, config: PruneConfig, lists: list[list[dict]]) -> None:
