@@ -154,7 +154,7 @@ def _measured(run: Run, bench: Bench, second: SequenceNLL | None) -> Measured:
     """The gated model's held-out perplexity change against the unpruned model's with its interval, and the
     same on the second text (None without one)."""
     seed, gated = run.config.scoring.seed, bench.trial.gated
-    heldout = heldout_nll(run, bench.tally, bench.pricer, gated, Stage.FRONTIER)
+    heldout = heldout_nll(run, bench.tally, gated, Stage.FRONTIER)
     assert bench.unpruned is not None and heldout is not None  # measured where the search ran
     change, interval = perplexity_change(bench.unpruned, heldout, seed)
     if second is None:
@@ -177,7 +177,7 @@ def _second_nll(run: Run, bench: Bench, forward: Any) -> SequenceNLL | None:
     as frontier work."""
     if not run.second:
         return None
-    bench.tally.add(Stage.FRONTIER, bench.pricer.forward(run.second))
+    bench.tally.add(Stage.FRONTIER, run.pricer.forward(run.second))
     return sequence_nll(forward, run.second, input_device(run.model))
 
 

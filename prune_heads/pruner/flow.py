@@ -296,7 +296,7 @@ def _bench(run: Run, gated: GatedModel, scored: Scored) -> Bench:
     each reconstruction's ridge) and its held-out NLL."""
     general = run.general.heldout if run.general is not None else []
     weighed = general if run.weighs_general else []
-    pricer, tally = run.pricer, Tally(run.pricer.forward_backward(run.calib), run.pricer.forward(run.heldout + weighed))
+    tally = Tally(run.pricer.forward_backward(run.calib), run.pricer.forward(run.heldout + weighed))
     for stage, flops in [*scored.work.items(), *run.work.items()]:  # counted where each was spent
         tally.add(stage, flops)
     r = run.config.recovery
@@ -305,8 +305,8 @@ def _bench(run: Run, gated: GatedModel, scored: Scored) -> Bench:
     bias = r.bias_tuning or r.bias_compensation
     domain = sum(batch_size(b) for b in run.heldout) if weighed else None
     trial = Trial(gated, run.objective, scored.recorder, reference, heldout, bias, run.progress, domain)
-    unpruned = heldout_nll(run, tally, pricer, gated)
-    return Bench(trial, pricer, tally, unpruned, heldout_nll(run, tally, pricer, gated, batches=general))
+    unpruned = heldout_nll(run, tally, gated)
+    return Bench(trial, tally, unpruned, heldout_nll(run, tally, gated, batches=general))
 
 
 def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
@@ -392,7 +392,7 @@ def _search(run: Run, bench: Bench, scores: HeadScores) -> Searched:
         limit = r.tuning_budget * tally.calibration_pass - tally.spent(BEFORE_TUNING)  # the writing and recording
     schedule = SearchSchedule(rounds, r.search_examples, r.search_screen)
     beside = _beside(run)
-    searched = searched_plan(bench.trial, scores, budget, run.calib, schedule, bench.pricer, limit, beside)
+    searched = searched_plan(bench.trial, scores, budget, run.calib, schedule, run.pricer, limit, beside)
     tally.add(Stage.SEARCH, searched.work)
     return searched
 
@@ -496,7 +496,7 @@ def _tune(run: Run, bench: Bench, chosen: Chosen) -> Tuned | None:
     groups = [{"params": params, "lr": rates[name]} for name, params in tunables.items()]
     check = (lambda: float(trial.divergences().mean())) if trial.batches else None
     limit = _tuning_limit(run, bench.tally)
-    work_limit = WorkLimit(float("inf") if limit is None else limit, bench.pricer, check=bench.tally.heldout_pass)
+    work_limit = WorkLimit(float("inf") if limit is None else limit, run.pricer, check=bench.tally.heldout_pass)
     assert trial.calibration is not None
     with progress_bar(None, "tuning", r.epochs * len(run.calib), run.progress) as bar:  # may stop early
 

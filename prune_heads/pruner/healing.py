@@ -102,13 +102,13 @@ def heal(run: Run, bench: Bench, start: HealStart) -> Healed:
         else None
     )
     data = heal_data(run.scoring, start.corpus, int(r.heal), not writes_text(model), writer)
-    bench.tally.add(Stage.GENERATION, bench.pricer.forward(data.written))
+    bench.tally.add(Stage.GENERATION, run.pricer.forward(data.written))
     kept_weights = {name: p.detach().cpu().clone() for name, p in model.state_dict().items()}
     judged = general or run.heldout
     check = (lambda: float(divergences(objective, teacher, model, judged).mean())) if judged else None
     trained = train(model, teacher, data, start.settings, start.fingerprint, check)
-    bench.tally.add(Stage.HEALING, _training_work(model, bench.pricer, data, r.heal_rank))
-    bench.tally.add(Stage.HEALING, 2 * len(trained.checks) * bench.pricer.forward(judged))
+    bench.tally.add(Stage.HEALING, _training_work(model, run.pricer, data, r.heal_rank))
+    bench.tally.add(Stage.HEALING, 2 * len(trained.checks) * run.pricer.forward(judged))
     after = _measured(run, bench, objective, teacher, general)
     why = _kept(before, after, run.general.source if run.general is not None else "")
     kept = why is None
@@ -130,7 +130,7 @@ def _measured(
     for name, batches in (("calibration", run.heldout), ("general", general)):
         if batches:
             found[name] = divergences(objective, teacher, run.model, batches)
-            bench.tally.add(Stage.HEALING, 2 * bench.pricer.forward(batches))
+            bench.tally.add(Stage.HEALING, 2 * run.pricer.forward(batches))
     return found
 
 

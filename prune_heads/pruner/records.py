@@ -109,12 +109,11 @@ class Run:
 @dataclass(frozen=True)
 class Bench:
     """What every decision after scoring is measured on: the trial (the gated model, the unpruned model's
-    statistics and held-out outputs), the price of passes, the work counted as it is spent and the unpruned
+    statistics and held-out outputs), the work counted as it is spent and the unpruned
     model's held-out NLL, on the calibration's and on the guard's held-out text (a language model's; None
     otherwise)."""
 
     trial: Trial
-    pricer: Pricer
     tally: Tally
     unpruned: SequenceNLL | None = None
     general: SequenceNLL | None = None
@@ -166,16 +165,16 @@ def refitted(run: Run, bench: Bench, plan: dict[str, list[int]], stage: Stage) -
 
 
 def heldout_nll(
-    run: Run, tally: Tally, pricer: Pricer, forward: Any, stage: Stage = Stage.PERPLEXITY, batches: list | None = None
+    run: Run, tally: Tally, forward: Any, stage: Stage = Stage.PERPLEXITY, batches: list | None = None
 ) -> SequenceNLL | None:
     """A language model's next-token NLL per held-out sequence (a classifier's on its labels, under a loss
     bound; None for other tasks), on `batches` (the held-out calibration batches by default), their pass
-    (priced by `pricer`) counted for `stage`."""
+    (priced by the run's pricer) counted for `stage`."""
     batches = run.heldout if batches is None else batches
     measured = writes_text(run.model) or run.config.selection.max_loss is not None and measures_loss(run.model)
     if not (batches and measured and all("labels" in b for b in batches)):
         return None
-    tally.add(stage, pricer.forward(batches))
+    tally.add(stage, run.pricer.forward(batches))
     return sequence_nll(forward, batches, input_device(run.model))
 
 
@@ -183,7 +182,7 @@ def rise(run: Run, bench: Bench, forward: Any, stage: Stage = Stage.PERPLEXITY) 
     """The held-out perplexity's relative change from the unpruned model's under `forward`, its pass counted
     for `stage`."""
     assert bench.unpruned is not None
-    pruned = heldout_nll(run, bench.tally, bench.pricer, forward, stage)
+    pruned = heldout_nll(run, bench.tally, forward, stage)
     assert pruned is not None  # the same batches as the unpruned model's
     return math.exp(pruned.mean - bench.unpruned.mean) - 1
 
@@ -191,7 +190,7 @@ def rise(run: Run, bench: Bench, forward: Any, stage: Stage = Stage.PERPLEXITY) 
 def general_rise(run: Run, bench: Bench, forward: Any, stage: Stage = Stage.PERPLEXITY) -> float:
     """The same on the guard's held-out text."""
     assert bench.general is not None and run.general is not None
-    pruned = heldout_nll(run, bench.tally, bench.pricer, forward, stage, run.general.heldout)
+    pruned = heldout_nll(run, bench.tally, forward, stage, run.general.heldout)
     assert pruned is not None  # the same batches as the unpruned model's
     return math.exp(pruned.mean - bench.general.mean) - 1
 

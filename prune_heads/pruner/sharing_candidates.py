@@ -122,5 +122,5 @@ def _recorded(run: Run, bench: Bench, stage: Stage, recording: Callable[[], Shar
     bench.trial.gated.use({})
     recorded = recording()
     if recorded.merges:
-        bench.tally.add(stage, 2 * bench.pricer.forward(run.calib) + bench.tally.heldout_pass)
+        bench.tally.add(stage, 2 * run.pricer.forward(run.calib) + bench.tally.heldout_pass)
     return recorded

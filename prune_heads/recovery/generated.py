@@ -55,10 +55,11 @@ def nucleus(probs: torch.Tensor, top_p: float) -> list[tuple[torch.Tensor, torch
     for width in (*NUCLEUS_WIDTHS, probs.shape[-1]):
         values, tokens = probs[left.to(probs.device)].topk(min(width, probs.shape[-1]), -1)
         kept = (values.cumsum(-1) - values < top_p).sum(-1).clamp(min=1)
+        values, tokens, kept = values.cpu(), tokens.cpu(), kept.cpu()  # one copy a width, not one a row
         ends = (kept < values.shape[-1]) | (width >= probs.shape[-1])  # the nucleus ends inside these tokens
-        for row, v, t, n in zip(left[ends.cpu()].tolist(), values[ends], tokens[ends], kept[ends].tolist()):
-            found[row] = (v[:n].cpu(), t[:n].cpu())
-        left = left[~ends.cpu()]
+        for row, v, t, n in zip(left[ends].tolist(), values[ends], tokens[ends], kept[ends].tolist()):
+            found[row] = (v[:n], t[:n])
+        left = left[~ends]
         if not len(left):
             break
     return [found[row] for row in range(len(probs))]
