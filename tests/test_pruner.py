@@ -44,8 +44,8 @@ def test_the_flow_s_records_are_frozen_and_its_work_adds_up():
     result = ph.prune_model(tm.build("llama"), tm.batches("llama"), config, progress=False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.plan = {}
-    mutable = [c.__name__ for c in reachable_records(records.PruneResult) if not c.__dataclass_params__.frozen]
-    assert not mutable, f"records a PruneResult holds that can be changed: {mutable}"
+    mutable = {c.__name__ for root in made for c in reachable_records(root) if not c.__dataclass_params__.frozen}
+    assert not mutable, f"records the flow hands on, or holds, that can be changed: {mutable}"
     work = result.work
     assert work.total == pytest.approx(sum(work.stages.values()), rel=1e-12) and work.as_dict()["total"] == work.total
     assert work[Stage.SCORING] == work.calibration_pass  # fisher's scoring pass: one forward and backward pass
@@ -56,6 +56,19 @@ def test_the_flow_s_records_are_frozen_and_its_work_adds_up():
     assert counted == set(alone.stages)  # no labels: no perplexity measured
     tuning = next(e for e in result.recovery if "tuning" in e["step"])
     assert tuning["flops"] == work[Stage.TUNING]
+
+
+def test_a_refit_that_fell_back_in_the_state_kept_is_noted_once():
+    """The report's notes name each layer whose refit in the kept state fell back to bias compensation, and why,
+    once, though every candidate tried refitted it (7 calibration tokens for 17 unknowns per output)."""
+    config = ph.PruneConfig(ph.SelectionConfig(num_heads=4), recovery=ph.RecoveryConfig(general="off"))
+    result = ph.prune_model(tm.build("llama"), tm.batches("llama", n=1, batch=1), config, progress=False)
+    selection = next(e for e in result.recovery if e["step"] == "selection")
+    notes = next(e["notes"] for e in result.recovery if e["step"] == "notes")
+    assert selection["kept"].endswith("reconstruction") and len(selection["tried"]) > 2
+    assert selection["reconstruction"]["ridges"] == {"bias compensation": 2}
+    why = "reconstruction fell back to bias compensation: the fit has 17 unknowns per output and the calibration"
+    assert notes == [f"model.layers.{i}.self_attn: {why} data gave 7 tokens; give at least 17 tokens" for i in (0, 1)]
 
 
 def kl(model, reference, data):

@@ -19,13 +19,14 @@ from ..recovery.candidates import Candidate, Decision, Trial, choose
 from ..recovery.holdout import SequenceNLL, sequence_nll
 from ..recovery.prefixes import Depth, deepest_within, prefix_length, prefix_plan
 from ..recovery.search import Searched, Unit
+from ..recovery.sharing_statistics import SharedStatistics
 from ..runtime.devices import input_device
 from ..runtime.ledger import Stage
 from ..runtime.progress import progress_bar
 from ..scoring.kv_cache import fits_cache, kv_cache_size
 from ..task_data import DataError, TaskData
 from .records import Bench, Run, heldout_nll, refitted, worst_rise
-from .sharing_candidates import put_shared, run_cannot_share, shared_where_better
+from .sharing_candidates import put_shared, recorded_sharing, run_cannot_share, shared_where_better
 
 MAX_LOSS_RULE = (
     "the longest prefix of the searched order (the plain ranking's where no search ran) whose held-out perplexity "
@@ -46,24 +47,32 @@ FRONTIER_CACHE_TYPES = ("f16", "q8_0")  # llama.cpp's default KV cache and its 8
 Measured = tuple[float, tuple[float, float], float | None, tuple[float, float] | None]
 
 
-def within_loss(run: Run, bench: Bench, searched: Searched) -> tuple[Searched, dict[str, Any]]:
+def within_loss(
+    run: Run, bench: Bench, searched: Searched, earlier: SharedStatistics | None
+) -> tuple[Searched, dict[str, Any], SharedStatistics | None]:
     """The longest prefix of the searched order whose held-out perplexity rise, each pruned layer refitted
-    (before tuning), is within `selection.max_loss`, as the searched plan, and what the held-out summary says
-    of it (`max_loss`: the bound, the heads of that prefix, the rises measured, the rule)."""
+    (before tuning), is within `selection.max_loss`, as the searched plan, what the held-out summary says
+    of it (`max_loss`: the bound, the heads of that prefix, the rises measured, the rule) and the sharing
+    statistics recorded last (`earlier` where none were: a frontier's, for the candidates to reuse)."""
     percent = run.config.selection.max_loss
     if searched.plan is None or bench.unpruned is None or percent is None:
         raise ConfigError(f"selection.max_loss measures along the searched order, and there is none: {searched.note}")
     bound, shares = percent / 100, run_cannot_share(run, bench.trial) is None
     shared: dict[int, dict[str, Merges]] = {}  # the prefixes whose rise was measured shared
+    last = earlier  # the statistics recorded last, for the next prefix or the candidates to reuse
 
     def rise_at(count: int) -> float:
+        nonlocal last
         plan = prefix_plan(searched.order, count)
         refitted(run, bench, plan, Stage.DEPTH)
         removed = worst_rise(run, bench, bench.trial.gated, Stage.DEPTH)
-        sharing = shared_where_better(run, bench, plan, Stage.DEPTH) if shares else {}
+        if not shares:
+            return removed
+        last = recorded_sharing(run, bench, plan, Stage.DEPTH, last)
+        sharing = shared_where_better(bench, plan, last, Stage.DEPTH)
         if not sharing:
             return removed
-        put_shared(bench, plan, sharing, Stage.DEPTH)
+        put_shared(bench, plan, sharing, last, Stage.DEPTH)
         kept = worst_rise(run, bench, bench.trial.gated, Stage.DEPTH)
         if kept < removed:
             shared[count] = sharing
@@ -77,7 +86,7 @@ def within_loss(run: Run, bench: Bench, searched: Searched) -> tuple[Searched, d
     summary = {"bound": bound, "heads": heads, "rises": measured, "rule": MAX_LOSS_RULE}
     if count in shared:
         summary["shared_kv_heads"] = shared[count]
-    return dataclasses.replace(searched, plan=plan, order=searched.order[:count]), summary
+    return dataclasses.replace(searched, plan=plan, order=searched.order[:count]), summary, last
 
 
 def within_bound(run: Run, bench: Bench) -> bool:
@@ -103,10 +112,11 @@ def frontier_text(config: PruneConfig, eval_data: TaskData | Iterable[dict] | No
     return second
 
 
-def frontier(run: Run, bench: Bench, searched: Searched) -> list[Depth]:
+def frontier(run: Run, bench: Bench, searched: Searched) -> tuple[list[Depth], SharedStatistics | None]:
     """The unpruned model (depth 0), then each asked depth measured along the searched order: its prefix, each
     pruned layer refitted, against the unpruned model on the held-out batches (and the second text), with its
-    KV cache and parameters, and measured shared where the run shares KV heads (`Depth.shared`)."""
+    KV cache and parameters, and measured shared where the run shares KV heads (`Depth.shared`); and the
+    sharing statistics recorded last (None where none were), for a loss bound or the candidates to reuse."""
     if searched.plan is None or bench.unpruned is None:
         raise ConfigError(f"selection.depths measures along the searched order, and there is none: {searched.note}")
     gated = bench.trial.gated
@@ -115,36 +125,49 @@ def frontier(run: Run, bench: Bench, searched: Searched) -> list[Depth]:
     kv, parameters = _size(run, {})
     same, interval = (0.0, (0.0, 0.0)) if second is not None else (None, None)  # the unpruned model against itself
     found = [Depth(0.0, 0, 0, 0.0, (0.0, 0.0), same, interval, kv, parameters, {})]
+    statistics = None
     with progress_bar(None, "frontier", len(run.budget.depths), run.progress) as bar:
         for share, heads in run.budget.depths:
             count = prefix_length(searched.order, heads)
             assert count is not None  # units of one size, checked before any data
-            found.append(_depth(run, bench, share, searched.order[:count], second))
+            depth, statistics = _depth(run, bench, share, searched.order[:count], second, statistics)
+            found.append(depth)
             bar.update()
     gated.use({})
-    return found
+    return found, statistics
 
 
-def _depth(run: Run, bench: Bench, share: float, prefix: list[Unit], second: SequenceNLL | None) -> Depth:
+def _depth(
+    run: Run,
+    bench: Bench,
+    share: float,
+    prefix: list[Unit],
+    second: SequenceNLL | None,
+    earlier: SharedStatistics | None,
+) -> tuple[Depth, SharedStatistics | None]:
     """One depth: the `prefix`'s plan refitted on the gated model, measured on the held-out batches and the second
-    text, and measured shared where the run shares KV heads."""
+    text, and measured shared where the run shares KV heads; with the sharing statistics recorded for it (`earlier`
+    where the run does not share)."""
     plan = prefix_plan(prefix, len(prefix))
     refitted(run, bench, plan, Stage.FRONTIER)
     heads, (kv, parameters) = sum(map(len, plan.values())), _size(run, plan)
     depth = Depth(share, len(prefix), heads, *_measured(run, bench, second), kv, parameters, plan)
-    return dataclasses.replace(depth, shared=_shared(run, bench, depth, second))
-
-
-def _shared(run: Run, bench: Bench, depth: Depth, second: SequenceNLL | None) -> Depth | None:
-    """`depth` with the query heads of the KV groups it empties kept on KV heads it keeps, in the layers whose
-    refit fits better so (the default path's 'mixed' candidate), measured as the depth is, at the same KV cache;
-    None where the run does not share KV heads or no layer fits better shared."""
     if run_cannot_share(run, bench.trial) is not None:
-        return None
-    sharing = shared_where_better(run, bench, depth.plan, Stage.FRONTIER)
+        return depth, earlier
+    statistics = recorded_sharing(run, bench, plan, Stage.FRONTIER, earlier)
+    return dataclasses.replace(depth, shared=_shared(run, bench, depth, second, statistics)), statistics
+
+
+def _shared(
+    run: Run, bench: Bench, depth: Depth, second: SequenceNLL | None, statistics: SharedStatistics
+) -> Depth | None:
+    """`depth` with the query heads of the KV groups it empties kept on KV heads it keeps, in the layers whose
+    refit fits better so (the default path's 'mixed' candidate; `statistics`: those recorded for its plan),
+    measured as the depth is, at the same KV cache; None where no layer fits better shared."""
+    sharing = shared_where_better(bench, depth.plan, statistics, Stage.FRONTIER)
     if not sharing:
         return None
-    plan = put_shared(bench, depth.plan, sharing, Stage.FRONTIER)
+    plan = put_shared(bench, depth.plan, sharing, statistics, Stage.FRONTIER)
     measured, parameters = _measured(run, bench, second), parameters_after(run.model, plan, sharing)
     heads = sum(map(len, plan.values()))
     return Depth(depth.share, depth.units, heads, *measured, depth.kv_cache, parameters, plan, sharing)

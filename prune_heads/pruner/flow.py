@@ -317,10 +317,10 @@ def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
     tick, r, trial = time.perf_counter(), run.config.recovery, bench.trial
     searched = _search(run, bench, scores) if scores is not None else Searched(None, 0.0)
     notes = [] if searched.note is None else [searched.note]
-    found = frontier(run, bench, searched) if run.budget.depths else []
+    found, recorded = frontier(run, bench, searched) if run.budget.depths else ([], None)
     budget, summary = run.budget.heads, {}
     if run.config.selection.max_loss is not None:
-        searched, summary["max_loss"] = within_loss(run, bench, searched)
+        searched, summary["max_loss"], recorded = within_loss(run, bench, searched, recorded)
         budget = dataclasses.replace(budget, num_heads=summary["max_loss"]["heads"], round=None)
     elif run.budget.depths:
         searched = at_budget(run, searched)
@@ -331,7 +331,7 @@ def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
     tried = candidates(plans, r.reconstruction, r.bias_compensation, trial.calibration is not None)
     tried = given_sharing(run, bench, tried)
     name = searched.name if searched.plan is not None else next(iter(plans))
-    shared, why = shared_candidates(run, bench, name, plans[name])
+    shared, why = shared_candidates(run, bench, name, plans[name], recorded)
     tried += shared
     notes += why
     decision = choose(trial, tried, fallback(plans, r.reconstruction, r.bias_compensation))
@@ -343,7 +343,7 @@ def _choose(run: Run, bench: Bench, scores: HeadScores | None) -> Chosen:
         notes.append(f"{decision.label} raised the held-out perplexity beyond max_loss; kept {kept.label}")
         decision = kept
     trial.release()
-    notes += trial.notes + _warned(unmeasured_long_range(run.layers, decision.plan, _seq_len(run.calib)))
+    notes += _warned(*decision.notes, unmeasured_long_range(run.layers, decision.plan, _seq_len(run.calib)))
     bench.tally.add(Stage.SELECTION, (len(decision.tried) + 1) * bench.tally.heldout_pass + costed)
     summary.update(heldout_summary(decision, run.heldout))
     asked = run.budget.asked if "max_loss" not in summary else summary["max_loss"]["heads"]
@@ -360,11 +360,12 @@ def _bound_state(searched: Searched, tried: list[Candidate], summary: dict[str, 
     return found[0] if found else Candidate(searched.name, searched.plan, Step.RECONSTRUCTION)
 
 
-def _warned(note: str | None) -> list[str]:
-    """`note` (if any) as the report's notes take it, said on the terminal too."""
-    if note is not None:
+def _warned(*notes: str | None) -> list[str]:
+    """The `notes` given (None: none) as the report's notes take them, said on the terminal too."""
+    found = [note for note in notes if note is not None]
+    for note in found:
         logger.warning(note)
-    return [] if note is None else [note]
+    return found
 
 
 def _candidate_plans(

@@ -40,44 +40,49 @@ def _unshared(run: Run, trial: Trial) -> str | None:
 
 
 def shared_candidates(
-    run: Run, bench: Bench, name: str, plan: dict[str, list[int]]
+    run: Run, bench: Bench, name: str, plan: dict[str, list[int]], earlier: SharedStatistics | None
 ) -> tuple[list[Candidate], list[str]]:
     """Under a KV-cache budget or a loss bound with `kv_sharing`, the candidates that keep the query heads of the
     KV groups `plan` empties, re-pointed to KV heads it keeps (the same cache): in every layer whose cut allows
-    it, and in those whose refit fits better so than with the heads removed; with a note where none can."""
+    it, and in those whose refit fits better so than with the heads removed; with a note where none can. Each
+    carries the statistics recorded for `plan` (`earlier`'s where they were recorded for it)."""
     why = run_cannot_share(run, bench.trial)
     if why is not None:
         return [], [] if why == "" else [f"KV heads not shared: {why}"]
-    every = _record(run, bench, plan, Stage.RECORDING).merges
+    statistics = recorded_sharing(run, bench, plan, Stage.RECORDING, earlier)
+    every = statistics.merges
     if not every:
         none = "KV heads not shared: the plan empties no KV group where its query heads divide over those kept"
         return [], [none] if run.config.selection.kv_cache is not None else []
-    better, work = bench.trial.better_shared(plan)
+    better, work = bench.trial.better_shared(plan, statistics)
     bench.tally.add(Stage.RECONSTRUCTION, work)
-    found = [Candidate(f"{name}, shared", without(plan, every), Step.RECONSTRUCTION, dict(every))]
+    found = [Candidate(f"{name}, shared", without(plan, every), Step.RECONSTRUCTION, dict(every), statistics)]
     if better and better != every:
-        found.append(Candidate(f"{name}, mixed", without(plan, better), Step.RECONSTRUCTION, better))
+        found.append(Candidate(f"{name}, mixed", without(plan, better), Step.RECONSTRUCTION, better, statistics))
     return found, []
 
 
-def shared_where_better(run: Run, bench: Bench, plan: dict[str, list[int]], stage: Stage) -> dict[str, Merges]:
+def shared_where_better(
+    bench: Bench, plan: dict[str, list[int]], statistics: SharedStatistics, stage: Stage
+) -> dict[str, Merges]:
     """The layers of `plan` whose refit fits better with the query heads of the KV groups it empties kept and
-    shared than with them removed (the 'mixed' candidate's sharing), the statistics left on the trial and the
+    shared than with them removed (the 'mixed' candidate's sharing; `statistics`: those recorded for `plan`), the
     refits counted for `stage`."""
-    if not _record(run, bench, plan, stage).merges:
+    if not statistics.merges:
         return {}
-    better, work = bench.trial.better_shared(plan)
+    better, work = bench.trial.better_shared(plan, statistics)
     bench.tally.add(stage, work)
     return better
 
 
 def put_shared(
-    bench: Bench, plan: dict[str, list[int]], sharing: dict[str, Merges], stage: Stage
+    bench: Bench, plan: dict[str, list[int]], sharing: dict[str, Merges], statistics: SharedStatistics, stage: Stage
 ) -> dict[str, list[int]]:
     """Put `plan` on the gated model with `sharing` in place of its cut in those layers, every cut layer refitted
-    (the recorded sharing's statistics, the refits counted for `stage`), and return the heads it still removes."""
+    (from `statistics`, those recorded for `plan`; the refits counted for `stage`), and return the heads it still
+    removes."""
     trial, removed = bench.trial, without(plan, sharing)
-    state = trial.state(Candidate("shared", removed, Step.RECONSTRUCTION, sharing))
+    state = trial.state(Candidate("shared", removed, Step.RECONSTRUCTION, sharing, statistics))
     bench.tally.add(stage, state.work)
     trial.use(state)
     return removed
@@ -89,14 +94,15 @@ def given_sharing(run: Run, bench: Bench, tried: list[Candidate]) -> list[Candid
     shared, trial = run.budget.shared, bench.trial
     if not shared:
         return tried
+    statistics = None
     if run.config.recovery.enabled:
-        trial.shared = _recorded(
+        statistics = _recorded(
             run,
             bench,
             Stage.RECORDING,
             lambda: SharedStatistics.given(run.model, trial.gated, shared, run.calib, trial.batches),
         )
-    return [dataclasses.replace(candidate, sharing=shared) for candidate in tried]
+    return [dataclasses.replace(candidate, sharing=shared, statistics=statistics) for candidate in tried]
 
 
 def without(plan: dict[str, list[int]], sharing: dict[str, Any]) -> dict[str, list[int]]:
@@ -104,16 +110,17 @@ def without(plan: dict[str, list[int]], sharing: dict[str, Any]) -> dict[str, li
     return {name: heads for name, heads in plan.items() if name not in sharing}
 
 
-def _record(run: Run, bench: Bench, plan: dict[str, list[int]], stage: Stage) -> SharedStatistics:
-    """The statistics of sharing in each layer `plan` empties a KV group of, left on the trial; those on it
-    already where they were recorded for `plan` (a loss bound's or a frontier's depth that the candidates
-    try again)."""
+def recorded_sharing(
+    run: Run, bench: Bench, plan: dict[str, list[int]], stage: Stage, earlier: SharedStatistics | None
+) -> SharedStatistics:
+    """The statistics of sharing in each layer `plan` empties a KV group of: `earlier`, where they were recorded
+    for `plan` (a loss bound's or a frontier's depth that the candidates try again), else recorded now."""
+    if earlier is not None and earlier.plan == plan:
+        return earlier
     trial = bench.trial
-    if trial.shared is None or trial.shared.plan != plan:
-        trial.shared = _recorded(
-            run, bench, stage, lambda: SharedStatistics.of(run.model, trial.gated, plan, run.calib, trial.batches)
-        )
-    return trial.shared
+    return _recorded(
+        run, bench, stage, lambda: SharedStatistics.of(run.model, trial.gated, plan, run.calib, trial.batches)
+    )
 
 
 def _recorded(run: Run, bench: Bench, stage: Stage, recording: Callable[[], SharedStatistics]) -> SharedStatistics:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -16,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..model.kv_sharing import KeyMaps
 from ..model.onload import passes
 from ..model.surgery import PlanError
 from ..runtime.memory import release_freed_memory
@@ -33,7 +33,6 @@ from .reconstruction import Refit, RemovalCost, refit, refit_flops, shared_refit
 from .sharing_statistics import Merges, SharedStatistics, reading, repointed
 
 Plan = dict[str, list[int]]
-logger = logging.getLogger("prune_heads")
 
 
 def candidate_plans(
@@ -77,12 +76,14 @@ class Step(Enum):
 @dataclass(frozen=True)
 class Candidate:
     """A plan (`name` says which) and the recovery step tried with it; with `sharing`, the KV heads it merges in
-    layers the plan leaves whole (`prune_heads.recovery.sharing_statistics`)."""
+    layers the plan leaves whole, refitted from `statistics`, those recorded for it
+    (`prune_heads.recovery.sharing_statistics`)."""
 
     name: str
     plan: Plan
     step: Step = Step.NONE
     sharing: dict[str, Merges] = field(default_factory=dict)
+    statistics: SharedStatistics | None = field(default=None, compare=False, repr=False)
 
     @property
     def label(self) -> str:
@@ -117,23 +118,25 @@ def fallback(plans: dict[str, Plan], reconstruction: bool, bias_compensation: bo
 @dataclass(frozen=True)
 class State:
     """A state of the gated model: the plan, the added biases or the reconstruction with it, the KV heads it
-    shares, and the counted work of the refits made for it (for the stage that asked for it to count)."""
+    shares with their key maps, the counted work of the refits made for it (for the stage that asked for it to
+    count) and a note for each refit that fell back to bias compensation."""
 
     plan: Plan
     biases: dict[str, torch.Tensor] | None = None
     refits: dict[str, Refit] | None = None
     sharing: dict[str, Merges] = field(default_factory=dict)
+    maps: dict[str, KeyMaps] = field(default_factory=dict)
     work: float = 0.0
+    notes: tuple[str, ...] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Trial:
     """What candidates are tried with: the gated model, the objective, the unpruned model's statistics on the
     calibration batches (`calibration`, None without recovery) and on the held-out ones (`reference`, None
     without held-out data), those held-out batches (the calibration's, then the general-ability guard's:
     `domain` says how many examples are the calibration's; `prune_heads.recovery.general`), whether a refit
-    fits an output bias (`bias`) and whether the search and the choice show progress bars (`progress`). A refit
-    that fell back says so in `notes`. A plan's sharing is tried with `shared`, its statistics, once recorded."""
+    fits an output bias (`bias`) and whether the search and the choice show progress bars (`progress`)."""
 
     gated: GatedModel
     objective: Objective
@@ -143,8 +146,6 @@ class Trial:
     bias: bool
     progress: bool = False
     domain: int | None = None
-    notes: list[str] = field(default_factory=list)
-    shared: SharedStatistics | None = None
 
     @property
     def targets(self) -> list:
@@ -159,51 +160,51 @@ class Trial:
         held = self.reference.moments[i] if self.reference is not None else None
         return refit(self.gated.layers[i], heads, self.calibration.moments[i], held, self.bias)
 
-    def shared_refit(self, name: str) -> Refit:
-        """Layer `name`'s reconstruction with the KV heads its recorded sharing merges (`shared`)."""
-        assert self.shared is not None
+    def shared_refit(self, name: str, shared: SharedStatistics) -> Refit:
+        """Layer `name`'s reconstruction with the KV heads the recorded sharing `shared` merges there."""
         self.gated.restore()
-        layer, merges = self.gated.layers[self.gated.index[name]], self.shared.merges[name]
-        held = self.shared.heldout.get(name)
+        layer, merges = self.gated.layers[self.gated.index[name]], shared.merges[name]
+        held = shared.heldout.get(name)
         recorded = [repointed(layer, merges)]
-        return refit(layer, (), self.shared.calibration[name], held, self.bias, reading(layer, merges), recorded)
+        return refit(layer, (), shared.calibration[name], held, self.bias, reading(layer, merges), recorded)
 
-    def better_shared(self, plan: Plan) -> tuple[dict[str, Merges], float]:
-        """The layers of the recorded sharing whose refit fits better shared than with `plan`'s heads removed
-        (the held-out relative error), and the refits' work, for the caller to count under its own stage."""
-        assert self.shared is not None
-        merges = self.shared.merges
+    def better_shared(self, plan: Plan, shared: SharedStatistics) -> tuple[dict[str, Merges], float]:
+        """The layers of the recorded sharing `shared` whose refit fits better shared than with `plan`'s heads
+        removed (the held-out relative error), and the refits' work, for the caller to count under its own
+        stage."""
+        merges = shared.merges
         work = refit_flops(self.gated.layers, {n: plan[n] for n in merges})
         work += shared_refit_flops(self.gated.layers, merges)
-        better = {n: m for n, m in merges.items() if self.shared_refit(n).error < self.refit(n, plan[n]).error}
+        better = {n: m for n, m in merges.items() if self.shared_refit(n, shared).error < self.refit(n, plan[n]).error}
         return better, work
 
     def state(self, candidate: Candidate) -> State:
-        """The candidate's state: its plan with its reconstruction (and that work) or bias compensation, and its
-        sharing."""
+        """The candidate's state: its plan with its reconstruction (its work and the notes of any refit that fell
+        back) or bias compensation, and its sharing with the key maps recorded for it."""
         plan, sharing = candidate.plan, candidate.sharing
+        maps = _maps(candidate)
         if candidate.step == Step.RECONSTRUCTION:
-            shared = {name: self.shared_refit(name) for name in sharing}
+            refits = {**self._refits(plan), **self._shared_refits(candidate)}
             work = refit_flops(self.gated.layers, plan) + shared_refit_flops(self.gated.layers, sharing)
-            return State(plan, refits={**self._refits(plan), **shared}, sharing=sharing, work=work)
+            return State(plan, refits=refits, sharing=sharing, maps=maps, work=work, notes=fell_back(refits))
         if candidate.step == Step.BIAS_COMPENSATION:
             assert self.calibration is not None
-            return State(plan, biases=self.gated.compensation(plan, self.calibration.means()), sharing=sharing)
-        return State(plan, sharing=sharing)
+            biases = self.gated.compensation(plan, self.calibration.means())
+            return State(plan, biases=biases, sharing=sharing, maps=maps)
+        return State(plan, sharing=sharing, maps=maps)
 
     def _refits(self, plan: Plan) -> dict[str, Refit]:
-        found = {l.name: self.refit(l.name, plan[l.name]) for l in self.gated.layers if plan.get(l.name)}
-        for name, fitted in found.items():
-            note = f"{name}: reconstruction fell back to bias compensation: {fitted.fallback}"
-            if fitted.fallback is not None and note not in self.notes:
-                self.notes.append(note)
-                logger.warning(note)
-        return found
+        return {l.name: self.refit(l.name, plan[l.name]) for l in self.gated.layers if plan.get(l.name)}
+
+    def _shared_refits(self, candidate: Candidate) -> dict[str, Refit]:
+        if not candidate.sharing:
+            return {}
+        assert candidate.statistics is not None  # recorded wherever a reconstruction shares
+        return {name: self.shared_refit(name, candidate.statistics) for name in candidate.sharing}
 
     def use(self, state: State) -> None:
         """Put the gated model in `state`."""
-        maps = self.shared.maps if self.shared is not None else {}
-        self.gated.use(state.plan, state.biases, state.refits, state.sharing, maps)
+        self.gated.use(state.plan, state.biases, state.refits, state.sharing, state.maps)
 
     def measure(self, state: State) -> torch.Tensor | None:
         """The per-example held-out divergences of the gated model put in `state` (None without held-out data)."""
@@ -217,20 +218,34 @@ class Trial:
         return values if self.domain is None else balanced(values, self.domain)
 
     def release(self) -> None:
-        """Drop the held-out Gram matrices and the sharing's statistics once every reconstruction is made (the
-        outputs stay)."""
+        """Drop the held-out Gram matrices once every reconstruction is made (the outputs stay)."""
         if self.reference is not None:
             self.reference.release_moments()
-        if self.shared is not None:  # the key maps stay: the state kept may share
-            self.shared = dataclasses.replace(self.shared, calibration={}, heldout={}, plan=None)
 
 
-@dataclass
+def _maps(candidate: Candidate) -> dict[str, KeyMaps]:
+    """The key maps of the candidate's sharing, from the statistics recorded for it (none where it shares
+    nothing, or its keys are read as they are: a sharing given whole without recovery)."""
+    if not candidate.sharing or candidate.statistics is None:
+        return {}
+    return {name: candidate.statistics.maps[name] for name in candidate.sharing if name in candidate.statistics.maps}
+
+
+def fell_back(refits: dict[str, Refit]) -> tuple[str, ...]:
+    """A note for each refit that fell back to bias compensation, and why."""
+    return tuple(
+        f"{name}: reconstruction fell back to bias compensation: {r.fallback}"
+        for name, r in refits.items()
+        if r.fallback is not None
+    )
+
+
+@dataclass(frozen=True)
 class Decision:
     """The candidate kept (`label`: the gated model is left in its state, whose `plan` it removes), its
     held-out values, every candidate's mean held-out value, what its reconstruction chose (None without
-    one), the KV heads it shares and the counted work of the refits made to choose it. It keeps no refit: their
-    fits are in the weights, the originals in the gated model."""
+    one), the KV heads it shares, the counted work of the refits made to choose it and the notes of its refits
+    that fell back. It keeps no refit: their fits are in the weights, the originals in the gated model."""
 
     label: str
     plan: Plan
@@ -239,6 +254,7 @@ class Decision:
     reconstruction: dict[str, Any] | None
     sharing: dict[str, Merges] = field(default_factory=dict)
     work: float = 0.0
+    notes: tuple[str, ...] = ()
 
     @property
     def value(self) -> float | None:
@@ -265,7 +281,7 @@ def choose(trial: Trial, tried: list[Candidate], otherwise: str) -> Decision:
     for candidate in progress_bar(tried, "candidates", len(tried), trial.progress):
         state = trial.state(candidate)
         work += state.work
-        light = State(state.plan, biases=state.biases, sharing=state.sharing)  # refits made again once kept
+        light = dataclasses.replace(state, refits=None)  # the refits made again once kept
         measured[candidate.label] = (trial.measure(state), candidate, light)
     values = {label: v for label, (v, _, _) in measured.items() if v is not None}
     label = one_standard_error(values) if trial.batches else otherwise
@@ -276,7 +292,7 @@ def choose(trial: Trial, tried: list[Candidate], otherwise: str) -> Decision:
     trial.use(state)
     means = {k: None if v is None else float(v.mean()) for k, (v, _, _) in measured.items()}
     summary = _summary(state.refits) if state.refits else None
-    return Decision(label, state.plan, kept, means, summary, state.sharing, work)
+    return Decision(label, state.plan, kept, means, summary, state.sharing, work, state.notes)
 
 
 def _summary(refits: dict[str, Refit]) -> dict[str, Any]:

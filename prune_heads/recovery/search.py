@@ -272,7 +272,7 @@ def searched_scores(scores: HeadScores, order: list[Unit]) -> HeadScores:
     return dataclasses.replace(scores, method="search", scores=values, variance=None, meta={})
 
 
-@dataclass
+@dataclass(frozen=True)
 class Searched:
     """The searched plan (None where it was not tried), its counted work, a note for the report, the units
     the plan removes in the order the search took them (each prefix of it a plan of its own) and the name its
