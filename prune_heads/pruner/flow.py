@@ -282,8 +282,9 @@ def _score(run: Run) -> Scored:
             if run.budget.given is None
             else None
         )
-    flops = scoring_passes(s.method, run.layers) * run.pricer.forward(run.calib)
-    work = {Stage.SCORING: flops} if scores is not None else {}
+    work: dict[Stage, float] = {}
+    if scores is not None:
+        work[Stage.SCORING] = scoring_passes(s.method, run.layers) * run.pricer.forward(run.calib)
     if r.enabled and (recorder is None or recorder.calls != len(run.calib)):  # no plain pass per batch
         recorder = record(run.model, run.calib, run.objective, r.reconstruction, run.progress)
         work[Stage.RECORDING] = run.pricer.forward(run.calib)

@@ -54,8 +54,7 @@ def shared_candidates(
     if not every:
         none = "KV heads not shared: the plan empties no KV group where its query heads divide over those kept"
         return [], [none] if run.config.selection.kv_cache is not None else []
-    better, work = bench.trial.better_shared(plan, statistics)
-    bench.tally.add(Stage.RECONSTRUCTION, work)
+    better = shared_where_better(bench, plan, statistics, Stage.RECONSTRUCTION)
     found = [Candidate(f"{name}, shared", without(plan, every), Step.RECONSTRUCTION, dict(every), statistics)]
     if better and better != every:
         found.append(Candidate(f"{name}, mixed", without(plan, better), Step.RECONSTRUCTION, better, statistics))
